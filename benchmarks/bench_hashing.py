@@ -1,0 +1,111 @@
+"""Chunk hashing throughput against vLLM's default per-block request hasher, measured in the same run.
+
+The baseline reproduces vLLM's default (``sha256``) block hash: SHA-256 over
+``pickle.dumps((parent, tuple(block_tokens), None))`` per block, chained. kvcore is measured at the same
+granularities and at its default chunk size; ``regroup_block_hashes`` (what the vLLM adapter does instead
+of hashing) and key rendering are timed per request.
+
+    python -m benchmarks.bench_hashing [--quick] [--tokens N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+
+# The baseline reproduces vLLM's pickle-based hash; kvcore itself never pickles.
+import pickle  # noqa: TID251
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import attrs
+
+from kvcore.hashing import ChunkHasher, HashAlgorithm, regroup_block_hashes
+from kvcore.keys import Keyspace, Namespace, Shard
+
+VLLM_DEFAULT_BLOCK = 16
+KVCORE_DEFAULT_CHUNK = 256
+_NONE_HASH = hashlib.sha256(b"").digest()  # vLLM's sha256 NONE_HASH is a fixed 32-byte value too
+
+
+def vllm_block_hashes(tokens: list[int], block: int) -> list[bytes]:
+    """vLLM's default request block hasher: one pickled SHA-256 per full block."""
+    hashes = []
+    parent = _NONE_HASH
+    for start in range(0, len(tokens) - block + 1, block):
+        block_tokens = tokens[start : start + block]
+        payload = pickle.dumps((parent, tuple(block_tokens), None), protocol=pickle.HIGHEST_PROTOCOL)  # noqa: TID251
+        parent = hashlib.sha256(payload).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--tokens", type=int, default=32768, help="prompt length (default 32768)")
+    parser.add_argument("--repeats", type=int, default=60, help="timed runs per row (median reported)")
+    parser.add_argument("--quick", action="store_true", help="a few seconds: fewer repeats")
+    args = parser.parse_args(argv)
+    repeats = 8 if args.quick else args.repeats
+    tokens = [random.Random(0).randrange(152_000) for _ in range(args.tokens)]
+    n = len(tokens)
+
+    baseline: dict[int, float] = {}
+    rows: list[tuple[str, int, float]] = []
+    for block in (VLLM_DEFAULT_BLOCK, 128, KVCORE_DEFAULT_CHUNK):
+        seconds = median_seconds(functools.partial(vllm_block_hashes, tokens, block), repeats)
+        baseline[block] = seconds
+        rows.append(("vLLM sha256(pickle) per block", block, seconds))
+    for algorithm in HashAlgorithm:
+        for chunk in (VLLM_DEFAULT_BLOCK, 128, KVCORE_DEFAULT_CHUNK):
+            hasher = ChunkHasher(algorithm, b"bench", chunk)
+            seconds = median_seconds(functools.partial(hasher.hash_tokens, tokens), repeats)
+            rows.append((f"kvcore {algorithm.value}", chunk, seconds))
+
+    default = baseline[VLLM_DEFAULT_BLOCK]
+    print(f"chunk hashing, {n} tokens, median of {repeats} runs")
+    print(f"{'hasher':32} {'tokens/hash':>11} {'Mtok/s':>8} {'x vLLM@16':>10} {'x vLLM same':>12}")
+    for name, granularity, seconds in rows:
+        print(
+            f"{name:32} {granularity:>11} {n / seconds / 1e6:>8.1f} {default / seconds:>9.2f}x"
+            f" {baseline[granularity] / seconds:>11.2f}x"
+        )
+
+    block_hashes = vllm_block_hashes(tokens, VLLM_DEFAULT_BLOCK)
+    regroup = median_seconds(
+        lambda: regroup_block_hashes(block_hashes, VLLM_DEFAULT_BLOCK, KVCORE_DEFAULT_CHUNK), repeats * 10
+    )
+    chunk_hashes = regroup_block_hashes(block_hashes, VLLM_DEFAULT_BLOCK, KVCORE_DEFAULT_CHUNK)
+    namespace = Namespace(
+        "bench-model", "0", "bfloat16", 32, 8, 128, "flash_attn", 16, 256, HashAlgorithm.SHA256, "00"
+    )
+    shard = Shard(0, 32, 0, 8)
+    plain = Keyspace(namespace, shard)
+    keyed = Keyspace(attrs.evolve(namespace, secret=b"bench-secret"), shard)
+    print()
+    print(f"per request of {n} tokens ({len(chunk_hashes)} chunks of {KVCORE_DEFAULT_CHUNK})")
+    print(f"{'step':40} {'us':>9} {'x vLLM@16 hashing':>18}")
+    for name, seconds in (
+        ("regroup_block_hashes (16 -> 256)", regroup),
+        ("Keyspace.keys, no secret", median_seconds(lambda: plain.keys(chunk_hashes), repeats * 10)),
+        ("Keyspace.keys, HMAC-SHA256", median_seconds(lambda: keyed.keys(chunk_hashes), repeats * 10)),
+    ):
+        print(f"{name:40} {seconds * 1e6:>9.1f} {seconds / default:>17.4f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,244 @@
+"""Configuration: frozen attrs classes, one per backend chosen by a ``kind`` tag, read by a strict converter.
+
+Unknown keys are refused, values are never coerced silently (``3.7`` is not an integer, ``"yes"`` is not a
+boolean), and every problem is reported as ``ConfigError`` naming the field, the value and what was
+expected. Sizes accept integers (bytes) or strings such as ``"8GiB"`` and ``"512MB"``. The core never reads
+the environment: adapters hand in mappings (or a file path) and get a ``KVCoreConfig`` back.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, NewType, TypeAlias
+
+import cattrs
+from attrs import Attribute, field, frozen
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+
+from kvcore.errors import ConfigError
+from kvcore.hashing import HashAlgorithm, PartialChunkPolicy
+
+__all__ = [
+    "BackendConfig",
+    "ByteSize",
+    "CPUBackendConfig",
+    "KVCoreConfig",
+    "config_to_dict",
+    "load_config",
+    "load_config_file",
+    "parse_size",
+]
+
+ByteSize = NewType("ByteSize", int)
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+class _BadValue(ValueError):
+    """Raised inside the converter; turned into ``ConfigError`` with the field's path."""
+
+    def __init__(self, value: object, expected: str) -> None:
+        super().__init__(expected)
+        self.value = value
+        self.expected = expected
+
+
+def parse_size(value: object, field_name: str = "size") -> int:
+    """Bytes from an integer or a string like ``"8GiB"``, ``"512MB"``, ``"4096"``; must be positive."""
+    try:
+        return _parse_size(value)
+    except _BadValue as exc:
+        raise ConfigError(field_name, value, exc.expected) from None
+
+
+def _parse_size(value: object) -> int:
+    expected = "a positive size: bytes as an integer, or a string such as '8GiB' or '512MB'"
+    if isinstance(value, bool):
+        raise _BadValue(value, expected)
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str) and (m := _SIZE.match(value)) and m.group(2).upper() in _UNITS:
+        size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    else:
+        raise _BadValue(value, expected)
+    if size <= 0:
+        raise _BadValue(value, expected)
+    return size
+
+
+def _positive(_: object, attribute: Attribute[Any], value: float) -> None:
+    if value <= 0:
+        raise _BadValue(value, "a number > 0")
+
+
+@frozen
+class CPUBackendConfig:
+    """The embedded default: a host-memory pool inside each worker, indexed by the scheduler.
+
+    ``size`` is the total across all ranks of one engine, as vLLM's own offloading size is.
+    """
+
+    KIND: ClassVar[str] = "cpu"
+    size: ByteSize
+
+
+BackendConfig: TypeAlias = CPUBackendConfig
+"""Every backend's config class; the ``kind`` key picks one."""
+
+_BACKENDS: dict[str, type[BackendConfig]] = {cls.KIND: cls for cls in (CPUBackendConfig,)}
+_EVICTIONS = ("lru", "arc")
+
+
+def _eviction(_: object, attribute: Attribute[Any], value: str) -> None:
+    if value not in _EVICTIONS:
+        raise _BadValue(value, f"one of {', '.join(map(repr, _EVICTIONS))}")
+
+
+@frozen
+class KVCoreConfig:
+    """Everything kvcore needs to know that the engine does not tell it."""
+
+    backend: BackendConfig
+    chunk_tokens: int = field(default=256, validator=_positive)
+    hash_algorithm: HashAlgorithm = HashAlgorithm.SHA256
+    partial_chunks: PartialChunkPolicy = PartialChunkPolicy.DROP
+    eviction: str = field(default="lru", validator=_eviction)
+    lookup_timeout_s: float = field(default=1.0, validator=_positive)
+    transfer_timeout_s: float = field(default=30.0, validator=_positive)
+    hash_seed: str = "kvcore"
+    epoch: str = "0"
+    secret: str | None = field(default=None, repr=False)
+    checksums: bool = False
+
+
+def _strict(kind: type[Any], expected: str) -> Callable[[object, type[Any]], Any]:
+    def hook(value: object, _: type[Any]) -> Any:
+        if isinstance(value, bool) and kind is not bool:
+            raise _BadValue(value, expected)
+        if not isinstance(value, kind):
+            raise _BadValue(value, expected)
+        return value
+
+    return hook
+
+
+def _float(value: object, _: type[Any]) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _BadValue(value, "a number")
+    return float(value)
+
+
+def _enum(value: object, cls: type[enum.Enum]) -> enum.Enum:
+    try:
+        return cls(value)
+    except ValueError:
+        raise _BadValue(value, f"one of {', '.join(repr(m.value) for m in cls)}") from None
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    conv.register_structure_hook(int, _strict(int, "an integer"))
+    conv.register_structure_hook(str, _strict(str, "a string"))
+    conv.register_structure_hook(bool, _strict(bool, "true or false"))
+    conv.register_structure_hook(float, _float)
+    conv.register_structure_hook(ByteSize, lambda v, _: ByteSize(_parse_size(v)))
+    conv.register_structure_hook_func(lambda t: isinstance(t, type) and issubclass(t, enum.Enum), _enum)
+    conv.register_unstructure_hook_func(
+        lambda t: isinstance(t, type) and issubclass(t, enum.Enum), lambda e: e.value
+    )
+
+    def backend(value: object, _: type[Any]) -> BackendConfig:
+        if not isinstance(value, Mapping):
+            raise _BadValue(value, "a mapping with a 'kind' key")
+        kind = value.get("kind")
+        cls = _BACKENDS.get(kind) if isinstance(kind, str) else None
+        if cls is None:
+            raise _BadValue(kind, f"'kind' one of {', '.join(map(repr, sorted(_BACKENDS)))}")
+        rest = {k: v for k, v in value.items() if k != "kind"}
+        return conv.structure(rest, cls)
+
+    conv.register_structure_hook(BackendConfig, backend)
+    conv.register_unstructure_hook(
+        BackendConfig, lambda b: {"kind": b.KIND, **conv.unstructure_attrs_asdict(b)}
+    )
+    return conv
+
+
+_CONVERTER = _make_converter()
+
+
+def _problems(exc: BaseException, path: str) -> Iterator[tuple[str, object, str]]:
+    if isinstance(exc, ClassValidationError):
+        with_notes, without = exc.group_exceptions()
+        for sub, note in with_notes:
+            yield from _problems(sub, f"{path}.{note.name}" if path else note.name)
+        for sub in without:
+            yield from _problems(sub, path)
+    elif isinstance(exc, IterableValidationError):
+        inner, plain = exc.group_exceptions()
+        for sub, inote in inner:
+            yield from _problems(sub, f"{path}[{inote.index}]")
+        for sub in plain:
+            yield from _problems(sub, path)
+    elif isinstance(exc, ForbiddenExtraKeysError):
+        for key in sorted(exc.extra_fields):
+            yield (f"{path}.{key}" if path else key, "<unknown key>", "no such key")
+    elif isinstance(exc, _BadValue):
+        yield (path, exc.value, exc.expected)
+    elif isinstance(exc, KeyError):
+        yield (path, "<missing>", "a value (this key is required)")
+    else:
+        yield (path, "<invalid>", str(exc))
+
+
+def load_config(data: Mapping[str, object]) -> KVCoreConfig:
+    """Validate a mapping (parsed JSON, ``kv_connector_extra_config``) into a ``KVCoreConfig``.
+
+    Raises ``ConfigError`` naming the first bad field; its message lists every problem found.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError("config", data, "a mapping")
+    try:
+        return _CONVERTER.structure(dict(data), KVCoreConfig)
+    except (ClassValidationError, _BadValue) as exc:
+        problems = list(_problems(exc, ""))
+        first = problems[0]
+        error = ConfigError(*first)
+        if len(problems) > 1:
+            error.add_note("also: " + "; ".join(f"{f}: got {v!r}, expected {e}" for f, v, e in problems[1:]))
+        raise error from None
+
+
+def load_config_file(path: str | Path) -> KVCoreConfig:
+    """Read a JSON config file (adapters that accept YAML parse it themselves and call ``load_config``)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError("config_file", str(path), f"a readable file ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError("config_file", str(path), f"valid JSON ({exc})") from None
+    return load_config(data)
+
+
+def config_to_dict(config: KVCoreConfig) -> dict[str, Any]:
+    """The resolved values, JSON-ready, with the secret masked."""
+    data: dict[str, Any] = _CONVERTER.unstructure(config)
+    if data.get("secret") is not None:
+        data["secret"] = "***"
+    return data

@@ -1,0 +1,288 @@
+"""Chained chunk hashing: the content half of every chunk key.
+
+A chunk's hash stands for its whole prefix: ``h_i = H(h_{i-1} || tokens of chunk i || extra keys of
+chunk i)``, with ``h_{-1}`` derived from an explicit seed. Two requests share a chunk hash only if they
+share every token before the chunk's end and every per-request extra key (cache salt, LoRA, multimodal
+items) that vLLM folds into its own block hashes. Inside vLLM the engine's per-block hashes are already
+such a chain, so ``regroup_block_hashes`` picks chunk hashes out of them without hashing a token again.
+
+The seed is always explicit: a random or environment-derived seed would give every process different
+keys, and a shared tier would then never hit.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import struct
+import sys
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+from attrs import field, frozen
+from attrs.validators import and_, ge, instance_of, lt, min_len
+
+from kvcore.errors import ConfigError, InvalidSpecError
+
+__all__ = [
+    "DEFAULT_CHUNK_TOKENS",
+    "NO_EXTRA",
+    "ChunkHasher",
+    "ExtraKeys",
+    "HashAlgorithm",
+    "MMSpan",
+    "PartialChunkPolicy",
+    "regroup_block_hashes",
+]
+
+DEFAULT_CHUNK_TOKENS = 256
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+# Token ids are hashed as little-endian 32-bit words on every platform.
+_TOKEN_CODE = "I" if array("I").itemsize == 4 else "L"
+_BIG_ENDIAN = sys.byteorder == "big"
+_SEED_DOMAIN = b"kvcore.chunk-hash.v1"
+_DIGEST_SIZE = 32
+
+
+class HashAlgorithm(enum.Enum):
+    """Digest used for the chain; both from the standard library, 32-byte digests."""
+
+    SHA256 = "sha256"
+    BLAKE2B = "blake2b"
+
+
+class PartialChunkPolicy(enum.Enum):
+    """What happens to the tokens after the last full chunk."""
+
+    DROP = "drop"  # only full chunks are hashed and stored
+    KEEP = "keep"  # the trailing partial chunk gets its own hash (its token count is hashed with it)
+
+
+class _Digest(Protocol):
+    def update(self, data: bytes | memoryview, /) -> None: ...
+
+    def digest(self) -> bytes: ...
+
+
+def _digest_factory(algorithm: HashAlgorithm) -> Callable[[bytes], _Digest]:
+    if algorithm is HashAlgorithm.BLAKE2B:
+        return functools.partial(hashlib.blake2b, digest_size=_DIGEST_SIZE)
+    return hashlib.sha256
+
+
+def _record(tag: bytes, payload: bytes) -> bytes:
+    """One self-delimiting extra-key record: a tag byte, a 32-bit length, the payload."""
+    return tag + _U32.pack(len(payload)) + payload
+
+
+def _utf8(value: str, name: str) -> bytes:
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidSpecError(f"{name}: {value!r} is not encodable as UTF-8") from exc
+
+
+def _none_if_empty(value: str | None) -> str | None:
+    # As in vLLM, an empty salt or LoRA name means none.
+    return value or None
+
+
+@frozen
+class MMSpan:
+    """One multimodal item: its content hash and the prompt tokens its placeholder occupies."""
+
+    mm_hash: str = field(validator=and_(instance_of(str), min_len(1)))
+    offset: int = field(validator=[ge(0), lt(2**64)])
+    length: int = field(validator=[ge(1), lt(2**64)])
+
+    @property
+    def end(self) -> int:
+        """One past the item's last token."""
+        return self.offset + self.length
+
+
+def _sorted_spans(spans: Iterable[MMSpan]) -> tuple[MMSpan, ...]:
+    return tuple(sorted(spans, key=lambda s: (s.offset, s.length, s.mm_hash)))
+
+
+@frozen
+class ExtraKeys:
+    """Per-request keys folded into the chain, as vLLM folds them into its block hashes.
+
+    ``cache_salt`` goes into the request's first chunk only (so it changes every chunk hash),
+    ``lora_id`` into every chunk, and each multimodal item into every chunk its tokens overlap.
+    """
+
+    cache_salt: str | None = field(default=None, converter=_none_if_empty)
+    lora_id: str | None = field(default=None, converter=_none_if_empty)
+    mm: tuple[MMSpan, ...] = field(default=(), converter=_sorted_spans)
+    _salt_record: bytes = field(init=False, repr=False, eq=False)
+    _lora_record: bytes = field(init=False, repr=False, eq=False)
+    _mm_records: tuple[bytes, ...] = field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        salt = b"" if self.cache_salt is None else _record(b"S", _utf8(self.cache_salt, "cache_salt"))
+        lora = b"" if self.lora_id is None else _record(b"L", _utf8(self.lora_id, "lora_id"))
+        mm = tuple(
+            _record(b"M", _U64.pack(s.offset) + _U64.pack(s.length) + _utf8(s.mm_hash, "mm_hash"))
+            for s in self.mm
+        )
+        object.__setattr__(self, "_salt_record", salt)
+        object.__setattr__(self, "_lora_record", lora)
+        object.__setattr__(self, "_mm_records", mm)
+
+
+NO_EXTRA = ExtraKeys()
+
+
+def _tokens_to_bytes(tokens: Sequence[int]) -> memoryview:
+    words = array(_TOKEN_CODE)
+    try:
+        words.fromlist(tokens if isinstance(tokens, list) else list(tokens))
+    except (OverflowError, TypeError) as exc:
+        raise InvalidSpecError(f"token ids must be ints in [0, 2**32): {exc}") from exc
+    if _BIG_ENDIAN:
+        words.byteswap()
+    return memoryview(words).cast("B")
+
+
+@frozen
+class ChunkHasher:
+    """Hashes token sequences into chained chunk hashes.
+
+    ``seed`` is required and explicit: every process that shares a tier must use the same one.
+    Chunk hashes of a prefix are a prefix of the chunk hashes of the whole sequence.
+    """
+
+    algorithm: HashAlgorithm = field(validator=instance_of(HashAlgorithm))
+    seed: bytes = field(validator=instance_of(bytes), repr=False)
+    chunk_tokens: int = field(default=DEFAULT_CHUNK_TOKENS, validator=ge(1))
+    partial: PartialChunkPolicy = field(
+        default=PartialChunkPolicy.DROP, validator=instance_of(PartialChunkPolicy)
+    )
+    _new: Callable[[bytes], _Digest] = field(init=False, repr=False, eq=False)
+    _root: bytes = field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        new = _digest_factory(self.algorithm)
+        name = self.algorithm.value.encode()
+        root = new(_SEED_DOMAIN + _U32.pack(len(name)) + name + self.seed).digest()
+        object.__setattr__(self, "_new", new)
+        object.__setattr__(self, "_root", root)
+
+    def seed_digest(self) -> str:
+        """Hex digest of the seed (the chain's root); goes into the namespace."""
+        return self._root.hex()
+
+    def chunk_token_counts(self, num_tokens: int) -> tuple[int, ...]:
+        """Token count of each chunk hashed out of ``num_tokens`` tokens, per the partial policy."""
+        if num_tokens < 0:
+            raise InvalidSpecError(f"num_tokens must be >= 0, got {num_tokens}")
+        full, rest = divmod(num_tokens, self.chunk_tokens)
+        counts = (self.chunk_tokens,) * full
+        if rest and self.partial is PartialChunkPolicy.KEEP:
+            return (*counts, rest)
+        return counts
+
+    def hash_tokens(
+        self,
+        tokens: Sequence[int],
+        extra: ExtraKeys = NO_EXTRA,
+        parent: bytes | None = None,
+        *,
+        start: int = 0,
+    ) -> tuple[bytes, ...]:
+        """Chunk hashes of ``tokens``, one per chunk of ``chunk_token_counts(len(tokens))``.
+
+        To continue a chain, pass the last full chunk's hash as ``parent`` and the position of
+        ``tokens[0]`` in the request as ``start`` (a multiple of ``chunk_tokens``): the result then
+        equals the tail of hashing the whole request at once. Multimodal offsets always count from the
+        request's first token.
+        """
+        if start < 0 or start % self.chunk_tokens:
+            raise InvalidSpecError(f"start must be a multiple of chunk_tokens >= 0, got {start}")
+        if (parent is None) != (start == 0):
+            raise InvalidSpecError(
+                "parent and start go together: a chain continued at start > 0 needs parent"
+            )
+        if parent is not None and len(parent) != _DIGEST_SIZE:
+            raise InvalidSpecError(
+                f"parent must be a {_DIGEST_SIZE}-byte chunk hash, got {len(parent)} bytes"
+            )
+        data = _tokens_to_bytes(tokens)
+        counts = self.chunk_token_counts(len(tokens))
+        tails = self._special_tails(counts, extra, start)
+        full_tail = extra._lora_record + _U32.pack(self.chunk_tokens)
+        new = self._new
+        prev = self._root if parent is None else parent
+        hashes: list[bytes] = []
+        pos = 0
+        for i, count in enumerate(counts):
+            end = pos + 4 * count
+            digest = new(prev)
+            digest.update(data[pos:end])
+            digest.update(tails.get(i, full_tail))
+            prev = digest.digest()
+            hashes.append(prev)
+            pos = end
+        return tuple(hashes)
+
+    def _special_tails(self, counts: tuple[int, ...], extra: ExtraKeys, start: int) -> dict[int, bytes]:
+        """Encoded extra keys + token count of the chunks whose tail differs from a plain full chunk's.
+
+        The token count comes last so that the token bytes, which follow the fixed-size parent, are
+        delimited; the extra-key records are self-delimiting and in a fixed order (salt, LoRA, items).
+        """
+        if not counts:
+            return {}
+        chunk = self.chunk_tokens
+        covered_end = start + sum(counts)
+        mm_records: dict[int, list[bytes]] = {}
+        for span, record in zip(extra.mm, extra._mm_records, strict=True):
+            lo, hi = max(span.offset, start), min(span.end, covered_end)
+            if lo < hi:
+                for i in range((lo - start) // chunk, (hi - 1 - start) // chunk + 1):
+                    mm_records.setdefault(i, []).append(record)
+        special = set(mm_records)
+        salted = start == 0 and bool(extra._salt_record)
+        if salted:
+            special.add(0)
+        if counts[-1] != chunk:
+            special.add(len(counts) - 1)
+        return {
+            i: b"".join(
+                (
+                    extra._salt_record if salted and i == 0 else b"",
+                    extra._lora_record,
+                    *mm_records.get(i, ()),
+                    _U32.pack(counts[i]),
+                )
+            )
+            for i in special
+        }
+
+
+def regroup_block_hashes(
+    block_hashes: Sequence[bytes],
+    hash_block_tokens: int,
+    chunk_tokens: int,
+    policy: PartialChunkPolicy = PartialChunkPolicy.DROP,
+) -> tuple[bytes, ...]:
+    """Chunk hashes taken from an engine's chained per-block hashes, hashing nothing.
+
+    The last block hash of each chunk already stands for the chunk's whole prefix, so it is the chunk
+    hash. With ``KEEP``, a trailing partial chunk (whole blocks only) is keyed by its last block's hash.
+    """
+    if hash_block_tokens < 1:
+        raise ConfigError("hash_block_tokens", hash_block_tokens, "an int >= 1")
+    if chunk_tokens < 1 or chunk_tokens % hash_block_tokens:
+        raise ConfigError("chunk_tokens", chunk_tokens, f"a positive multiple of {hash_block_tokens}")
+    per_chunk = chunk_tokens // hash_block_tokens
+    chunks = tuple(block_hashes[per_chunk - 1 :: per_chunk])
+    if policy is PartialChunkPolicy.KEEP and len(block_hashes) % per_chunk:
+        return (*chunks, block_hashes[-1])
+    return chunks

@@ -1,0 +1,199 @@
+"""Explicit descriptions of how an engine lays out the KV cache of one layer on one rank.
+
+A layout is declared (from the engine's own description), then checked against the tensor; it is never
+guessed from strides alone. Offsets are in bytes from the start of the layer's tensor: the caller adds the
+tensor's base address.
+
+Every layout splits a block into one or two *segments* (K then V, or a single KV / latent segment) that sit
+at the same offset in every block, ``block_stride`` bytes apart. Heads are sliced inside a segment: one run
+per segment when heads are the outer axis (HND, vLLM CPU), one run per token when tokens are (NHD).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from attrs import field, frozen
+from attrs.validators import ge
+
+from kvcore.errors import InvalidSpecError
+
+__all__ = ["ByteRange", "HeadOrder", "KVLayout", "LayoutKind"]
+
+
+class LayoutKind(enum.Enum):
+    """Where K and V sit relative to the block axis."""
+
+    VLLM_CPU = "vllm_cpu"  # [blocks, heads, block_tokens, 2*head]; K transposed inside: whole heads only
+    FLASH_ATTN = "flash_attn"  # [2, blocks, ...]: a K plane and a V plane
+    FLASH_INFER = "flash_infer"  # [blocks, 2, ...]: K then V inside each block
+    MLA = "mla"  # [blocks, block_tokens, latent]: one latent segment, no head axis
+
+
+class HeadOrder(enum.Enum):
+    """Order of the token and head axes inside one K or V segment."""
+
+    NHD = "nhd"  # [block_tokens, heads, head]: a head range is one small run per token
+    HND = "hnd"  # [heads, block_tokens, head]: a head range is one contiguous run
+
+
+@frozen
+class ByteRange:
+    """``length`` bytes starting ``offset`` bytes into a layer's tensor."""
+
+    offset: int = field(validator=ge(0))
+    length: int = field(validator=ge(1))
+
+    @property
+    def stop(self) -> int:
+        """First byte after the range."""
+        return self.offset + self.length
+
+
+@frozen
+class KVLayout:
+    """The KV tensor of one layer on one rank.
+
+    ``num_kv_heads`` counts the heads this rank holds (for MLA: 1, and ``head_size`` is the latent
+    width). ``dtype_size`` is bytes per element. ``head_order`` only matters for FlashAttention and
+    FlashInfer (vLLM CPU is always heads-major; MLA has a single head, so both orders are the same bytes).
+    """
+
+    kind: LayoutKind
+    num_blocks: int = field(validator=ge(1))
+    block_tokens: int = field(validator=ge(1))
+    num_kv_heads: int = field(validator=ge(1))
+    head_size: int = field(validator=ge(1))
+    dtype_size: int = field(validator=ge(1))
+    head_order: HeadOrder = HeadOrder.HND
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind is LayoutKind.MLA and self.num_kv_heads != 1:
+            raise InvalidSpecError(
+                f"an MLA layout has one latent 'head': num_kv_heads must be 1, got {self.num_kv_heads}"
+            )
+        if self.kind is LayoutKind.VLLM_CPU and self.head_order is not HeadOrder.HND:
+            raise InvalidSpecError("the vLLM CPU layout is heads-major: head_order must be HND, got NHD")
+
+    # -- shapes, in elements ----------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The tensor's logical shape in elements, as the engine (vLLM) reports it."""
+        n, t, h, s = self.num_blocks, self.block_tokens, self.num_kv_heads, self.head_size
+        if self.kind is LayoutKind.VLLM_CPU:
+            return (n, h, t, 2 * s)
+        if self.kind is LayoutKind.FLASH_ATTN:
+            return (2, n, t, h, s)
+        if self.kind is LayoutKind.FLASH_INFER:
+            return (n, 2, t, h, s)
+        return (n, t, s)
+
+    @property
+    def physical_shape(self) -> tuple[int, ...]:
+        """The shape in memory order: a contiguous tensor of this shape has exactly this layout.
+
+        It differs from ``shape`` only for HND FlashAttention / FlashInfer, whose engine shape keeps the
+        NHD axis order and permutes the strides instead.
+        """
+        shape = self.shape
+        if self.head_order is HeadOrder.HND and self.kind in _PLANE_KINDS:
+            return (*shape[:2], shape[3], shape[2], shape[4])
+        return shape
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Element strides of ``shape`` (what ``torch.Tensor.stride()`` reports for the engine's tensor)."""
+        physical = self.physical_shape
+        contiguous = [1] * len(physical)
+        for axis in range(len(physical) - 2, -1, -1):
+            contiguous[axis] = contiguous[axis + 1] * physical[axis + 1]
+        if physical != self.shape:
+            contiguous[2], contiguous[3] = contiguous[3], contiguous[2]
+        return tuple(contiguous)
+
+    # -- sizes and strides, in bytes ----------------------------------------------------------------------
+
+    @property
+    def segments_per_block(self) -> int:
+        """2 (K and V) for FlashAttention / FlashInfer; 1 for vLLM CPU (one KV run) and MLA (latent)."""
+        return 2 if self.kind in _PLANE_KINDS else 1
+
+    @property
+    def segment_bytes(self) -> int:
+        """Bytes of one segment of one block."""
+        heads = 2 * self.num_kv_heads if self.kind is LayoutKind.VLLM_CPU else self.num_kv_heads
+        return self.block_tokens * heads * self.head_size * self.dtype_size
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all of its segments."""
+        return self.segments_per_block * self.segment_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole tensor."""
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def block_stride(self) -> int:
+        """Bytes from a segment of block ``b`` to the same segment of block ``b + 1``."""
+        return self.segment_bytes if self.kind is LayoutKind.FLASH_ATTN else self.block_bytes
+
+    @property
+    def head_stride(self) -> int:
+        """Bytes from head ``h`` to head ``h + 1`` inside a segment."""
+        head_bytes = self.head_size * self.dtype_size
+        if self.kind is LayoutKind.VLLM_CPU:
+            return 2 * self.block_tokens * head_bytes
+        if self.head_order is HeadOrder.NHD and self.kind is not LayoutKind.MLA:
+            return head_bytes
+        return self.block_tokens * head_bytes
+
+    # -- byte ranges ---------------------------------------------------------------------------------------
+
+    def segments(self, block: int) -> tuple[ByteRange, ...]:
+        """The byte ranges of one block: K then V, or the single KV / latent segment."""
+        self._check_block(block)
+        first = block * self.block_stride
+        if self.kind is LayoutKind.FLASH_ATTN:
+            plane = self.num_blocks * self.segment_bytes
+            return (ByteRange(first, self.segment_bytes), ByteRange(plane + first, self.segment_bytes))
+        if self.kind is LayoutKind.FLASH_INFER:
+            return (
+                ByteRange(first, self.segment_bytes),
+                ByteRange(first + self.segment_bytes, self.segment_bytes),
+            )
+        return (ByteRange(first, self.segment_bytes),)
+
+    def head_runs(self, block: int, head_start: int, head_stop: int) -> tuple[ByteRange, ...]:
+        """The byte runs holding local heads ``[head_start, head_stop)`` of one block, K runs then V runs.
+
+        Heads-major layouts give one run per segment; NHD gives one run per token per segment unless the
+        range covers every head (then the runs touch and are merged into the segment).
+        """
+        if not 0 <= head_start < head_stop <= self.num_kv_heads:
+            raise InvalidSpecError(
+                f"head range [{head_start}, {head_stop}) is not a non-empty part of "
+                f"[0, {self.num_kv_heads}) ({self.kind.value} layout)"
+            )
+        segments = self.segments(block)
+        if head_stop - head_start == self.num_kv_heads:
+            return segments
+        stride = self.head_stride
+        run = (head_stop - head_start) * stride
+        if self.head_order is HeadOrder.HND:
+            return tuple(ByteRange(seg.offset + head_start * stride, run) for seg in segments)
+        token_stride = self.num_kv_heads * stride
+        return tuple(
+            ByteRange(seg.offset + token * token_stride + head_start * stride, run)
+            for seg in segments
+            for token in range(self.block_tokens)
+        )
+
+    def _check_block(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks:
+            raise InvalidSpecError(f"block {block} is outside [0, {self.num_blocks})")
+
+
+_PLANE_KINDS = frozenset({LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER})

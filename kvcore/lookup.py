@@ -1,0 +1,112 @@
+"""Prefix lookup: the longest run of leading chunks a tier holds, without ever stalling the engine.
+
+An embedded index answers at once; a remote one is submitted and polled ("ask again") until it answers
+or its deadline passes. Every failure, timeout or nonsensical answer is a miss (0) plus a logged warning;
+a backend that keeps failing trips the circuit breaker and is not asked until its back-off is over.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from attrs import frozen
+
+from kvcore.errors import BackendError
+from kvcore.health import CircuitBreaker
+from kvcore.ids import ChunkKey, LookupId
+from kvcore.ports import ChunkIndex, SupportsImmediateLookup
+
+__all__ = ["PendingLookup", "PrefixLookup", "leading_complete"]
+
+log = logging.getLogger(__name__)
+
+
+def leading_complete(present: Sequence[bool], shards_per_chunk: int) -> int:
+    """Leading chunks whose every shard is present, from flat per-key flags (chunk-major order).
+
+    A chunk after a missing one never counts, whatever its own flags say.
+    """
+    hits = 0
+    for start in range(0, len(present) - shards_per_chunk + 1, shards_per_chunk):
+        if not all(present[start : start + shards_per_chunk]):
+            break
+        hits += 1
+    return hits
+
+
+@frozen
+class PendingLookup:
+    """A remote lookup in flight: ask again until it answers or ``deadline`` (monotonic) passes."""
+
+    lookup_id: LookupId
+    deadline: float
+    num_chunks: int
+
+
+class PrefixLookup:
+    """Answers "how many leading chunks does the tier hold" for the scheduler side."""
+
+    def __init__(
+        self,
+        index: ChunkIndex | SupportsImmediateLookup,
+        timeout_s: float,
+        breaker: CircuitBreaker | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._immediate: SupportsImmediateLookup | None = None
+        self._remote: ChunkIndex | None = None
+        if isinstance(index, SupportsImmediateLookup):
+            self._immediate = index
+        else:
+            self._remote = index
+        self._timeout = timeout_s
+        self._breaker = breaker if breaker is not None else CircuitBreaker(clock=clock)
+        self._clock = clock
+
+    def begin(self, chunks: Sequence[Sequence[ChunkKey]]) -> int | PendingLookup:
+        """Start a lookup: the answer at once, or a pending lookup to ``resume`` on a later step."""
+        if not chunks or not self._breaker.allow():
+            return 0
+        try:
+            if self._remote is None:
+                return self._accept(self._immediate.lookup(chunks), len(chunks)) if self._immediate is not None else 0
+            lookup_id = self._remote.submit_lookup(chunks)
+        except BackendError as exc:
+            return self._fail(f"lookup failed: {exc}")
+        return PendingLookup(lookup_id, self._clock() + self._timeout, len(chunks))
+
+    def resume(self, pending: PendingLookup) -> int | None:
+        """The answer, or ``None`` to ask again on a later step; 0 once the deadline has passed."""
+        if self._remote is None:
+            return 0
+        try:
+            answer = self._remote.poll_lookup(pending.lookup_id)
+        except BackendError as exc:
+            return self._fail(f"lookup failed: {exc}")
+        if answer is not None:
+            return self._accept(answer, pending.num_chunks)
+        if self._clock() < pending.deadline:
+            return None
+        self.abandon(pending)
+        return self._fail(f"lookup timed out after {self._timeout:.3f}s")
+
+    def abandon(self, pending: PendingLookup) -> None:
+        """Forget a lookup whose answer is no longer wanted (request aborted, timed out)."""
+        if self._remote is not None:
+            try:
+                self._remote.cancel_lookup(pending.lookup_id)
+            except BackendError as exc:
+                log.warning("kvcore: cancelling lookup %s failed: %s", pending.lookup_id, exc)
+
+    def _accept(self, answer: int, num_chunks: int) -> int:
+        if not 0 <= answer <= num_chunks:
+            return self._fail(f"lookup answered {answer!r} for {num_chunks} chunks")
+        self._breaker.record_success()
+        return answer
+
+    def _fail(self, why: str) -> int:
+        self._breaker.record_failure()
+        log.warning("kvcore: %s; treating as a miss", why)
+        return 0

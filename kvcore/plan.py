@@ -1,0 +1,43 @@
+"""The messages between the scheduler side and the workers: what to copy this step, and how it went.
+
+They are frozen, picklable values: in vLLM they cross from the engine-core process to each worker inside
+``KVConnectorMetadata``; in an engine that runs both sides in one process they are passed by hand.
+"""
+
+from __future__ import annotations
+
+from attrs import field, frozen
+
+from kvcore.ports import Direction
+
+__all__ = ["BlockOp", "OpReport", "StepPlan"]
+
+
+@frozen
+class BlockOp:
+    """One copy job for every worker: engine block ``engine_blocks[i]`` <-> host block ``host_blocks[i]``."""
+
+    op_id: int
+    direction: Direction
+    engine_blocks: tuple[int, ...] = field(converter=tuple)
+    host_blocks: tuple[int, ...] = field(converter=tuple)
+
+
+@frozen
+class StepPlan:
+    """The copies the scheduler decided in one step, in submission order."""
+
+    ops: tuple[BlockOp, ...] = ()
+
+    def op_ids(self, direction: Direction | None = None) -> tuple[int, ...]:
+        return tuple(op.op_id for op in self.ops if direction is None or op.direction is direction)
+
+
+@frozen
+class OpReport:
+    """How one worker (``rank``) finished one op. ``failed`` indexes into the op's block lists."""
+
+    op_id: int
+    rank: int = 0
+    failed: tuple[int, ...] = ()
+    error: str | None = None

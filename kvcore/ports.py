@@ -1,0 +1,235 @@
+"""The ports: what kvcore needs from the world outside, as ``typing.Protocol``s grouped by side.
+
+Scheduler side (decides, indexes, never touches KV bytes): ``ChunkIndex`` and its optional immediate form
+``SupportsImmediateLookup``.
+
+Worker side (owns memory, executes jobs): ``BlockMover`` (engine KV <-> host blocks), ``ChunkStore`` (a
+content-addressed remote tier the client fills and drains), ``ManagedTier`` (a tier that manages its own
+memory and sessions) and ``PeerTransport`` (prefill -> decode pushes).
+
+Every asynchronous method hands out a ``JobId``; results come back once through ``poll`` or ``wait``.
+Each method says what state a failure leaves. Implementations map their native failures to
+``kvcore.errors`` at their edge; nothing else may escape them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Sequence
+from typing import Protocol, runtime_checkable
+
+from attrs import field, frozen
+
+from kvcore.errors import InvalidSpecError
+from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
+from kvcore.jobs import JobResult
+
+__all__ = [
+    "BlockMover",
+    "BlockTransfer",
+    "ByteCopy",
+    "ChunkIndex",
+    "ChunkStore",
+    "Direction",
+    "JobQueue",
+    "ManagedTier",
+    "MemoryRegion",
+    "PeerTransport",
+    "StoreItem",
+    "SupportsClear",
+    "SupportsImmediateLookup",
+]
+
+
+class Direction(enum.Enum):
+    """Which way a block copy goes."""
+
+    SAVE = "save"  # engine KV -> host
+    LOAD = "load"  # host -> engine KV
+
+
+def _same_length(instance: BlockTransfer, attribute: object, value: tuple[int, ...]) -> None:
+    if len(value) != len(instance.engine_blocks):
+        raise InvalidSpecError(
+            f"host_blocks has {len(value)} entries, engine_blocks {len(instance.engine_blocks)}"
+        )
+
+
+@frozen
+class BlockTransfer:
+    """Copy whole blocks: ``engine_blocks[i]`` <-> ``host_blocks[i]``, for every layer of the shard.
+
+    A host block holds one engine block of every layer, layer after layer; a host slot (one chunk) is
+    ``blocks_per_chunk`` consecutive host blocks.
+    """
+
+    direction: Direction
+    engine_blocks: tuple[int, ...] = field(converter=tuple)
+    host_blocks: tuple[int, ...] = field(converter=tuple, validator=_same_length)
+
+
+@frozen
+class StoreItem:
+    """One value of a chunk store: a key and the host bytes ``[offset, offset + length)`` it maps to."""
+
+    key: ChunkKey
+    offset: int
+    length: int
+
+
+@frozen
+class MemoryRegion:
+    """A registered span of memory, by address: what a peer may write into."""
+
+    address: int
+    length: int
+
+
+@frozen
+class ByteCopy:
+    """One contiguous copy from a local address to a peer's address."""
+
+    src: int
+    dst: int
+    length: int
+
+
+class JobQueue(Protocol):
+    """Completion side shared by every asynchronous port."""
+
+    def poll(self) -> tuple[JobResult, ...]:
+        """Results of jobs finished since the last call; never blocks. Each result is handed out once."""
+        ...
+
+    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
+        """Block until the given jobs finished and return their results.
+
+        Raises ``TransferTimeout`` after ``timeout`` seconds; unfinished jobs keep running and are
+        reported by a later ``poll``/``wait``.
+        """
+        ...
+
+
+# -- scheduler side ------------------------------------------------------------------------------------
+
+
+class ChunkIndex(Protocol):
+    """Which leading chunks a tier holds. Answers never block the engine."""
+
+    def submit_lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> LookupId:
+        """Start checking ``chunks`` in order; each chunk is given by the keys of all of its shards.
+
+        Failure: raises ``BackendUnavailable`` when the lookup cannot even start (the caller answers 0).
+        """
+        ...
+
+    def poll_lookup(self, lookup_id: LookupId) -> int | None:
+        """How many leading chunks have every shard present, or ``None`` while the lookup is pending.
+
+        A finished answer is handed out once. Failure: raises ``BackendError`` (the caller answers 0).
+        """
+        ...
+
+    def cancel_lookup(self, lookup_id: LookupId) -> None:
+        """Forget a lookup; a late answer is dropped. Unknown ids are ignored."""
+        ...
+
+
+@runtime_checkable
+class SupportsImmediateLookup(Protocol):
+    """An embedded index that answers at once (microseconds), with no submit/poll round."""
+
+    def lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> int:
+        """How many leading chunks have every shard present. Never raises for a miss."""
+        ...
+
+
+# -- worker side ---------------------------------------------------------------------------------------
+
+
+class BlockMover(JobQueue, Protocol):
+    """Copies whole blocks between the engine's KV memory and host memory, per the registered layout."""
+
+    def submit(self, transfer: BlockTransfer) -> JobId:
+        """Queue a copy; returns at once.
+
+        Bad block ids or mismatched lengths raise ``InvalidSpecError`` before anything is copied. A copy
+        that fails later is reported as a failed result: the destination blocks hold undefined bytes and
+        must not be used (loads: recompute them; saves: drop the slot).
+        """
+        ...
+
+
+class ChunkStore(JobQueue, Protocol):
+    """A content-addressed remote tier that the client fills and drains (e.g. Mooncake store).
+
+    Values are read from and written into one host buffer registered with the store at construction.
+    """
+
+    def exists(self, keys: Sequence[ChunkKey]) -> tuple[bool, ...]:
+        """Which keys are present. Failure: raises ``BackendError``; nothing changed."""
+        ...
+
+    def submit_put(self, items: Sequence[StoreItem]) -> JobId:
+        """Store each item's host bytes under its key. Idempotent: a present key keeps its value.
+
+        Failure: the result lists the failed items; those keys are absent or hold their earlier value,
+        never a partial one.
+        """
+        ...
+
+    def submit_get(self, items: Sequence[StoreItem]) -> JobId:
+        """Copy each key's value into its host bytes. A missing key, or a value whose length differs
+        from the item's, is a failed item (a miss): its host bytes are undefined."""
+        ...
+
+    def remove(self, keys: Sequence[ChunkKey]) -> None:
+        """Drop keys; missing keys are ignored. Failure: raises ``BackendError``; some keys may remain."""
+        ...
+
+
+class ManagedTier(JobQueue, Protocol):
+    """A tier that manages its own memory and sessions (e.g. an LMCache server); it cannot remove."""
+
+    def submit_lookup(self, session: RequestId, chunks: Sequence[ChunkKey]) -> LookupId:
+        """Start a lookup (and the tier's prefetch) for a session; hits stay locked until retrieved or
+        the session ends. Failure: raises ``BackendUnavailable`` (the caller answers 0)."""
+        ...
+
+    def poll_lookup(self, lookup_id: LookupId) -> int | None:
+        """Leading chunks hit, or ``None`` while pending. Failure: raises ``BackendError`` (answer 0)."""
+        ...
+
+    def submit_store(self, session: RequestId, items: Sequence[StoreItem]) -> JobId:
+        """Store host bytes under keys. Failure: failed items are not stored."""
+        ...
+
+    def submit_retrieve(self, session: RequestId, items: Sequence[StoreItem]) -> JobId:
+        """Copy locked hits into host bytes. Failure: failed items' host bytes are undefined (recompute)."""
+        ...
+
+    def end_session(self, session: RequestId) -> None:
+        """Release every lock the session holds. Idempotent; never raises."""
+        ...
+
+
+class PeerTransport(JobQueue, Protocol):
+    """Pushes bytes into a peer's registered memory (prefill -> decode)."""
+
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        """Make local memory writable by peers. Failure: raises ``BackendError``; nothing registered."""
+        ...
+
+    def submit_write(self, peer: str, copies: Sequence[ByteCopy]) -> JobId:
+        """Write local bytes into the peer's registered memory. Failure: the peer's destination bytes are
+        undefined; the consumer must recompute them."""
+        ...
+
+
+@runtime_checkable
+class SupportsClear(Protocol):
+    """A tier that can drop everything it holds (a test or operator action, never the hot path)."""
+
+    def clear(self) -> None:
+        """Drop every value. Jobs in flight finish or fail; none resurrects a cleared value."""
+        ...

@@ -1,0 +1,419 @@
+"""The scheduler side of kvcore for any engine: lookups, load specs, slot bookkeeping and the step's ops.
+
+It decides everything and touches no KV byte (DESIGN §3): it hashes a request's tokens into chunk keys
+(or regroups the engine's own block hashes, hashing nothing), asks the index how many leading chunks it
+holds, turns that into a block-aligned ``LoadSpec``, pins slots for loads and reserves slots for saves in the
+``BlockPool``, and hands the copies to the workers as ``BlockOp``s in a ``StepPlan``. Worker reports come
+back through ``complete``; only then are pins released and stores published, because a copy in flight may
+still read or write a slot. Failures never raise into the engine: a failed load is a list of blocks to
+recompute, a failed save a dropped slot.
+
+Typical use, one step of an engine::
+
+    hits = sched.lookup(rid, tokens=prompt, local_tokens=local)   # tokens loadable beyond `local`
+    sched.start_load(rid, block_ids)                              # after the engine allocated blocks
+    sched.save(rid, block_ids, num_tokens=computed)               # blocks whose KV is now computed
+    worker.execute(sched.take_plan())
+    sched.complete(worker.reports())
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable, Sequence
+
+from attrs import frozen
+
+from kvcore.block_pool import BlockPool, PoolEvent, PoolUsage
+from kvcore.config import KVCoreConfig
+from kvcore.engine import EngineSpec
+from kvcore.errors import ConfigError, InvalidSpecError
+from kvcore.eviction import make_policy
+from kvcore.hashing import NO_EXTRA, ChunkHasher, ExtraKeys, regroup_block_hashes
+from kvcore.ids import ChunkKey, JobId, RequestId
+from kvcore.keys import Keyspace, Namespace, Shard
+from kvcore.lifecycle import JobRole, Phase, RequestTable, RequestTracker
+from kvcore.load_spec import LoadSpec, hit_tokens, plan_load
+from kvcore.lookup import PendingLookup, PrefixLookup
+from kvcore.plan import BlockOp, OpReport, StepPlan
+from kvcore.ports import Direction
+
+__all__ = ["CacheScheduler", "SchedulerStats"]
+
+log = logging.getLogger(__name__)
+
+
+@frozen
+class SchedulerStats:
+    """Counters since start (monotonic), and the pool's current usage."""
+
+    lookups: int
+    hit_tokens: int
+    loaded_blocks: int
+    saved_blocks: int
+    failed_load_blocks: int
+    failed_save_chunks: int
+    pool: PoolUsage
+
+
+class _PoolIndex:
+    """The block pool seen through the ``SupportsImmediateLookup`` port (one shard per chunk here)."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+
+    def lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> int:
+        return self._pool.lookup([keys[0] for keys in chunks])
+
+
+class _Request:
+    """Scheduler-side facts about one request, beside its lifecycle tracker."""
+
+    __slots__ = ("answer", "counts", "extra", "hashes", "keys", "load", "load_errors", "pending", "saved_chunks")
+
+    def __init__(self, extra: ExtraKeys) -> None:
+        self.extra = extra
+        self.hashes: tuple[bytes, ...] = ()
+        self.keys: tuple[ChunkKey, ...] = ()
+        self.counts: tuple[int, ...] = ()
+        self.pending: PendingLookup | None = None
+        self.answer: tuple[int, int] | None = None  # (local tokens asked with, hit chunks)
+        self.load: LoadSpec | None = None
+        self.load_errors: list[int] = []
+        self.saved_chunks = 0
+
+
+class _InFlight:
+    __slots__ = ("blocks", "failed", "keys", "op", "ranks", "request_id")
+
+    def __init__(self, request_id: RequestId, op: BlockOp, keys: tuple[ChunkKey, ...]) -> None:
+        self.request_id = request_id
+        self.op = op
+        self.keys = keys
+        self.ranks: set[int] = set()
+        self.failed: set[int] = set()
+
+
+class CacheScheduler:
+    """Scheduler side over a host-slot pool (the CPU tier): one instance per engine."""
+
+    def __init__(
+        self, config: KVCoreConfig, engine: EngineSpec, num_slots: int, *, world_size: int = 1
+    ) -> None:
+        block_tokens = engine.layout.block_tokens
+        if config.chunk_tokens % block_tokens:
+            raise ConfigError(
+                "chunk_tokens", config.chunk_tokens, f"a multiple of the engine's block size {block_tokens}"
+            )
+        self.config = config
+        self.engine = engine
+        self.world_size = world_size
+        self.block_tokens = block_tokens
+        self.blocks_per_chunk = config.chunk_tokens // block_tokens
+        self.hasher = ChunkHasher(
+            algorithm=config.hash_algorithm,
+            seed=config.hash_seed.encode(),
+            chunk_tokens=config.chunk_tokens,
+            partial=config.partial_chunks,
+        )
+        namespace = Namespace(
+            model_id=engine.model_id,
+            epoch=config.epoch,
+            kv_dtype=engine.kv_dtype,
+            num_layers=engine.num_layers,
+            num_kv_heads=engine.total_kv_heads,
+            head_size=engine.layout.head_size,
+            layout=f"{engine.layout.kind.value}/{engine.layout.head_order.value}",
+            block_tokens=block_tokens,
+            chunk_tokens=config.chunk_tokens,
+            hash_algorithm=config.hash_algorithm,
+            hash_seed_digest=self.hasher.seed_digest(),
+            secret=config.secret.encode() if config.secret is not None else None,
+        )
+        # One pool serves every rank of this engine (same slot ids on each), so its keys name the whole
+        # engine's shard; shared tiers key each rank's shard instead.
+        shard = Shard(0, engine.num_layers, 0, engine.total_kv_heads)
+        self.keyspace = Keyspace(namespace, shard)
+        self.pool = BlockPool(num_slots, make_policy(config.eviction, num_slots))
+        self._lookup = PrefixLookup(_PoolIndex(self.pool), config.lookup_timeout_s)
+        self._table = RequestTable()
+        self._requests: dict[RequestId, _Request] = {}
+        self._op_ids = itertools.count(1)
+        self._plan: list[BlockOp] = []
+        self._inflight: dict[int, _InFlight] = {}
+        self._finished: list[RequestId] = []
+        self._counters = dict.fromkeys(
+            ("lookups", "hit_tokens", "loaded_blocks", "saved_blocks", "failed_load_blocks", "failed_save_chunks"),
+            0,
+        )
+
+    # -- lookups and loads -----------------------------------------------------------------------------
+
+    def lookup(
+        self,
+        request_id: RequestId,
+        *,
+        tokens: Sequence[int] | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+        hash_block_tokens: int | None = None,
+        num_tokens: int | None = None,
+        local_tokens: int = 0,
+        extra: ExtraKeys = NO_EXTRA,
+        is_async: bool = False,
+    ) -> int | None:
+        """Tokens the tier can load beyond the engine's own ``local_tokens`` hit; ``None``: ask again.
+
+        Give the prompt's ``tokens``, or the engine's chained ``block_hashes`` (of ``hash_block_tokens``
+        tokens each) plus ``num_tokens``. The answer is cached per request: asking again each step is cheap.
+        """
+        req = self._requests.get(request_id)
+        if req is None:
+            req = _Request(extra)
+            self._key(req, tokens, block_hashes, hash_block_tokens)
+            self._requests[request_id] = req
+            self._table.track(request_id)
+            self._counters["lookups"] += 1
+        total = len(tokens) if tokens is not None else num_tokens
+        if total is None:
+            raise InvalidSpecError("lookup needs tokens, or block_hashes with num_tokens")
+        if req.answer is None:
+            if req.pending is None:
+                answer = self._lookup.begin([(k,) for k in req.keys])
+            else:
+                answer = self._lookup.resume(req.pending)
+            if answer is None:
+                return None
+            if isinstance(answer, PendingLookup):
+                req.pending = answer
+                return None
+            req.pending = None
+            req.answer = (local_tokens, answer)
+        external = hit_tokens(req.answer[1], req.counts)
+        req.load = plan_load(
+            prompt_tokens=total,
+            local_tokens=local_tokens,
+            external_tokens=external,
+            block_tokens=self.block_tokens,
+            is_async=is_async,
+        )
+        return req.load.num_tokens if req.load is not None else 0
+
+    def start_load(self, request_id: RequestId, block_ids: Sequence[int]) -> int:
+        """Queue the load decided by ``lookup`` into the request's engine blocks; returns tokens queued.
+
+        ``block_ids`` are the request's blocks from its first token on. Chunks that left the pool since the
+        lookup are not loaded: their blocks are reported by ``take_load_errors`` for recompute.
+        """
+        req = self._requests.get(request_id)
+        spec = req.load if req is not None else None
+        if req is None or spec is None:
+            return 0
+        req.load = None
+        if len(block_ids) < spec.first_block + spec.num_blocks:
+            raise InvalidSpecError(
+                f"request {request_id}: {len(block_ids)} blocks given, the load needs "
+                f"{spec.first_block + spec.num_blocks}"
+            )
+        pieces = spec.pieces(self.config.chunk_tokens)
+        keys = tuple(req.keys[p.chunk] for p in pieces)
+        ready = self.pool.lookup(keys)
+        slots = self.pool.pin(keys[:ready])
+        engine_blocks: list[int] = []
+        host_blocks: list[int] = []
+        for piece, slot in zip(pieces, slots, strict=False):
+            first = piece.chunk * self.blocks_per_chunk + piece.first_block
+            engine_blocks.extend(block_ids[first : first + piece.num_blocks])
+            base = slot * self.blocks_per_chunk + piece.first_block
+            host_blocks.extend(range(base, base + piece.num_blocks))
+        lost = spec.num_blocks - len(engine_blocks)
+        if lost:
+            log.warning("kvcore: request %s: %d blocks left the pool before loading", request_id, lost)
+            req.load_errors.extend(block_ids[spec.first_block + len(engine_blocks) : spec.first_block + spec.num_blocks])
+        if not engine_blocks:
+            return 0
+        self._submit(request_id, Direction.LOAD, engine_blocks, host_blocks, keys[:ready], JobRole.LOAD)
+        return len(engine_blocks) * self.block_tokens
+
+    def take_load_errors(self) -> dict[RequestId, tuple[int, ...]]:
+        """Engine block ids whose load failed, per request, since the last call: recompute them."""
+        out = {}
+        for request_id, req in self._requests.items():
+            if req.load_errors:
+                out[request_id] = tuple(req.load_errors)
+                req.load_errors.clear()
+        return out
+
+    # -- saves -----------------------------------------------------------------------------------------
+
+    def save(
+        self,
+        request_id: RequestId,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        tokens: Sequence[int] | None = None,
+    ) -> int:
+        """Queue saves of the request's full chunks whose KV is computed; returns chunks queued.
+
+        ``num_tokens`` counts real computed tokens (never placeholders); ``tokens`` extends the keys when
+        the request grew past its prompt (decode tokens are reused by the next turn of a chat). Chunks the
+        pool already holds are skipped; chunks that do not fit are dropped (no room is not an error).
+        """
+        req = self._requests.get(request_id)
+        tracker = self._table.get(request_id)
+        if req is None or tracker is None or tracker.ended:
+            return 0
+        full = num_tokens // self.config.chunk_tokens
+        if tokens is not None and full > len(req.keys):
+            self._extend(req, tokens)
+        full = min(full, len(req.keys), len(block_ids) // self.blocks_per_chunk)
+        if full <= req.saved_chunks:
+            return 0
+        chunk_of = {req.keys[i]: i for i in range(req.saved_chunks, full)}
+        plan = self.pool.prepare_store(req.keys[req.saved_chunks : full])
+        req.saved_chunks = full
+        if not plan.slots:
+            return 0
+        engine_blocks: list[int] = []
+        host_blocks: list[int] = []
+        for key, slot in plan.slots:
+            first = chunk_of[key] * self.blocks_per_chunk
+            engine_blocks.extend(block_ids[first : first + self.blocks_per_chunk])
+            host_blocks.extend(range(slot * self.blocks_per_chunk, (slot + 1) * self.blocks_per_chunk))
+        keys = tuple(key for key, _ in plan.slots)
+        self._submit(request_id, Direction.SAVE, engine_blocks, host_blocks, keys, JobRole.SAVE)
+        return len(keys)
+
+    # -- steps, completions and request ends -------------------------------------------------------------
+
+    def take_plan(self) -> StepPlan:
+        """The ops decided since the last call, for every worker."""
+        plan, self._plan = StepPlan(tuple(self._plan)), []
+        return plan
+
+    def complete(self, reports: Iterable[OpReport]) -> None:
+        """Account worker reports; an op is done once every rank reported it (failed if any rank failed)."""
+        for report in reports:
+            entry = self._inflight.get(report.op_id)
+            if entry is None or report.rank in entry.ranks:
+                continue  # unknown or duplicate report
+            entry.ranks.add(report.rank)
+            entry.failed.update(report.failed)
+            if len(entry.ranks) == self.world_size:
+                del self._inflight[report.op_id]
+                self._finish_op(entry)
+
+    def finish(self, request_id: RequestId) -> bool:
+        """The engine is done with the request. True: saves are in flight, keep its blocks until
+        ``take_finished`` names it."""
+        return self._end(request_id, Phase.FINISHED)
+
+    def abort(self, request_id: RequestId) -> bool:
+        """The request was aborted (maybe before it was ever scheduled); same contract as ``finish``."""
+        return self._end(request_id, Phase.ABORTED)
+
+    def take_finished(self) -> tuple[RequestId, ...]:
+        """Requests whose delayed free is over since the last call."""
+        done, self._finished = tuple(self._finished), []
+        return done
+
+    def reset(self) -> None:
+        """Forget every stored chunk, correct with copies in flight (nothing lost, nothing resurrected)."""
+        self.pool.reset()
+        for req in self._requests.values():
+            req.answer = None
+            req.saved_chunks = len(req.keys)  # chunks computed before the reset are not saved again
+
+    def take_events(self) -> tuple[PoolEvent, ...]:
+        return self.pool.take_events()
+
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(**self._counters, pool=self.pool.usage())
+
+    # -- internals ---------------------------------------------------------------------------------------
+
+    def _key(
+        self,
+        req: _Request,
+        tokens: Sequence[int] | None,
+        block_hashes: Sequence[bytes] | None,
+        hash_block_tokens: int | None,
+    ) -> None:
+        if block_hashes is not None:
+            if hash_block_tokens is None:
+                raise InvalidSpecError("block_hashes need hash_block_tokens")
+            req.hashes = regroup_block_hashes(
+                block_hashes, hash_block_tokens, self.config.chunk_tokens, self.config.partial_chunks
+            )
+            req.counts = self.hasher.chunk_token_counts(len(block_hashes) * hash_block_tokens)
+        elif tokens is not None:
+            req.hashes = self.hasher.hash_tokens(tokens, req.extra)
+            req.counts = self.hasher.chunk_token_counts(len(tokens))
+        else:
+            raise InvalidSpecError("lookup needs tokens or block_hashes")
+        req.keys = self.keyspace.keys(req.hashes)
+
+    def _extend(self, req: _Request, tokens: Sequence[int]) -> None:
+        known = sum(req.counts)
+        if req.counts and req.counts[-1] != self.config.chunk_tokens:
+            return  # a trailing partial chunk ends the chain; nothing can follow it
+        parent = req.hashes[-1] if req.hashes else None
+        more = self.hasher.hash_tokens(tokens[known:], req.extra, parent, start=known)
+        req.hashes += more
+        req.counts += self.hasher.chunk_token_counts(len(tokens) - known)
+        req.keys += self.keyspace.keys(more)
+
+    def _submit(
+        self,
+        request_id: RequestId,
+        direction: Direction,
+        engine_blocks: list[int],
+        host_blocks: list[int],
+        keys: tuple[ChunkKey, ...],
+        role: JobRole,
+    ) -> None:
+        op = BlockOp(next(self._op_ids), direction, tuple(engine_blocks), tuple(host_blocks))
+        self._table.add_job(request_id, JobId(op.op_id), role, keys)
+        self._inflight[op.op_id] = _InFlight(request_id, op, keys)
+        self._plan.append(op)
+
+    def _finish_op(self, entry: _InFlight) -> None:
+        op = entry.op
+        if op.direction is Direction.LOAD:
+            self.pool.unpin(entry.keys)
+            self._counters["loaded_blocks"] += len(op.engine_blocks) - len(entry.failed)
+            if entry.failed:
+                self._counters["failed_load_blocks"] += len(entry.failed)
+                req = self._requests.get(entry.request_id)
+                if req is not None:
+                    req.load_errors.extend(op.engine_blocks[i] for i in sorted(entry.failed))
+        else:
+            bad = {i // self.blocks_per_chunk for i in entry.failed}
+            good = tuple(k for i, k in enumerate(entry.keys) if i not in bad)
+            dropped = tuple(k for i, k in enumerate(entry.keys) if i in bad)
+            self.pool.complete_store(good, success=True)
+            if dropped:
+                self.pool.complete_store(dropped, success=False)
+                self._counters["failed_save_chunks"] += len(dropped)
+            self._counters["saved_blocks"] += len(good) * self.blocks_per_chunk
+        done = self._table.complete_job(JobId(op.op_id))
+        if done is not None:
+            self._retire(done[1])
+
+    def _retire(self, tracker: RequestTracker) -> None:
+        if tracker.phase in (Phase.FINISHED, Phase.ABORTED) and not tracker.jobs:
+            self._finished.append(tracker.request_id)
+            self._requests.pop(tracker.request_id, None)
+
+    def _end(self, request_id: RequestId, phase: Phase) -> bool:
+        req = self._requests.get(request_id)
+        if req is not None and req.pending is not None:
+            self._lookup.abandon(req.pending)
+            req.pending = None
+        delayed = self._table.end(request_id, phase)
+        if not delayed:
+            self._requests.pop(request_id, None)
+        return delayed
