@@ -19,7 +19,7 @@ import pickle  # noqa: TID251
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -37,57 +37,57 @@ def vllm_block_hashes(tokens: list[int], block: int) -> list[bytes]:
     parent = _NONE_HASH
     for start in range(0, len(tokens) - block + 1, block):
         block_tokens = tokens[start : start + block]
-        payload = pickle.dumps((parent, tuple(block_tokens), None), protocol=pickle.HIGHEST_PROTOCOL)  # noqa: TID251
+        payload = pickle.dumps((parent, tuple(block_tokens), None), protocol=pickle.HIGHEST_PROTOCOL)
         parent = hashlib.sha256(payload).digest()
         hashes.append(parent)
     return hashes
 
 
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    samples = []
+def interleaved_medians(cases: Sequence[Callable[[], object]], repeats: int) -> list[float]:
+    """Median seconds per case, timing the cases round-robin so that load drift hits all alike."""
+    samples: list[list[float]] = [[] for _ in cases]
+    for case in cases:
+        case()  # warm-up
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for case, times in zip(cases, samples, strict=True):
+            start = time.perf_counter()
+            case()
+            times.append(time.perf_counter() - start)
+    return [statistics.median(times) for times in samples]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--tokens", type=int, default=32768, help="prompt length (default 32768)")
-    parser.add_argument("--repeats", type=int, default=60, help="timed runs per row (median reported)")
+    parser.add_argument("--repeats", type=int, default=100, help="timed runs per row (median reported)")
     parser.add_argument("--quick", action="store_true", help="a few seconds: fewer repeats")
     args = parser.parse_args(argv)
-    repeats = 8 if args.quick else args.repeats
-    tokens = [random.Random(0).randrange(152_000) for _ in range(args.tokens)]
+    repeats = 10 if args.quick else args.repeats
+    rng = random.Random(0)
+    tokens = [rng.randrange(152_000) for _ in range(args.tokens)]
     n = len(tokens)
 
-    baseline: dict[int, float] = {}
-    rows: list[tuple[str, int, float]] = []
-    for block in (VLLM_DEFAULT_BLOCK, 128, KVCORE_DEFAULT_CHUNK):
-        seconds = median_seconds(functools.partial(vllm_block_hashes, tokens, block), repeats)
-        baseline[block] = seconds
-        rows.append(("vLLM sha256(pickle) per block", block, seconds))
+    granularities = (VLLM_DEFAULT_BLOCK, 128, KVCORE_DEFAULT_CHUNK)
+    rows: list[tuple[str, int, Callable[[], object]]] = [
+        ("vLLM sha256(pickle) per block", g, functools.partial(vllm_block_hashes, tokens, g))
+        for g in granularities
+    ]
     for algorithm in HashAlgorithm:
-        for chunk in (VLLM_DEFAULT_BLOCK, 128, KVCORE_DEFAULT_CHUNK):
-            hasher = ChunkHasher(algorithm, b"bench", chunk)
-            seconds = median_seconds(functools.partial(hasher.hash_tokens, tokens), repeats)
-            rows.append((f"kvcore {algorithm.value}", chunk, seconds))
-
+        for g in granularities:
+            hasher = ChunkHasher(algorithm, b"bench", g)
+            rows.append((f"kvcore {algorithm.value}", g, functools.partial(hasher.hash_tokens, tokens)))
+    medians = interleaved_medians([case for _, _, case in rows], repeats)
+    baseline = dict(zip(granularities, medians, strict=False))  # the vLLM rows come first
     default = baseline[VLLM_DEFAULT_BLOCK]
-    print(f"chunk hashing, {n} tokens, median of {repeats} runs")
+    print(f"chunk hashing, {n} tokens, median of {repeats} interleaved runs")
     print(f"{'hasher':32} {'tokens/hash':>11} {'Mtok/s':>8} {'x vLLM@16':>10} {'x vLLM same':>12}")
-    for name, granularity, seconds in rows:
+    for (name, granularity, _), seconds in zip(rows, medians, strict=True):
         print(
             f"{name:32} {granularity:>11} {n / seconds / 1e6:>8.1f} {default / seconds:>9.2f}x"
             f" {baseline[granularity] / seconds:>11.2f}x"
         )
 
     block_hashes = vllm_block_hashes(tokens, VLLM_DEFAULT_BLOCK)
-    regroup = median_seconds(
-        lambda: regroup_block_hashes(block_hashes, VLLM_DEFAULT_BLOCK, KVCORE_DEFAULT_CHUNK), repeats * 10
-    )
     chunk_hashes = regroup_block_hashes(block_hashes, VLLM_DEFAULT_BLOCK, KVCORE_DEFAULT_CHUNK)
     namespace = Namespace(
         "bench-model", "0", "bfloat16", 32, 8, 128, "flash_attn", 16, 256, HashAlgorithm.SHA256, "00"
@@ -95,15 +95,21 @@ def main(argv: list[str] | None = None) -> int:
     shard = Shard(0, 32, 0, 8)
     plain = Keyspace(namespace, shard)
     keyed = Keyspace(attrs.evolve(namespace, secret=b"bench-secret"), shard)
+    steps: list[tuple[str, Callable[[], object]]] = [
+        (
+            f"regroup_block_hashes ({VLLM_DEFAULT_BLOCK} -> {KVCORE_DEFAULT_CHUNK})",
+            functools.partial(regroup_block_hashes, block_hashes, VLLM_DEFAULT_BLOCK, KVCORE_DEFAULT_CHUNK),
+        ),
+        ("Keyspace.keys, no secret", functools.partial(plain.keys, chunk_hashes)),
+        ("Keyspace.keys, HMAC-SHA256", functools.partial(keyed.keys, chunk_hashes)),
+    ]
     print()
     print(f"per request of {n} tokens ({len(chunk_hashes)} chunks of {KVCORE_DEFAULT_CHUNK})")
-    print(f"{'step':40} {'us':>9} {'x vLLM@16 hashing':>18}")
-    for name, seconds in (
-        ("regroup_block_hashes (16 -> 256)", regroup),
-        ("Keyspace.keys, no secret", median_seconds(lambda: plain.keys(chunk_hashes), repeats * 10)),
-        ("Keyspace.keys, HMAC-SHA256", median_seconds(lambda: keyed.keys(chunk_hashes), repeats * 10)),
+    print(f"{'step':40} {'us':>9} {'share of vLLM@16 hashing':>25}")
+    for (name, _), seconds in zip(
+        steps, interleaved_medians([c for _, c in steps], repeats * 10), strict=True
     ):
-        print(f"{name:40} {seconds * 1e6:>9.1f} {seconds / default:>17.4f}x")
+        print(f"{name:40} {seconds * 1e6:>9.1f} {seconds / default:>25.4f}")
     return 0
 
 

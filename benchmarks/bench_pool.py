@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import importlib.metadata
+import importlib
 import inspect
 import statistics
 import time
@@ -166,15 +166,15 @@ class _Request:
 def load_vllm() -> tuple[Any, str] | str:
     """vLLM's ``BlockPool`` class and version, or why the baseline is skipped. Imports vLLM lazily."""
     try:
-        from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
+        module = importlib.import_module("vllm.v1.core.block_pool")
     except ImportError:
         return "vLLM not installed: baseline skipped"
-    version = importlib.metadata.version("vllm")
+    version = str(getattr(importlib.import_module("vllm"), "__version__", "(version unknown)"))
     try:
-        run_vllm(VllmBlockPool, Workload.build(slots=64, batch=4, blocks=64))
+        run_vllm(module.BlockPool, Workload.build(slots=64, batch=4, blocks=64))
     except (TypeError, AttributeError) as exc:
         return f"vLLM {version}: BlockPool API not the one of 0.11+ ({exc}): baseline skipped"
-    return VllmBlockPool, version
+    return module.BlockPool, version
 
 
 def run_vllm(pool_class: Any, w: Workload) -> float:

@@ -13,14 +13,17 @@ Primitives, and who calls them (the scheduler side of a connector; workers own t
 Eviction takes unpinned ready chunks in the order of an ``EvictionPolicy`` (LRU by default).
 
 Every operation costs O(1) per block and allocates no Python object per block beyond dict entries: slot
-numbers live in a free list of ints (``list.pop``/``append``), keys map to their slot in plain dicts,
-recency is an ``OrderedDict`` inside the policy. What is allocated is per call: the returned tuples and
-one event per call. The one exception is ``StorePlan.slots``, whose (key, slot) pairs the API asks for.
+numbers live in a free list of ints (sliced off and put back in bulk), one plain dict maps each key to
+its slot (negative while not ready), recency is an ``OrderedDict`` inside the policy, and per-key work
+runs in comprehensions and C-level bulk calls (``dict.update``, ``zip``) rather than in method calls per
+key. What is allocated is per call: the returned tuples and one event. The exception is
+``StorePlan.slots``, whose (key, slot) pairs the API asks for.
 """
 
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Sequence
 
 from attrs import frozen
@@ -86,14 +89,17 @@ class BlockPool:
             raise ConfigError("policy", policy, "an eviction policy that holds no key yet")
         self._capacity = num_slots
         self._policy = policy
-        # Popped from the end: the lowest slots are handed out first.
+        # A stack: the lowest slots are handed out first.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._ready: dict[ChunkKey, int] = {}
-        self._storing: dict[ChunkKey, int] = {}
+        # Every key that holds a slot: a ready key maps to its slot, any other (being stored, or left
+        # behind by reset) to ~slot, a negative number. One dict answers both "is it ready" (lookups)
+        # and "is it known" (stores) with a single probe.
+        self._slots: dict[ChunkKey, int] = {}
+        self._storing = 0
         self._pins: dict[ChunkKey, int] = {}
-        # Left behind by reset: stores whose completion must free the slot, and pinned entries whose
-        # last unpin frees it. Their keys stay unavailable until then, so that a late completion or unpin
-        # can never be mistaken for one of a new entry with the same key.
+        # Left behind by reset: stores whose completion must free the slot, and pinned entries whose last
+        # unpin frees it (key -> slot). Their keys stay in ``_slots`` until then, unavailable, so that a
+        # late completion or unpin can never be taken for one of a new entry with the same key.
         self._doomed: dict[ChunkKey, int] = {}
         self._orphans: dict[ChunkKey, int] = {}
         self._events: list[PoolEvent] = []
@@ -103,21 +109,22 @@ class BlockPool:
 
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
         """How many leading ``keys`` are ready. Changes nothing (see ``touch``)."""
-        ready = self._ready
+        get = self._slots.get
         count = 0
         for key in keys:
-            if key not in ready:
+            if get(key, -1) < 0:
                 break
             count += 1
         return count
 
     def slots_of(self, keys: Sequence[ChunkKey]) -> tuple[int, ...]:
         """The slots of ready ``keys``, in order. Raises ``InvalidSpecError`` if one is not ready."""
-        ready = self._ready
-        try:
-            return tuple([ready[key] for key in keys])
-        except KeyError as exc:
-            raise InvalidSpecError(f"chunk {exc.args[0]!r} is not ready in the block pool") from None
+        get = self._slots.get
+        slots = tuple([get(key, -1) for key in keys])
+        if slots and min(slots) < 0:
+            missing = keys[slots.index(min(slots))]
+            raise InvalidSpecError(f"chunk {missing!r} is not ready in the block pool")
+        return slots
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         """Mark ready ``keys`` as just used. Keys that are not ready are ignored, and so are pinned keys:
@@ -133,23 +140,21 @@ class BlockPool:
         Stops at the first new key that finds no slot: a chunk stored after a gap is no use to a prefix
         lookup. The reserved keys stay invisible until ``complete_store``.
         """
-        ready, storing, free = self._ready, self._storing, self._free
-        limbo = bool(self._doomed or self._orphans)
-        new: dict[ChunkKey, None] = {}
-        for key in keys:
-            # _known inlined: this loop is the hot path
-            if not (key in ready or key in storing or (limbo and self._in_limbo(key))):
-                new[key] = None
-        slots = free[: len(free) - len(new) - 1 : -1]
-        del free[len(free) - len(slots) :]
+        slots, free = self._slots, self._free
+        new = dict.fromkeys([key for key in keys if key not in slots])
+        cut = max(0, len(free) - len(new))
+        taken = free[cut:]
+        del free[cut:]
+        taken.reverse()
         evicted: list[ChunkKey] = []
-        if len(slots) < len(new):
+        if len(taken) < len(new):
             shielded = self._shield(keys)
-            evicted = self._policy.evict(len(new) - len(slots))
+            evicted = self._policy.evict(len(new) - len(taken))
             self._policy.readmit(shielded)
-            slots.extend([ready.pop(key) for key in evicted])
-        reserved = tuple(zip(new, slots, strict=False))
-        storing.update(reserved)
+            taken.extend([slots.pop(key) for key in evicted])
+        reserved = tuple(zip(new, taken, strict=False))  # the keys beyond the last slot get none
+        slots.update(zip(new, map(operator.invert, taken), strict=False))
+        self._storing += len(reserved)
         gone = tuple(evicted)
         if gone:
             self._evictions += len(gone)
@@ -159,23 +164,23 @@ class BlockPool:
     def complete_store(self, keys: Sequence[ChunkKey], success: bool) -> None:
         """Finish the stores of ``keys``: on success they become ready (most recently used), on failure
         their slots are freed. Keys not being stored are ignored, so a second call changes nothing."""
-        storing, ready, free = self._storing, self._ready, self._free
-        stored: list[ChunkKey] = []
+        slots, get = self._slots, self._slots.get
+        limbo = bool(self._doomed or self._orphans)
+        done: list[ChunkKey] = []
         for key in keys:
-            slot = storing.pop(key, None)
-            if slot is None:
-                if self._doomed:
-                    slot = self._doomed.pop(key, None)
-                    if slot is not None:
-                        free.append(slot)
-            elif success:
-                ready[key] = slot
-                stored.append(key)
+            slot = get(key, 0)
+            if slot >= 0 or (limbo and self._settle(key)):
+                continue
+            if success:
+                slots[key] = ~slot
             else:
-                free.append(slot)
-        if stored:
-            self._policy.insert(stored)
-            self._events.append(PoolEvent(PoolEventKind.STORED, tuple(stored)))
+                del slots[key]
+                self._free.append(~slot)
+            done.append(key)
+        self._storing -= len(done)
+        if done and success:
+            self._policy.insert(done)
+            self._events.append(PoolEvent(PoolEventKind.STORED, tuple(done)))
 
     # -- pins ------------------------------------------------------------------------------------------
 
@@ -211,12 +216,14 @@ class BlockPool:
             count = pins[key] - 1
             if count:
                 pins[key] = count
+                continue
+            del pins[key]
+            orphan = self._orphans.pop(key, None)
+            if orphan is None:
+                released.append(key)
             else:
-                del pins[key]
-                if key in self._ready:
-                    released.append(key)
-                else:
-                    self._free.append(self._orphans.pop(key))
+                del self._slots[key]
+                self._free.append(orphan)
         self._policy.readmit(released)
 
     # -- whole pool ------------------------------------------------------------------------------------
@@ -228,18 +235,26 @@ class BlockPool:
         pinned ones keep theirs until their last unpin. Stores in progress are doomed: their completion
         frees the slot, whatever its outcome, and never publishes the key.
         """
-        ready, pins = self._ready, self._pins
-        if ready:
-            self._events.append(PoolEvent(PoolEventKind.REMOVED, tuple(ready)))
-        for key, slot in ready.items():
+        pins, doomed, orphans = self._pins, self._doomed, self._orphans
+        kept: dict[ChunkKey, int] = {}
+        removed: list[ChunkKey] = []
+        for key, slot in self._slots.items():
+            if slot < 0:
+                if key not in doomed and key not in orphans:
+                    doomed[key] = ~slot
+                kept[key] = slot
+                continue
+            removed.append(key)
             if key in pins:
-                self._orphans[key] = slot
+                orphans[key] = slot
+                kept[key] = ~slot
             else:
                 self._free.append(slot)
-        ready.clear()
-        self._doomed.update(self._storing)
-        self._storing.clear()
+        self._slots = kept
+        self._storing = 0
         self._policy.clear()
+        if removed:
+            self._events.append(PoolEvent(PoolEventKind.REMOVED, tuple(removed)))
 
     def take_events(self) -> tuple[PoolEvent, ...]:
         """The events since the last call, oldest first."""
@@ -249,28 +264,32 @@ class BlockPool:
 
     def usage(self) -> PoolUsage:
         """Slot accounting now; see ``PoolUsage``."""
+        doomed, orphans = len(self._doomed), len(self._orphans)
         return PoolUsage(
             capacity=self._capacity,
             used=self._capacity - len(self._free),
-            ready=len(self._ready),
-            storing=len(self._storing) + len(self._doomed),
+            ready=len(self._slots) - self._storing - doomed - orphans,
+            storing=self._storing + doomed,
             pinned=len(self._pins),
             evictions=self._evictions,
         )
 
     # -- helpers ---------------------------------------------------------------------------------------
 
-    def _in_limbo(self, key: ChunkKey) -> bool:
-        return key in self._doomed or key in self._orphans
-
-    def _known(self, key: ChunkKey) -> bool:
-        """Ready or in progress: ``prepare_store`` leaves it alone."""
-        return key in self._ready or key in self._storing or self._in_limbo(key)
+    def _settle(self, key: ChunkKey) -> bool:
+        """Whether ``key`` is one that reset left behind (then a completion is no completion); a doomed
+        store gives its slot back."""
+        slot = self._doomed.pop(key, None)
+        if slot is None:
+            return key in self._orphans
+        del self._slots[key]
+        self._free.append(slot)
+        return True
 
     def _shield(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
         """Take the evictable ones among ``keys`` out of the policy, so that a store never evicts a chunk
         of its own prefix; the caller readmits them."""
-        ready, pins = self._ready, self._pins
-        shielded = list(dict.fromkeys([key for key in keys if key in ready and key not in pins]))
+        get, pins = self._slots.get, self._pins
+        shielded = list(dict.fromkeys([key for key in keys if get(key, -1) >= 0 and key not in pins]))
         self._policy.discard(shielded)
         return shielded

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, NewType, TypeAlias
 import cattrs
 from attrs import Attribute, field, frozen
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.gen import make_dict_structure_fn
 
 from kvcore.errors import ConfigError
 from kvcore.hashing import HashAlgorithm, PartialChunkPolicy
@@ -53,10 +54,11 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 class _BadValue(ValueError):
     """Raised inside the converter; turned into ``ConfigError`` with the field's path."""
 
-    def __init__(self, value: object, expected: str) -> None:
+    def __init__(self, value: object, expected: str, field: str = "") -> None:
         super().__init__(expected)
         self.value = value
         self.expected = expected
+        self.field = field
 
 
 def parse_size(value: object, field_name: str = "size") -> int:
@@ -84,7 +86,7 @@ def _parse_size(value: object) -> int:
 
 def _positive(_: object, attribute: Attribute[Any], value: float) -> None:
     if value <= 0:
-        raise _BadValue(value, "a number > 0")
+        raise _BadValue(value, "a number > 0", attribute.name)
 
 
 @frozen
@@ -107,7 +109,7 @@ _EVICTIONS = ("lru", "arc")
 
 def _eviction(_: object, attribute: Attribute[Any], value: str) -> None:
     if value not in _EVICTIONS:
-        raise _BadValue(value, f"one of {', '.join(map(repr, _EVICTIONS))}")
+        raise _BadValue(value, f"one of {', '.join(map(repr, _EVICTIONS))}", attribute.name)
 
 
 @frozen
@@ -163,15 +165,22 @@ def _make_converter() -> cattrs.Converter:
         lambda t: isinstance(t, type) and issubclass(t, enum.Enum), lambda e: e.value
     )
 
+    # BackendConfig may be a single class: build each class's structurer directly, so that the tagged
+    # hook below does not call itself.
+    structurers = {
+        kind: make_dict_structure_fn(cls, conv, _cattrs_forbid_extra_keys=True)
+        for kind, cls in _BACKENDS.items()
+    }
+
     def backend(value: object, _: type[Any]) -> BackendConfig:
         if not isinstance(value, Mapping):
             raise _BadValue(value, "a mapping with a 'kind' key")
         kind = value.get("kind")
-        cls = _BACKENDS.get(kind) if isinstance(kind, str) else None
-        if cls is None:
+        if not isinstance(kind, str) or kind not in structurers:
             raise _BadValue(kind, f"'kind' one of {', '.join(map(repr, sorted(_BACKENDS)))}")
         rest = {k: v for k, v in value.items() if k != "kind"}
-        return conv.structure(rest, cls)
+        config: BackendConfig = structurers[kind](rest, _BACKENDS[kind])
+        return config
 
     conv.register_structure_hook(BackendConfig, backend)
     conv.register_unstructure_hook(
@@ -200,7 +209,7 @@ def _problems(exc: BaseException, path: str) -> Iterator[tuple[str, object, str]
         for key in sorted(exc.extra_fields):
             yield (f"{path}.{key}" if path else key, "<unknown key>", "no such key")
     elif isinstance(exc, _BadValue):
-        yield (path, exc.value, exc.expected)
+        yield (".".join(p for p in (path, exc.field) if p), exc.value, exc.expected)
     elif isinstance(exc, KeyError):
         yield (path, "<missing>", "a value (this key is required)")
     else:

@@ -214,31 +214,28 @@ class ChunkHasher:
                 f"parent must be a {_DIGEST_SIZE}-byte chunk hash, got {len(parent)} bytes"
             )
         data = _tokens_to_bytes(tokens)
-        counts = self.chunk_token_counts(len(tokens))
-        tails = self._special_tails(counts, extra, start)
-        full_tail = extra._lora_record + _U32.pack(self.chunk_tokens)
+        step = 4 * self.chunk_tokens
         new = self._new
         prev = self._root if parent is None else parent
         hashes: list[bytes] = []
-        pos = 0
-        for i, count in enumerate(counts):
-            end = pos + 4 * count
-            digest = new(prev)
-            digest.update(data[pos:end])
-            digest.update(tails.get(i, full_tail))
-            prev = digest.digest()
-            hashes.append(prev)
-            pos = end
+        for first, stop, tail in self._runs(self.chunk_token_counts(len(tokens)), extra, start):
+            # A partial chunk is always last: its slice simply ends where the data does.
+            for pos in range(first * step, stop * step, step):
+                digest = new(prev)
+                digest.update(data[pos : pos + step])
+                digest.update(tail)
+                prev = digest.digest()
+                hashes.append(prev)
         return tuple(hashes)
 
-    def _special_tails(self, counts: tuple[int, ...], extra: ExtraKeys, start: int) -> dict[int, bytes]:
-        """Encoded extra keys + token count of the chunks whose tail differs from a plain full chunk's.
+    def _runs(self, counts: tuple[int, ...], extra: ExtraKeys, start: int) -> list[tuple[int, int, bytes]]:
+        """``(first, stop, tail)`` runs of chunks that share the bytes hashed after their tokens.
 
-        The token count comes last so that the token bytes, which follow the fixed-size parent, are
-        delimited; the extra-key records are self-delimiting and in a fixed order (salt, LoRA, items).
+        A tail is the chunk's extra-key records (salt, LoRA, multimodal items: self-delimiting, in that
+        order) and then its token count, so that the token bytes after the fixed-size parent are
+        delimited. Most chunks share one tail; only the salted first chunk, chunks under a multimodal
+        item and a partial last chunk differ, each in a run of its own.
         """
-        if not counts:
-            return {}
         chunk = self.chunk_tokens
         covered_end = start + sum(counts)
         mm_records: dict[int, list[bytes]] = {}
@@ -249,21 +246,23 @@ class ChunkHasher:
                     mm_records.setdefault(i, []).append(record)
         special = set(mm_records)
         salted = start == 0 and bool(extra._salt_record)
-        if salted:
+        if salted and counts:
             special.add(0)
-        if counts[-1] != chunk:
+        if counts and counts[-1] != chunk:
             special.add(len(counts) - 1)
-        return {
-            i: b"".join(
-                (
-                    extra._salt_record if salted and i == 0 else b"",
-                    extra._lora_record,
-                    *mm_records.get(i, ()),
-                    _U32.pack(counts[i]),
-                )
-            )
-            for i in special
-        }
+        plain = extra._lora_record + _U32.pack(chunk)
+        runs = []
+        first = 0
+        for i in sorted(special):
+            if first < i:
+                runs.append((first, i, plain))
+            salt = extra._salt_record if salted and i == 0 else b""
+            tail = b"".join((salt, extra._lora_record, *mm_records.get(i, ()), _U32.pack(counts[i])))
+            runs.append((i, i + 1, tail))
+            first = i + 1
+        if first < len(counts):
+            runs.append((first, len(counts), plain))
+        return runs
 
 
 def regroup_block_hashes(

@@ -155,6 +155,8 @@ class Shard:
         group: int = 0,
     ) -> Shard:
         """The shard tensor-parallel rank ``tp_rank`` holds, by vLLM's head ownership rule."""
+        if num_layers < 1:
+            raise ConfigError("num_layers", num_layers, "an int >= 1")
         head_start, head_stop, _ = _head_ownership(total_kv_heads, tp_size, tp_rank, mla)
         return cls(layer_start, layer_start + num_layers, head_start, head_stop, cp_rank, group)
 

@@ -97,9 +97,14 @@ class KVLayout:
         NHD axis order and permutes the strides instead.
         """
         shape = self.shape
-        if self.head_order is HeadOrder.HND and self.kind in _PLANE_KINDS:
+        if self._permuted:
             return (*shape[:2], shape[3], shape[2], shape[4])
         return shape
+
+    @property
+    def _permuted(self) -> bool:
+        """Whether memory order swaps the engine shape's token and head axes (2 and 3)."""
+        return self.head_order is HeadOrder.HND and self.kind in _PLANE_KINDS
 
     @property
     def strides(self) -> tuple[int, ...]:
@@ -108,7 +113,7 @@ class KVLayout:
         contiguous = [1] * len(physical)
         for axis in range(len(physical) - 2, -1, -1):
             contiguous[axis] = contiguous[axis + 1] * physical[axis + 1]
-        if physical != self.shape:
+        if self._permuted:
             contiguous[2], contiguous[3] = contiguous[3], contiguous[2]
         return tuple(contiguous)
 

@@ -71,7 +71,11 @@ class PrefixLookup:
             return 0
         try:
             if self._remote is None:
-                return self._accept(self._immediate.lookup(chunks), len(chunks)) if self._immediate is not None else 0
+                return (
+                    self._accept(self._immediate.lookup(chunks), len(chunks))
+                    if self._immediate is not None
+                    else 0
+                )
             lookup_id = self._remote.submit_lookup(chunks)
         except BackendError as exc:
             return self._fail(f"lookup failed: {exc}")

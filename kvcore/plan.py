@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from attrs import field, frozen
 
-from kvcore.ports import Direction
+from kvcore.ports import Direction, int_tuple
 
 __all__ = ["BlockOp", "OpReport", "StepPlan"]
 
@@ -19,8 +19,8 @@ class BlockOp:
 
     op_id: int
     direction: Direction
-    engine_blocks: tuple[int, ...] = field(converter=tuple)
-    host_blocks: tuple[int, ...] = field(converter=tuple)
+    engine_blocks: tuple[int, ...] = field(converter=int_tuple)
+    host_blocks: tuple[int, ...] = field(converter=int_tuple)
 
 
 @frozen

@@ -15,7 +15,7 @@ Each method says what state a failure leaves. Implementations map their native f
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from attrs import field, frozen
@@ -48,6 +48,11 @@ class Direction(enum.Enum):
     LOAD = "load"  # host -> engine KV
 
 
+def int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    """Converter for block-id fields: any iterable of ints in, a tuple out (values stay hashable)."""
+    return tuple(values)
+
+
 def _same_length(instance: BlockTransfer, attribute: object, value: tuple[int, ...]) -> None:
     if len(value) != len(instance.engine_blocks):
         raise InvalidSpecError(
@@ -64,8 +69,8 @@ class BlockTransfer:
     """
 
     direction: Direction
-    engine_blocks: tuple[int, ...] = field(converter=tuple)
-    host_blocks: tuple[int, ...] = field(converter=tuple, validator=_same_length)
+    engine_blocks: tuple[int, ...] = field(converter=int_tuple)
+    host_blocks: tuple[int, ...] = field(converter=int_tuple, validator=_same_length)
 
 
 @frozen

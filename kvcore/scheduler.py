@@ -70,7 +70,17 @@ class _PoolIndex:
 class _Request:
     """Scheduler-side facts about one request, beside its lifecycle tracker."""
 
-    __slots__ = ("answer", "counts", "extra", "hashes", "keys", "load", "load_errors", "pending", "saved_chunks")
+    __slots__ = (
+        "answer",
+        "counts",
+        "extra",
+        "hashes",
+        "keys",
+        "load",
+        "load_errors",
+        "pending",
+        "saved_chunks",
+    )
 
     def __init__(self, extra: ExtraKeys) -> None:
         self.extra = extra
@@ -144,7 +154,14 @@ class CacheScheduler:
         self._inflight: dict[int, _InFlight] = {}
         self._finished: list[RequestId] = []
         self._counters = dict.fromkeys(
-            ("lookups", "hit_tokens", "loaded_blocks", "saved_blocks", "failed_load_blocks", "failed_save_chunks"),
+            (
+                "lookups",
+                "hit_tokens",
+                "loaded_blocks",
+                "saved_blocks",
+                "failed_load_blocks",
+                "failed_save_chunks",
+            ),
             0,
         )
 
@@ -178,15 +195,16 @@ class CacheScheduler:
         if total is None:
             raise InvalidSpecError("lookup needs tokens, or block_hashes with num_tokens")
         if req.answer is None:
-            if req.pending is None:
-                answer = self._lookup.begin([(k,) for k in req.keys])
-            else:
-                answer = self._lookup.resume(req.pending)
-            if answer is None:
-                return None
+            answer: int | PendingLookup | None = (
+                self._lookup.begin([(k,) for k in req.keys])
+                if req.pending is None
+                else self._lookup.resume(req.pending)
+            )
             if isinstance(answer, PendingLookup):
                 req.pending = answer
                 return None
+            if answer is None:
+                return None  # still pending: ask again next step
             req.pending = None
             req.answer = (local_tokens, answer)
         external = hit_tokens(req.answer[1], req.counts)
@@ -229,7 +247,9 @@ class CacheScheduler:
         lost = spec.num_blocks - len(engine_blocks)
         if lost:
             log.warning("kvcore: request %s: %d blocks left the pool before loading", request_id, lost)
-            req.load_errors.extend(block_ids[spec.first_block + len(engine_blocks) : spec.first_block + spec.num_blocks])
+            req.load_errors.extend(
+                block_ids[spec.first_block + len(engine_blocks) : spec.first_block + spec.num_blocks]
+            )
         if not engine_blocks:
             return 0
         self._submit(request_id, Direction.LOAD, engine_blocks, host_blocks, keys[:ready], JobRole.LOAD)

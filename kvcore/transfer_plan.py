@@ -11,6 +11,7 @@ template into concrete ranges for a request's block ids with arithmetic alone, m
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from itertools import pairwise
 
 from attrs import field, frozen
 from attrs.validators import ge
@@ -170,15 +171,15 @@ class TransferPlan:
         srcs: list[int] = []
         dsts: list[int] = []
         lengths: list[int] = []
-        runs: list[tuple[int, int, int]] | None = None
+        runs: _BlockRuns | None = None
         for copy in pair.block_copies:
             src, dst, length = copy.src_offset, copy.dst_offset, copy.length
             if length == src_stride == dst_stride:
                 if runs is None:
-                    runs = _consecutive_runs(src_blocks, dst_blocks)
-                srcs.extend(src + first * src_stride for first, _, _ in runs)
-                dsts.extend(dst + first * dst_stride for _, first, _ in runs)
-                lengths.extend(count * length for _, _, count in runs)
+                    runs = _BlockRuns.of(src_blocks, dst_blocks)
+                srcs.extend([src + block * src_stride for block in runs.src_firsts])
+                dsts.extend([dst + block * dst_stride for block in runs.dst_firsts])
+                lengths.extend([count * length for count in runs.counts])
             else:
                 srcs.extend([src + block * src_stride for block in src_blocks])
                 dsts.extend([dst + block * dst_stride for block in dst_blocks])
@@ -316,16 +317,29 @@ def _merge_touching(copies: list[RangeCopy]) -> tuple[RangeCopy, ...]:
     return tuple(merged)
 
 
-def _consecutive_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first source block, first destination block, count) for each run where both ids go up by one."""
-    runs = []
-    start = 0
-    for i in range(1, len(src_blocks) + 1):
-        if (
-            i == len(src_blocks)
-            or src_blocks[i] != src_blocks[i - 1] + 1
-            or dst_blocks[i] != dst_blocks[i - 1] + 1
-        ):
-            runs.append((src_blocks[start], dst_blocks[start], i - start))
-            start = i
-    return runs
+@frozen
+class _BlockRuns:
+    """Block ids cut into runs that go up by one on both sides: first ids and lengths of each run."""
+
+    src_firsts: Sequence[int]
+    dst_firsts: Sequence[int]
+    counts: list[int]
+
+    @classmethod
+    def of(cls, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> _BlockRuns:
+        starts = [0]
+        starts += [
+            i
+            for i, ((src_before, dst_before), (src, dst)) in enumerate(
+                pairwise(zip(src_blocks, dst_blocks, strict=True)), 1
+            )
+            if src - src_before != 1 or dst - dst_before != 1
+        ]
+        if len(starts) == len(src_blocks):
+            return cls(src_blocks, dst_blocks, [1] * len(starts))
+        ends = [*starts[1:], len(src_blocks)]
+        return cls(
+            [src_blocks[i] for i in starts],
+            [dst_blocks[i] for i in starts],
+            [end - start for start, end in zip(starts, ends, strict=True)],
+        )

@@ -20,7 +20,7 @@ from kvcore.config import KVCoreConfig, load_config, parse_size
 from kvcore.engine import EngineSpec
 from kvcore.ids import RequestId
 from kvcore.layout import KVLayout, LayoutKind
-from kvcore.plan import OpReport, StepPlan
+from kvcore.plan import StepPlan
 from kvcore.ports import Direction
 from kvcore.scheduler import CacheScheduler
 from kvcore.worker import BlockWorker
@@ -86,7 +86,10 @@ class DemoSummary:
             ("prompt tokens", f"{self.prompt_tokens}"),
             ("  served from cache", f"{self.cached_tokens} ({token_rate:.0%})"),
             ("  computed", f"{self.computed_tokens}"),
-            ("bytes moved", f"{self.loaded_bytes / gib:.2f} GiB loaded, {self.saved_bytes / gib:.2f} GiB saved"),
+            (
+                "bytes moved",
+                f"{self.loaded_bytes / gib:.2f} GiB loaded, {self.saved_bytes / gib:.2f} GiB saved",
+            ),
             ("load copy throughput", f"{gbps:.1f} GB/s"),
             ("pool", f"{self.pool_used}/{self.pool_capacity} chunks used, {self.evictions} evictions"),
             ("failed loads", f"{self.failed_blocks} blocks (recomputed)"),
@@ -116,7 +119,9 @@ class _Engine:
         self.tensors = list(self.storage.unbind(0))
         self.bytes = self.storage.view(torch.uint8).view(opts.layers, num_blocks, -1)
         gen = torch.Generator().manual_seed(opts.seed)
-        self.ramp = torch.randint(0, 256, (opts.layers, 1, self.bytes.shape[2]), dtype=torch.uint8, generator=gen)
+        self.ramp = torch.randint(
+            0, 256, (opts.layers, 1, self.bytes.shape[2]), dtype=torch.uint8, generator=gen
+        )
         self.free = list(range(num_blocks))
 
     def allocate(self, n: int) -> list[int] | None:
@@ -181,10 +186,12 @@ def run_demo(opts: DemoOptions) -> DemoSummary:
     sched = CacheScheduler(config, spec, pool_slots(config, spec))
     worker = open_worker(config, spec, engine.tensors)
     host_block = spec.host_block_bytes
-    summary = DemoSummary(shape=(
-        f"{opts.layers} layers x {opts.kv_heads} KV heads x {opts.head_size} head size, bf16, "
-        f"{opts.block_tokens}-token blocks, {opts.chunk_tokens}-token chunks"
-    ))
+    summary = DemoSummary(
+        shape=(
+            f"{opts.layers} layers x {opts.kv_heads} KV heads x {opts.head_size} head size, bf16, "
+            f"{opts.block_tokens}-token blocks, {opts.chunk_tokens}-token chunks"
+        )
+    )
     turns = list(conversations(opts.chats, opts.turns, opts.seed))
     progress = Progress(len(turns), opts.progress)
     held: dict[RequestId, list[int]] = {}
@@ -228,7 +235,8 @@ def run_demo(opts: DemoOptions) -> DemoSummary:
             for done in sched.take_finished():
                 engine.release(held.pop(done))
             usage = sched.pool.usage()
-            progress.update(n + 1, f"hit {summary.requests_with_hits / summary.requests:.0%}, pool {usage.used}/{usage.capacity}")
+            hit_rate = summary.requests_with_hits / summary.requests
+            progress.update(n + 1, f"hit {hit_rate:.0%}, pool {usage.used}/{usage.capacity}")
         while sched.in_flight():
             sched.complete(worker.wait([], 0.05) + worker.reports())
     finally:

@@ -215,6 +215,8 @@ def test_bad_rank_arguments_are_refused() -> None:
         writes(0, 0, 8)
     with pytest.raises(ConfigError, match="total_kv_heads"):
         Shard.for_tp_rank(32, 0, 4, 0)
+    with pytest.raises(ConfigError, match="num_layers"):
+        Shard.for_tp_rank(0, 8, 4, 0)
 
 
 def test_namespace_validation() -> None:

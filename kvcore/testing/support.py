@@ -1,0 +1,173 @@
+"""Helpers shared by the port suites: the marker, capability requirements, job collection, threads.
+
+This module imports pytest; only the suite modules import it, never ``kvcore.testing`` itself.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Collection, Sequence
+
+import pytest
+
+from kvcore.errors import TransferTimeout
+from kvcore.ids import ChunkKey, JobId
+from kvcore.jobs import JobResult
+from kvcore.ports import JobQueue, SupportsClear, SupportsImmediateLookup
+from kvcore.testing.capabilities import (
+    SupportsCapacity,
+    SupportsFailureInjection,
+    SupportsPinning,
+    SupportsStall,
+)
+
+__all__ = [
+    "SETTLE_S",
+    "SHORT_S",
+    "check_result_handed_out_once",
+    "check_wait_timeout_then_poll",
+    "collect",
+    "conformance",
+    "fresh_keys",
+    "payload",
+    "require_capacity",
+    "require_clear",
+    "require_failure_injection",
+    "require_immediate_lookup",
+    "require_pinning",
+    "require_stall",
+    "run_threads",
+    "split",
+    "wait_one",
+]
+
+conformance = pytest.mark.kvcore_conformance
+"""The marker every conformance test carries (registered by ``kvcore.testing.plugin``)."""
+
+SETTLE_S = 5.0
+"""How long a job or lookup that must finish may take before the test fails (nothing may hang)."""
+
+SHORT_S = 0.05
+"""A wait that is expected to time out."""
+
+
+def _reason(obj: object, capability: str) -> str:
+    return f"{type(obj).__name__} does not declare {capability}"
+
+
+def require_failure_injection(harness: object) -> SupportsFailureInjection:
+    """The harness, if it can inject failures; otherwise the test skips, naming the capability."""
+    if not isinstance(harness, SupportsFailureInjection):
+        pytest.skip(_reason(harness, "SupportsFailureInjection"))
+    return harness
+
+
+def require_stall(harness: object) -> SupportsStall:
+    if not isinstance(harness, SupportsStall):
+        pytest.skip(_reason(harness, "SupportsStall"))
+    return harness
+
+
+def require_capacity(harness: object) -> SupportsCapacity:
+    if not isinstance(harness, SupportsCapacity):
+        pytest.skip(_reason(harness, "SupportsCapacity"))
+    return harness
+
+
+def require_pinning(harness: object) -> SupportsPinning:
+    if not isinstance(harness, SupportsPinning):
+        pytest.skip(_reason(harness, "SupportsPinning"))
+    return harness
+
+
+def require_clear(backend: object) -> SupportsClear:
+    """The backend, if it implements the port-level ``SupportsClear``; otherwise the test skips."""
+    if not isinstance(backend, SupportsClear):
+        pytest.skip(_reason(backend, "SupportsClear"))
+    return backend
+
+
+def require_immediate_lookup(backend: object) -> SupportsImmediateLookup:
+    if not isinstance(backend, SupportsImmediateLookup):
+        pytest.skip(_reason(backend, "SupportsImmediateLookup"))
+    return backend
+
+
+def payload(length: int, seed: object) -> bytes:
+    """Reproducible random bytes (random, so that a copy of the wrong block or offset shows)."""
+    return random.Random(repr(seed)).randbytes(length)
+
+
+def fresh_keys(count: int, tag: str = "k") -> list[ChunkKey]:
+    """Keys no other test (or earlier run against a shared tier) has used."""
+    run = uuid.uuid4().hex[:12]
+    return [ChunkKey(f"conformance/{run}/{tag}{i}") for i in range(count)]
+
+
+def collect(queue: JobQueue, job_ids: Collection[JobId], timeout: float = SETTLE_S) -> dict[JobId, JobResult]:
+    """Poll until every job reported; fails the test after ``timeout`` (a job that never ends hangs)."""
+    wanted = set(job_ids)
+    found: dict[JobId, JobResult] = {}
+    deadline = time.monotonic() + timeout
+    while True:
+        found.update((r.job_id, r) for r in queue.poll() if r.job_id in wanted)
+        if wanted <= found.keys():
+            return found
+        if time.monotonic() > deadline:
+            pytest.fail(f"jobs {sorted(wanted - found.keys())} never reported within {timeout}s")
+        time.sleep(0.001)
+
+
+def wait_one(queue: JobQueue, job_id: JobId) -> JobResult:
+    """Wait for one job and return its result."""
+    results = queue.wait([job_id], SETTLE_S)
+    assert [r.job_id for r in results] == [job_id]
+    return results[0]
+
+
+def check_wait_timeout_then_poll(queue: JobQueue, stall: SupportsStall, submit: Callable[[], JobId]) -> None:
+    """A wait on a held job raises ``TransferTimeout``; the job's result still arrives through poll."""
+    with stall.stall():
+        job_id = submit()
+        with pytest.raises(TransferTimeout):
+            queue.wait([job_id], SHORT_S)
+    assert collect(queue, [job_id])[job_id].ok
+
+
+def check_result_handed_out_once(queue: JobQueue, submit: Callable[[], JobId]) -> None:
+    """A result taken by ``wait`` is not handed out again by ``poll`` or ``wait``."""
+    job_id = submit()
+    assert wait_one(queue, job_id).ok
+    assert queue.wait([job_id], SHORT_S) == ()
+    assert all(r.job_id != job_id for r in queue.poll())
+
+
+def run_threads(count: int, target: Callable[[int], None]) -> None:
+    """Run ``target(i)`` on ``count`` threads at once; re-raise the first failure."""
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(count)
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait(SETTLE_S)
+            target(i)
+        except BaseException as exc:  # handed to the test thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(4 * SETTLE_S)
+    assert not any(t.is_alive() for t in threads), "a submitting thread hung"
+    if errors:
+        raise errors[0]
+
+
+def split(total: int, parts: int) -> Sequence[range]:
+    """``parts`` disjoint, equal ranges of ``range(total)`` (the remainder unused)."""
+    size = total // parts
+    return [range(i * size, (i + 1) * size) for i in range(parts)]

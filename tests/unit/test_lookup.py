@@ -1,0 +1,115 @@
+"""Prefix lookup: leading runs, "ask again" while pending, and every failure a miss."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvcore.health import CircuitBreaker
+from kvcore.ids import ChunkKey, LookupId
+from kvcore.lookup import PendingLookup, PrefixLookup, leading_complete
+from kvcore.testing.memory import InMemoryChunkIndex
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class RemoteOnly:
+    """The in-memory index seen only through the submit/poll form, as a remote index is."""
+
+    def __init__(self, index: InMemoryChunkIndex) -> None:
+        self.index = index
+
+    def submit_lookup(self, chunks: object) -> LookupId:
+        return self.index.submit_lookup(chunks)  # type: ignore[arg-type]  # passthrough
+
+    def poll_lookup(self, lookup_id: LookupId) -> int | None:
+        return self.index.poll_lookup(lookup_id)
+
+    def cancel_lookup(self, lookup_id: LookupId) -> None:
+        self.index.cancel_lookup(lookup_id)
+
+
+def keys(*names: str) -> list[tuple[ChunkKey, ...]]:
+    return [(ChunkKey(n),) for n in names]
+
+
+def test_leading_complete_needs_every_shard() -> None:
+    # chunks of 2 shards: [T T] [T F] [T T] -> 1 (chunk 2 never counts after the gap)
+    assert leading_complete([True, True, True, False, True, True], 2) == 1
+    assert leading_complete([], 2) == 0
+
+
+@given(st.lists(st.booleans(), max_size=40), st.integers(1, 4))
+def test_leading_complete_never_counts_after_a_gap(flags: list[bool], shards: int) -> None:
+    n = leading_complete(flags, shards)
+    assert all(flags[: n * shards])
+    rest = flags[n * shards : (n + 1) * shards]
+    assert len(rest) < shards or not all(rest)
+
+
+def test_immediate_index_answers_at_once() -> None:
+    index = InMemoryChunkIndex()
+    index.add([ChunkKey("a"), ChunkKey("b"), ChunkKey("d")])
+    # a b [c missing] d -> 2
+    assert PrefixLookup(index, 1.0).begin(keys("a", "b", "c", "d")) == 2
+
+
+def test_remote_index_ask_again_then_answer() -> None:
+    index = InMemoryChunkIndex()
+    index.add([ChunkKey("a")])
+    lookup = PrefixLookup(RemoteOnly(index), 1.0, clock=Clock())
+    with index.stall():
+        pending = lookup.begin(keys("a", "b"))
+        assert isinstance(pending, PendingLookup)
+        assert lookup.resume(pending) is None
+    assert lookup.resume(pending) == 1
+
+
+def test_timeout_is_a_miss(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    index = InMemoryChunkIndex()
+    index.add([ChunkKey("a")])
+    lookup = PrefixLookup(RemoteOnly(index), 0.5, clock=clock)
+    with index.stall(), caplog.at_level(logging.WARNING):
+        pending = lookup.begin(keys("a"))
+        assert isinstance(pending, PendingLookup)
+        clock.now = 0.6
+        assert lookup.resume(pending) == 0
+    assert "timed out" in caplog.text
+
+
+def test_failures_trip_the_breaker_then_recover() -> None:
+    clock = Clock()
+    index = InMemoryChunkIndex()
+    index.add([ChunkKey("a")])
+    breaker = CircuitBreaker(threshold=2, backoff_s=10, clock=clock)
+    lookup = PrefixLookup(RemoteOnly(index), 1.0, breaker=breaker, clock=clock)
+    index.fail_next(2)
+    for _ in range(2):
+        pending = lookup.begin(keys("a"))
+        assert isinstance(pending, PendingLookup)
+        assert lookup.resume(pending) == 0
+    # open: answered 0 at once, the index is not asked
+    assert lookup.begin(keys("a")) == 0
+    clock.now = 11
+    pending = lookup.begin(keys("a"))  # the probe after the back-off
+    assert isinstance(pending, PendingLookup)
+    assert lookup.resume(pending) == 1
+    assert not breaker.is_open
+
+
+def test_garbage_answer_is_a_miss() -> None:
+    class Liar:
+        def lookup(self, chunks: object) -> int:
+            return 99
+
+    assert PrefixLookup(Liar(), 1.0).begin(keys("a")) == 0

@@ -1,0 +1,193 @@
+"""The engine-agnostic scheduler with a worker over the in-memory mover: bytes round-trip, failures,
+delayed frees, aborts and resets — asserted through the scheduler and the mover, not internals."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import pytest
+
+from kvcore.config import KVCoreConfig, load_config
+from kvcore.engine import EngineSpec
+from kvcore.errors import ConfigError, InvalidSpecError
+from kvcore.ids import RequestId
+from kvcore.layout import KVLayout, LayoutKind
+from kvcore.scheduler import CacheScheduler
+from kvcore.testing.memory import InMemoryBlockMover
+from kvcore.worker import BlockWorker
+
+LAYOUT = KVLayout(
+    kind=LayoutKind.VLLM_CPU, num_blocks=64, block_tokens=4, num_kv_heads=2, head_size=2, dtype_size=1
+)
+ENGINE = EngineSpec(model_id="tiny", kv_dtype="int8", num_layers=2, total_kv_heads=2, layout=LAYOUT)
+TOKENS = list(range(100, 130))  # 30 tokens: 3 full chunks of 8, then 6 tokens
+
+
+class Rig:
+    def __init__(self, slots: int = 8, **extra: object) -> None:
+        self.config: KVCoreConfig = load_config(
+            {"backend": {"kind": "cpu", "size": 1 << 20}, "chunk_tokens": 8, **extra}
+        )
+        self.sched = CacheScheduler(self.config, ENGINE, slots)
+        self.mover = InMemoryBlockMover(
+            num_engine_blocks=64,
+            num_host_blocks=slots * 2,
+            layer_block_bytes=LAYOUT.block_bytes,
+            num_layers=2,
+        )
+        self.worker = BlockWorker(self.mover)
+
+    def step(self) -> None:
+        plan = self.sched.take_plan()
+        self.worker.execute(plan)
+        self.sched.complete(self.worker.wait(plan.op_ids(), 5.0))
+
+    def fill(self, blocks: Sequence[int]) -> dict[int, bytes]:
+        data = {}
+        for b in blocks:
+            data[b] = os.urandom(self.mover.host_block_bytes // 2)
+            self.mover.write_engine_block(b, data[b] * 2)
+        return data
+
+    def serve_and_save(self, rid: str, tokens: Sequence[int], blocks: Sequence[int]) -> dict[int, bytes]:
+        assert self.sched.lookup(RequestId(rid), tokens=tokens) == 0
+        data = self.fill(blocks)
+        self.sched.save(RequestId(rid), blocks, num_tokens=len(tokens))
+        self.step()
+        assert self.sched.finish(RequestId(rid)) is False
+        return data
+
+
+def test_round_trip_is_byte_exact() -> None:
+    rig = Rig()
+    saved = rig.serve_and_save("a", TOKENS, range(8))
+    # same prompt again: 24 tokens cached, capped below the prompt's 30 -> load 24 tokens (6 blocks)
+    b = RequestId("b")
+    assert rig.sched.lookup(b, tokens=TOKENS) == 24
+    assert rig.sched.lookup(b, tokens=TOKENS) == 24  # asked again: cached answer
+    target = list(range(20, 28))
+    untouched = rig.mover.read_engine_block(26)
+    assert rig.sched.start_load(b, target) == 24
+    rig.step()
+    for i in range(6):
+        assert rig.mover.read_engine_block(target[i]) == saved[i] * 2
+    assert rig.mover.read_engine_block(26) == untouched  # beyond the load: never written
+    assert rig.sched.take_load_errors() == {}
+    assert rig.sched.stats().pool.pinned == 0
+
+
+def test_load_starts_after_the_engines_own_hit() -> None:
+    rig = Rig()
+    saved = rig.serve_and_save("a", TOKENS, range(8))
+    b = RequestId("b")
+    # the engine holds 3 blocks (12 tokens) itself -> load blocks 3..5 only, starting mid-chunk
+    assert rig.sched.lookup(b, tokens=TOKENS, local_tokens=12) == 12
+    before = [rig.mover.read_engine_block(b_) for b_ in (40, 41, 42)]
+    rig.sched.start_load(b, range(40, 48))
+    rig.step()
+    assert [rig.mover.read_engine_block(b_) for b_ in (40, 41, 42)] == before
+    assert [rig.mover.read_engine_block(b_) for b_ in (43, 44, 45)] == [saved[i] * 2 for i in (3, 4, 5)]
+
+
+def test_failed_load_is_reported_for_recompute_and_unpins() -> None:
+    rig = Rig()
+    rig.serve_and_save("a", TOKENS, range(8))
+    b = RequestId("b")
+    rig.sched.lookup(b, tokens=TOKENS)
+    rig.sched.start_load(b, range(20, 28))
+    rig.mover.fail_next(1)
+    rig.step()
+    errors = rig.sched.take_load_errors()
+    assert set(errors[b]) <= set(range(20, 26))
+    assert errors[b]
+    assert rig.sched.stats().pool.pinned == 0
+    assert rig.sched.stats().failed_load_blocks == len(errors[b])
+
+
+def test_failed_save_drops_the_slot() -> None:
+    rig = Rig()
+    a = RequestId("a")
+    rig.sched.lookup(a, tokens=TOKENS)
+    rig.sched.save(a, range(8), num_tokens=30)
+    rig.mover.fail_next(100)
+    rig.step()
+    assert rig.sched.lookup(RequestId("b"), tokens=TOKENS) == 0
+    assert rig.sched.stats().pool.used == 0
+
+
+def test_finish_with_save_in_flight_is_delayed() -> None:
+    rig = Rig()
+    a = RequestId("a")
+    rig.sched.lookup(a, tokens=TOKENS)
+    rig.sched.save(a, range(8), num_tokens=30)
+    plan = rig.sched.take_plan()
+    with rig.mover.stall():
+        rig.worker.execute(plan)
+        assert rig.sched.finish(a) is True
+        assert rig.sched.take_finished() == ()
+    rig.sched.complete(rig.worker.wait(plan.op_ids(), 5.0))
+    assert rig.sched.take_finished() == (a,)
+    assert rig.sched.lookup(RequestId("b"), tokens=TOKENS) == 24
+
+
+def test_abort_before_scheduled_and_twice() -> None:
+    rig = Rig()
+    assert rig.sched.abort(RequestId("ghost")) is False
+    a = RequestId("a")
+    rig.sched.lookup(a, tokens=TOKENS)
+    assert rig.sched.abort(a) is False
+    assert rig.sched.abort(a) is False
+
+
+def test_reset_with_save_in_flight_resurrects_nothing() -> None:
+    rig = Rig()
+    a = RequestId("a")
+    rig.sched.lookup(a, tokens=TOKENS)
+    rig.sched.save(a, range(8), num_tokens=30)
+    plan = rig.sched.take_plan()
+    with rig.mover.stall():
+        rig.worker.execute(plan)
+        rig.sched.reset()
+    rig.sched.complete(rig.worker.wait(plan.op_ids(), 5.0))
+    assert rig.sched.lookup(RequestId("b"), tokens=TOKENS) == 0
+    assert rig.sched.stats().pool.used == 0
+
+
+def test_decode_tokens_extend_the_keys() -> None:
+    # turn 1: 30-token prompt + 10 answer tokens -> 5 full chunks saved; turn 2 reuses 32 tokens of it
+    rig = Rig()
+    a = RequestId("a")
+    turn1 = [*TOKENS, *range(500, 510)]
+    rig.sched.lookup(a, tokens=TOKENS)
+    rig.fill(range(10))
+    assert rig.sched.save(a, range(10), num_tokens=40, tokens=turn1) == 5
+    rig.step()
+    rig.sched.finish(a)
+    turn2 = [*turn1, *range(900, 905)]
+    assert rig.sched.lookup(RequestId("b"), tokens=turn2) == 40
+
+
+def test_full_pool_evicts_least_recent() -> None:
+    rig = Rig(slots=3)
+    rig.serve_and_save("a", TOKENS, range(8))  # 3 chunks: pool full
+    other = list(range(1000, 1030))
+    rig.serve_and_save("b", other, range(8, 16))  # evicts a's chunks
+    assert rig.sched.stats().pool.used == 3
+    assert rig.sched.stats().pool.evictions == 3
+    assert rig.sched.lookup(RequestId("c"), tokens=TOKENS) == 0
+
+
+def test_chunk_must_be_whole_blocks() -> None:
+    config = load_config({"backend": {"kind": "cpu", "size": 1 << 20}, "chunk_tokens": 6})
+    with pytest.raises(ConfigError, match="chunk_tokens"):
+        CacheScheduler(config, ENGINE, 4)
+
+
+def test_start_load_with_too_few_blocks() -> None:
+    rig = Rig()
+    rig.serve_and_save("a", TOKENS, range(8))
+    b = RequestId("b")
+    rig.sched.lookup(b, tokens=TOKENS)
+    with pytest.raises(InvalidSpecError, match="blocks"):
+        rig.sched.start_load(b, [1, 2])
