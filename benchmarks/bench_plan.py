@@ -14,6 +14,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from kvcore.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.transfer_plan import RangeCopy, TPSide, TransferPlan, plan_transfer
@@ -71,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         ),
     }
     print(
-        f"{LAYERS} layers, {KV_HEADS} KV heads x {HEAD_SIZE}, {BLOCK_TOKENS}-token blocks, {blocks} request blocks; "
-        "materialize = consumer rank 0, one layer's offsets (all layers share them)"
+        f"{LAYERS} layers, {KV_HEADS} KV heads x {HEAD_SIZE}, {BLOCK_TOKENS}-token blocks, HND, "
+        f"{blocks} request blocks; materialize = consumer rank 0, one layer's offsets (all layers share them)"
     )
     header = (
         f"{'case':<22}{'plan us':>9}{'naive us':>10}{'columns us':>12}{'ratio':>7}{'objects us':>12}"
@@ -83,19 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     for kind in (LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER):
         for p, d in ((8, 2), (2, 8), (4, 4)):
             producer, consumer = _side(p, kind), _side(d, kind)
-            plan_us = _median_us(lambda: plan_transfer(producer, consumer), repeats)
+            plan_us = _median_us(partial(plan_transfer, producer, consumer), repeats)
             plan = plan_transfer(producer, consumer)
             for order, (src, dst) in orders.items():
-                naive_us = _median_us(lambda: _naive(plan, src, dst), repeats)
-                columns_us = _median_us(lambda: _columns(plan, src, dst), repeats)
-                objects_us = _median_us(lambda: _objects(plan, src, dst), repeats)
+                naive_us = _median_us(partial(_naive, plan, src, dst), repeats)
+                columns_us = _median_us(partial(_columns, plan, src, dst), repeats)
+                objects_us = _median_us(partial(_objects, plan, src, dst), repeats)
                 before = len(_naive(plan, src, dst)) / blocks
                 after = _columns(plan, src, dst) / blocks
                 name = f"{kind.value[:8]} {p}->{d} {order[:6]}"
                 print(
-                    f"{name:<22}{plan_us:>9.0f}{naive_us:>10.0f}{columns_us:>12.0f}{columns_us / naive_us:>7.2f}"
-                    f"{objects_us:>12.0f}{objects_us / naive_us:>7.2f}{before:>18.2f}{after:>8.3f}"
-                    f"{plan.min_range_bytes:>7}"
+                    f"{name:<22}{plan_us:>9.0f}{naive_us:>10.0f}"
+                    f"{columns_us:>12.0f}{columns_us / naive_us:>7.2f}"
+                    f"{objects_us:>12.0f}{objects_us / naive_us:>7.2f}"
+                    f"{before:>18.2f}{after:>8.3f}{plan.min_range_bytes:>7}"
                 )
     return 0
 

@@ -13,17 +13,16 @@ Primitives, and who calls them (the scheduler side of a connector; workers own t
 Eviction takes unpinned ready chunks in the order of an ``EvictionPolicy`` (LRU by default).
 
 Every operation costs O(1) per block and allocates no Python object per block beyond dict entries: slot
-numbers live in a free list of ints (sliced off and put back in bulk), one plain dict maps each key to
-its slot (negative while not ready), recency is an ``OrderedDict`` inside the policy, and per-key work
-runs in comprehensions and C-level bulk calls (``dict.update``, ``zip``) rather than in method calls per
-key. What is allocated is per call: the returned tuples and one event. The exception is
-``StorePlan.slots``, whose (key, slot) pairs the API asks for.
+numbers live in a free list of ints (sliced off and put back in bulk), plain dicts map keys to their
+slots (one for ready keys, one for the others), recency is an ``OrderedDict`` inside the policy. Each call
+makes one call into the policy, not one per key, and bulk moves run in C (``dict.update(zip(...))``,
+slicing the free list). What is allocated is per call: the returned tuples and at most one event. The
+exception is ``StorePlan.slots``, whose (key, slot) pairs the API asks for.
 """
 
 from __future__ import annotations
 
 import enum
-import operator
 from collections.abc import Sequence
 
 from attrs import frozen
@@ -78,9 +77,15 @@ class PoolUsage:
 
 
 class BlockPool:
-    """Index of ``num_slots`` host slots, evicting unpinned ready chunks in ``policy`` order."""
+    """Index of ``num_slots`` host slots, evicting unpinned ready chunks in ``policy`` order.
 
-    def __init__(self, num_slots: int, policy: EvictionPolicy | None = None) -> None:
+    ``record_events=False`` skips building events for a caller that publishes none (``take_events``
+    then returns nothing).
+    """
+
+    def __init__(
+        self, num_slots: int, policy: EvictionPolicy | None = None, *, record_events: bool = True
+    ) -> None:
         if isinstance(num_slots, bool) or num_slots < 1:
             raise ConfigError("num_slots", num_slots, "an integer >= 1")
         if policy is None:
@@ -89,42 +94,39 @@ class BlockPool:
             raise ConfigError("policy", policy, "an eviction policy that holds no key yet")
         self._capacity = num_slots
         self._policy = policy
-        # A stack: the lowest slots are handed out first.
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        # Every key that holds a slot: a ready key maps to its slot, any other (being stored, or left
-        # behind by reset) to ~slot, a negative number. One dict answers both "is it ready" (lookups)
-        # and "is it known" (stores) with a single probe.
-        self._slots: dict[ChunkKey, int] = {}
-        self._storing = 0
+        # A stack, so that a batch of keys gets consecutive slots while the pool fills up.
+        self._free: list[int] = list(range(num_slots))
+        self._ready: dict[ChunkKey, int] = {}
+        # Keys that hold a slot but are not ready: being stored, or left behind by reset (below).
+        self._pending: dict[ChunkKey, int] = {}
         self._pins: dict[ChunkKey, int] = {}
-        # Left behind by reset: stores whose completion must free the slot, and pinned entries whose last
-        # unpin frees it (key -> slot). Their keys stay in ``_slots`` until then, unavailable, so that a
+        # Left behind by reset, and still in ``_pending``: stores whose completion must free the slot, and
+        # pinned entries whose last unpin frees it. Their keys stay unavailable until then, so that a
         # late completion or unpin can never be taken for one of a new entry with the same key.
-        self._doomed: dict[ChunkKey, int] = {}
-        self._orphans: dict[ChunkKey, int] = {}
-        self._events: list[PoolEvent] = []
+        self._doomed: set[ChunkKey] = set()
+        self._orphans: set[ChunkKey] = set()
+        self._events: list[PoolEvent] | None = [] if record_events else None
         self._evictions = 0
 
     # -- lookups ---------------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
         """How many leading ``keys`` are ready. Changes nothing (see ``touch``)."""
-        get = self._slots.get
+        ready = self._ready
         count = 0
         for key in keys:
-            if get(key, -1) < 0:
+            if key not in ready:
                 break
             count += 1
         return count
 
     def slots_of(self, keys: Sequence[ChunkKey]) -> tuple[int, ...]:
         """The slots of ready ``keys``, in order. Raises ``InvalidSpecError`` if one is not ready."""
-        get = self._slots.get
-        slots = tuple([get(key, -1) for key in keys])
-        if slots and min(slots) < 0:
-            missing = keys[slots.index(min(slots))]
-            raise InvalidSpecError(f"chunk {missing!r} is not ready in the block pool")
-        return slots
+        ready = self._ready
+        try:
+            return tuple([ready[key] for key in keys])
+        except KeyError as exc:
+            raise InvalidSpecError(f"chunk {exc.args[0]!r} is not ready in the block pool") from None
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         """Mark ready ``keys`` as just used. Keys that are not ready are ignored, and so are pinned keys:
@@ -140,47 +142,47 @@ class BlockPool:
         Stops at the first new key that finds no slot: a chunk stored after a gap is no use to a prefix
         lookup. The reserved keys stay invisible until ``complete_store``.
         """
-        slots, free = self._slots, self._free
-        new = dict.fromkeys([key for key in keys if key not in slots])
+        ready, pending, free = self._ready, self._pending, self._free
+        new: list[ChunkKey] = []
+        for key in keys:
+            if key not in ready and key not in pending:
+                new.append(key)
+        if len(new) > 1 and len(set(new)) < len(new):
+            new = list(dict.fromkeys(new))  # a key given twice is stored once
+        evicted: tuple[ChunkKey, ...] = ()
+        if len(new) > len(free):
+            # keys that are not new may be ready: keep them
+            evicted = self._evict(len(new) - len(free), keys if len(new) < len(keys) else ())
         cut = max(0, len(free) - len(new))
-        taken = free[cut:]
+        reserved = tuple(zip(new, free[cut:], strict=False))  # the keys beyond the last slot get none
         del free[cut:]
-        taken.reverse()
-        evicted: list[ChunkKey] = []
-        if len(taken) < len(new):
-            shielded = self._shield(keys)
-            evicted = self._policy.evict(len(new) - len(taken))
-            self._policy.readmit(shielded)
-            taken.extend([slots.pop(key) for key in evicted])
-        reserved = tuple(zip(new, taken, strict=False))  # the keys beyond the last slot get none
-        slots.update(zip(new, map(operator.invert, taken), strict=False))
-        self._storing += len(reserved)
-        gone = tuple(evicted)
-        if gone:
-            self._evictions += len(gone)
-            self._events.append(PoolEvent(PoolEventKind.REMOVED, gone))
-        return StorePlan(slots=reserved, evicted=gone, skipped=len(keys) - len(new))
+        pending.update(reserved)
+        return StorePlan(reserved, evicted, len(keys) - len(new))
 
     def complete_store(self, keys: Sequence[ChunkKey], success: bool) -> None:
         """Finish the stores of ``keys``: on success they become ready (most recently used), on failure
         their slots are freed. Keys not being stored are ignored, so a second call changes nothing."""
-        slots, get = self._slots, self._slots.get
-        limbo = bool(self._doomed or self._orphans)
+        if self._doomed or self._orphans:
+            keys = [key for key in keys if not self._settle(key)]
+        pop = self._pending.pop
+        if not success:
+            free = self._free
+            for key in keys:
+                slot = pop(key, -1)
+                if slot >= 0:
+                    free.append(slot)
+            return
+        ready = self._ready
         done: list[ChunkKey] = []
         for key in keys:
-            slot = get(key, 0)
-            if slot >= 0 or (limbo and self._settle(key)):
-                continue
-            if success:
-                slots[key] = ~slot
-            else:
-                del slots[key]
-                self._free.append(~slot)
-            done.append(key)
-        self._storing -= len(done)
-        if done and success:
+            slot = pop(key, -1)
+            if slot >= 0:
+                ready[key] = slot
+                done.append(key)
+        if done:
             self._policy.insert(done)
-            self._events.append(PoolEvent(PoolEventKind.STORED, tuple(done)))
+            if self._events is not None:
+                self._events.append(PoolEvent(PoolEventKind.STORED, tuple(done)))
 
     # -- pins ------------------------------------------------------------------------------------------
 
@@ -216,14 +218,13 @@ class BlockPool:
             count = pins[key] - 1
             if count:
                 pins[key] = count
-                continue
-            del pins[key]
-            orphan = self._orphans.pop(key, None)
-            if orphan is None:
-                released.append(key)
+            elif key in self._orphans:
+                del pins[key]
+                self._orphans.discard(key)
+                self._free.append(self._pending.pop(key))
             else:
-                del self._slots[key]
-                self._free.append(orphan)
+                del pins[key]
+                released.append(key)
         self._policy.readmit(released)
 
     # -- whole pool ------------------------------------------------------------------------------------
@@ -235,61 +236,64 @@ class BlockPool:
         pinned ones keep theirs until their last unpin. Stores in progress are doomed: their completion
         frees the slot, whatever its outcome, and never publishes the key.
         """
-        pins, doomed, orphans = self._pins, self._doomed, self._orphans
-        kept: dict[ChunkKey, int] = {}
-        removed: list[ChunkKey] = []
-        for key, slot in self._slots.items():
-            if slot < 0:
-                if key not in doomed and key not in orphans:
-                    doomed[key] = ~slot
-                kept[key] = slot
-                continue
-            removed.append(key)
+        self._doomed.update(self._pending.keys() - self._orphans)
+        pins, pending = self._pins, self._pending
+        for key, slot in self._ready.items():
             if key in pins:
-                orphans[key] = slot
-                kept[key] = ~slot
+                self._orphans.add(key)
+                pending[key] = slot
             else:
                 self._free.append(slot)
-        self._slots = kept
-        self._storing = 0
+        if self._ready and self._events is not None:
+            self._events.append(PoolEvent(PoolEventKind.REMOVED, tuple(self._ready)))
+        self._ready.clear()
         self._policy.clear()
-        if removed:
-            self._events.append(PoolEvent(PoolEventKind.REMOVED, tuple(removed)))
 
     def take_events(self) -> tuple[PoolEvent, ...]:
         """The events since the last call, oldest first."""
+        if not self._events:
+            return ()
         events = tuple(self._events)
         self._events.clear()
         return events
 
     def usage(self) -> PoolUsage:
         """Slot accounting now; see ``PoolUsage``."""
-        doomed, orphans = len(self._doomed), len(self._orphans)
         return PoolUsage(
             capacity=self._capacity,
             used=self._capacity - len(self._free),
-            ready=len(self._slots) - self._storing - doomed - orphans,
-            storing=self._storing + doomed,
+            ready=len(self._ready),
+            storing=len(self._pending) - len(self._orphans),
             pinned=len(self._pins),
             evictions=self._evictions,
         )
 
     # -- helpers ---------------------------------------------------------------------------------------
 
+    def _evict(self, count: int, keep: Sequence[ChunkKey]) -> tuple[ChunkKey, ...]:
+        """Evict up to ``count`` chunks, none of ``keep``, and put their slots on the free list."""
+        policy, ready, pins = self._policy, self._ready, self._pins
+        # Out of the policy while it picks: a store never evicts a chunk of its own prefix.
+        shielded = list(dict.fromkeys([key for key in keep if key in ready and key not in pins]))
+        if shielded:
+            policy.discard(shielded)
+        victims = policy.evict(count)
+        if shielded:
+            policy.readmit(shielded)
+        free = self._free
+        for key in victims:
+            free.append(ready.pop(key))
+        evicted = tuple(victims)
+        self._evictions += len(evicted)
+        if evicted and self._events is not None:
+            self._events.append(PoolEvent(PoolEventKind.REMOVED, evicted))
+        return evicted
+
     def _settle(self, key: ChunkKey) -> bool:
         """Whether ``key`` is one that reset left behind (then a completion is no completion); a doomed
         store gives its slot back."""
-        slot = self._doomed.pop(key, None)
-        if slot is None:
-            return key in self._orphans
-        del self._slots[key]
-        self._free.append(slot)
-        return True
-
-    def _shield(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
-        """Take the evictable ones among ``keys`` out of the policy, so that a store never evicts a chunk
-        of its own prefix; the caller readmits them."""
-        get, pins = self._slots.get, self._pins
-        shielded = list(dict.fromkeys([key for key in keys if get(key, -1) >= 0 and key not in pins]))
-        self._policy.discard(shielded)
-        return shielded
+        if key in self._doomed:
+            self._doomed.discard(key)
+            self._free.append(self._pending.pop(key))
+            return True
+        return key in self._orphans

@@ -85,7 +85,10 @@ class LRUPolicy:
 
     def evict(self, count: int) -> list[ChunkKey]:
         pop = self._order.popitem
-        return [pop(last=False)[0] for _ in range(min(count, len(self._order)))]
+        victims: list[ChunkKey] = []
+        for _ in range(min(count, len(self._order))):
+            victims.append(pop(False)[0])
+        return victims
 
     def clear(self) -> None:
         self._order.clear()
@@ -160,22 +163,22 @@ class ARCPolicy:
 
     def evict(self, count: int) -> list[ChunkKey]:
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        capacity = self._capacity
-        evicted: list[ChunkKey] = []
+        target, capacity = self._target, self._capacity
+        victims: list[ChunkKey] = []
         for _ in range(min(count, len(t1) + len(t2))):
-            if t1 and (len(t1) > self._target or not t2):
-                key = t1.popitem(last=False)[0]
+            if t1 and (len(t1) > target or not t2):
+                key = t1.popitem(False)[0]
                 b1[key] = None
             else:
-                key = t2.popitem(last=False)[0]
+                key = t2.popitem(False)[0]
                 b2[key] = None
-            evicted.append(key)
-            # The paper's bounds on ghosts: |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c.
-            if b1 and len(t1) + len(b1) > capacity:
-                b1.popitem(last=False)
-            if b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * capacity:
-                b2.popitem(last=False)
-        return evicted
+            victims.append(key)
+        # The paper's bounds on ghosts: |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c.
+        for _ in range(min(len(b1), len(t1) + len(b1) - capacity)):
+            b1.popitem(False)
+        for _ in range(min(len(b2), len(t1) + len(t2) + len(b1) + len(b2) - 2 * capacity)):
+            b2.popitem(False)
+        return victims
 
     def clear(self) -> None:
         for keys in (self._t1, self._t2, self._b1, self._b2):

@@ -327,16 +327,16 @@ class _BlockRuns:
 
     @classmethod
     def of(cls, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> _BlockRuns:
-        starts = [0]
-        starts += [
+        breaks = [
             i
             for i, ((src_before, dst_before), (src, dst)) in enumerate(
                 pairwise(zip(src_blocks, dst_blocks, strict=True)), 1
             )
             if src - src_before != 1 or dst - dst_before != 1
         ]
-        if len(starts) == len(src_blocks):
-            return cls(src_blocks, dst_blocks, [1] * len(starts))
+        if len(breaks) + 1 >= len(src_blocks):  # nothing merges (or nothing to copy)
+            return cls(src_blocks, dst_blocks, [1] * len(src_blocks))
+        starts = [0, *breaks]
         ends = [*starts[1:], len(src_blocks)]
         return cls(
             [src_blocks[i] for i in starts],

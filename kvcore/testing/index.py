@@ -1,17 +1,17 @@
 """Conformance suite for ``ChunkIndex`` (and ``SupportsImmediateLookup``), and its state machine.
 
-A backend's test module subclasses ``ChunkIndexTests[MyIndex]`` and overrides the ``harness`` fixture
-to yield an ``IndexHarness``; ``chunk_index_state_machine(factory)`` builds the stateful test from a
-harness factory.
+A backend's test module subclasses ``ChunkIndexTests[MyIndex]`` and defines ``make_harness``: a context
+manager that yields an ``IndexHarness``. ``chunk_index_state_machine(factory)`` builds the stateful test
+from the same factory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import ClassVar, Generic, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Generic, Protocol, TypeVar
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -22,7 +22,7 @@ from kvcore.errors import BackendError
 from kvcore.ids import ChunkKey, LookupId
 from kvcore.ports import ChunkIndex, SupportsClear, SupportsImmediateLookup
 from kvcore.testing.support import (
-    SETTLE_S,
+    HarnessFixture,
     conformance,
     fresh_keys,
     require_capacity,
@@ -32,6 +32,7 @@ from kvcore.testing.support import (
     require_pinning,
     require_stall,
     run_threads,
+    settle,
 )
 
 __all__ = ["ChunkIndexTests", "IndexHarness", "answer", "chunk_index_state_machine", "settle_lookup"]
@@ -57,13 +58,7 @@ class IndexHarness(Protocol[IndexT_co]):
 
 def settle_lookup(index: ChunkIndex, lookup_id: LookupId) -> int:
     """Poll a lookup to its answer; fails the test if none comes within ``SETTLE_S``."""
-    deadline = time.monotonic() + SETTLE_S
-    while (hits := index.poll_lookup(lookup_id)) is None:
-        if time.monotonic() > deadline:
-            index.cancel_lookup(lookup_id)
-            pytest.fail(f"lookup {lookup_id} never answered within {SETTLE_S}s")
-        time.sleep(0.001)
-    return hits
+    return settle(partial(index.poll_lookup, lookup_id), f"lookup {lookup_id}")
 
 
 def answer(index: ChunkIndex, chunks: Sequence[Sequence[ChunkKey]]) -> int:
@@ -78,14 +73,8 @@ def _one_per_chunk(keys: Sequence[ChunkKey]) -> list[list[ChunkKey]]:
     return [[key] for key in keys]
 
 
-class ChunkIndexTests(Generic[IndexT]):
-    """The ``ChunkIndex`` contract. Override ``harness`` to yield a fresh ``IndexHarness`` per test."""
-
-    pytestmark: ClassVar[list[pytest.MarkDecorator]] = [conformance]
-
-    @pytest.fixture
-    def harness(self) -> Iterator[IndexHarness[IndexT]]:
-        raise NotImplementedError(f"{type(self).__name__} must override the harness fixture")
+class ChunkIndexTests(HarnessFixture[IndexHarness[IndexT]], Generic[IndexT]):
+    """The ``ChunkIndex`` contract. Define ``make_harness``: a fresh ``IndexHarness`` per test."""
 
     def test_no_chunks_is_zero(self, harness: IndexHarness[IndexT]) -> None:
         assert answer(harness.backend, []) == 0

@@ -41,10 +41,9 @@ POISON = 0xA5
 _Work = Callable[[JobId], JobResult]
 
 
-def _positive_or_none(name: str, value: int | None, unit: str) -> int | None:
+def _check_positive(name: str, value: int | None, expected: str = "an integer >= 1") -> None:
     if value is not None and value < 1:
-        raise ConfigError(name, value, f"a positive number of {unit}, or None for no bound")
-    return value
+        raise ConfigError(name, value, expected)
 
 
 class _Gate:
@@ -120,7 +119,13 @@ class _Jobs(_Gate):
                     self._worker_running = False
                     return
                 job_id, work = self._queue.popleft()
-            self._board.finish(work(job_id))
+            try:
+                result = work(job_id)
+            except BaseException:  # a bug in the reference: surface it, and let a later submit run
+                with self._cond:
+                    self._worker_running = False
+                raise
+            self._board.finish(result)
 
 
 def _check_items(items: Sequence[StoreItem], host_size: int) -> None:
@@ -139,7 +144,8 @@ class _Values:
     """
 
     def __init__(self, capacity: int | None) -> None:
-        self.capacity = _positive_or_none("capacity", capacity, "bytes")
+        _check_positive("capacity", capacity, "a number of bytes >= 1, or None for no bound")
+        self.capacity = capacity
         self.data: OrderedDict[ChunkKey, bytes] = OrderedDict()
         self.reserved: dict[ChunkKey, int] = {}
 
@@ -175,7 +181,8 @@ class InMemoryChunkIndex(_Gate):
 
     def __init__(self, capacity: int | None = None) -> None:
         super().__init__()
-        self.capacity = _positive_or_none("capacity", capacity, "keys")
+        _check_positive("capacity", capacity, "a number of keys >= 1, or None for no bound")
+        self.capacity = capacity
         self._keys: OrderedDict[ChunkKey, None] = OrderedDict()
         self._pins: Counter[ChunkKey] = Counter()
         self._lookups: dict[LookupId, tuple[tuple[ChunkKey, ...], ...]] = {}
@@ -281,7 +288,7 @@ class InMemoryBlockMover(_Jobs):
             ("layer_block_bytes", layer_block_bytes),
             ("num_layers", num_layers),
         ]:
-            _positive_or_none(name, value, name.rpartition("_")[2])
+            _check_positive(name, value)
         self.num_engine_blocks = num_engine_blocks
         self.num_host_blocks = num_host_blocks
         self.layer_block_bytes = layer_block_bytes
@@ -581,7 +588,7 @@ class InMemoryAddressSpace:
 
     def allocate(self, length: int) -> MemoryRegion:
         """A new zeroed span of ``length`` bytes."""
-        _positive_or_none("length", length, "bytes")
+        _check_positive("length", length)
         with self._lock:
             address = self._next
             self._memory[address] = bytearray(length)

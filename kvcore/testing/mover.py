@@ -1,14 +1,13 @@
 """Conformance suite for ``BlockMover``.
 
-A backend's test module subclasses ``BlockMoverTests[MyMover]`` and overrides the ``harness`` fixture
-to yield a ``MoverHarness``: the mover plus out-of-band access to engine and host blocks, in the host
-block's byte form (one engine block of every layer, layer after layer).
+A backend's test module subclasses ``BlockMoverTests[MyMover]`` and defines ``make_harness``: a context
+manager that yields a ``MoverHarness``, the mover plus out-of-band access to engine and host blocks in
+the host block's byte form (one engine block of every layer, layer after layer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import ClassVar, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import pytest
 
@@ -16,9 +15,10 @@ from kvcore.errors import InvalidSpecError
 from kvcore.ids import JobId
 from kvcore.ports import BlockMover, BlockTransfer, Direction
 from kvcore.testing.support import (
+    SETTLE_S,
+    HarnessFixture,
     check_result_handed_out_once,
     check_wait_timeout_then_poll,
-    conformance,
     payload,
     require_failure_injection,
     require_stall,
@@ -84,14 +84,8 @@ def _host(harness: MoverHarness[BlockMover]) -> list[bytes]:
     return [harness.read_host_block(b) for b in range(harness.num_host_blocks)]
 
 
-class BlockMoverTests(Generic[MoverT]):
-    """The ``BlockMover`` contract. Override ``harness`` to yield a fresh ``MoverHarness`` per test."""
-
-    pytestmark: ClassVar[list[pytest.MarkDecorator]] = [conformance]
-
-    @pytest.fixture
-    def harness(self) -> Iterator[MoverHarness[MoverT]]:
-        raise NotImplementedError(f"{type(self).__name__} must override the harness fixture")
+class BlockMoverTests(HarnessFixture[MoverHarness[MoverT]], Generic[MoverT]):
+    """The ``BlockMover`` contract. Define ``make_harness``: a fresh ``MoverHarness`` per test."""
 
     def test_save_copies_blocks_bit_exact(self, harness: MoverHarness[MoverT]) -> None:
         # save engine [0, 2, 1] -> host [3, 0, 1]; host 2, 4.. untouched
@@ -168,7 +162,7 @@ class BlockMoverTests(Generic[MoverT]):
         def save(thread: int) -> None:
             engine_blocks, host_blocks = pairs[thread]
             jobs = [self._save(harness, e, h) for e, h in zip(engine_blocks, host_blocks, strict=False)]
-            results = harness.backend.wait(jobs, 5.0)
+            results = harness.backend.wait(jobs, SETTLE_S)
             assert [r.job_id for r in results] == jobs
             assert all(r.ok for r in results)
             copied.update(zip(host_blocks, engine_blocks, strict=False))

@@ -5,11 +5,13 @@ This module imports pytest; only the suite modules import it, never ``kvcore.tes
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import ClassVar, Generic, TypeVar
 
 import pytest
 
@@ -25,6 +27,7 @@ from kvcore.testing.capabilities import (
 )
 
 __all__ = [
+    "HarnessFixture",
     "SETTLE_S",
     "SHORT_S",
     "check_result_handed_out_once",
@@ -40,6 +43,7 @@ __all__ = [
     "require_pinning",
     "require_stall",
     "run_threads",
+    "settle",
     "split",
     "wait_one",
 ]
@@ -47,11 +51,34 @@ __all__ = [
 conformance = pytest.mark.kvcore_conformance
 """The marker every conformance test carries (registered by ``kvcore.testing.plugin``)."""
 
+HarnessT = TypeVar("HarnessT")
+
 SETTLE_S = 5.0
 """How long a job or lookup that must finish may take before the test fails (nothing may hang)."""
 
 SHORT_S = 0.05
 """A wait that is expected to time out."""
+
+
+class HarnessFixture(Generic[HarnessT]):
+    """The base of every suite: the ``harness`` fixture, built by ``make_harness``, and the marker.
+
+    A backend's test class defines ``make_harness`` (type-checked against the suite's harness protocol).
+    A harness that needs other fixtures overrides the ``harness`` fixture instead, asking for them.
+    """
+
+    pytestmark: ClassVar[list[pytest.MarkDecorator]] = [conformance]
+
+    def make_harness(self) -> contextlib.AbstractContextManager[HarnessT]:
+        """A fresh harness for one test; leaving the context tears its backend down."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must define make_harness (or override the harness fixture)"
+        )
+
+    @pytest.fixture
+    def harness(self) -> Iterator[HarnessT]:
+        with self.make_harness() as harness:
+            yield harness
 
 
 def _reason(obj: object, capability: str) -> str:
@@ -119,6 +146,17 @@ def collect(queue: JobQueue, job_ids: Collection[JobId], timeout: float = SETTLE
         if time.monotonic() > deadline:
             pytest.fail(f"jobs {sorted(wanted - found.keys())} never reported within {timeout}s")
         time.sleep(0.001)
+
+
+def settle(poll: Callable[[], int | None], what: str) -> int:
+    """Call ``poll`` until it answers (a lookup's ``None`` means pending); fails the test after
+    ``SETTLE_S``."""
+    deadline = time.monotonic() + SETTLE_S
+    while (answer := poll()) is None:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} never answered within {SETTLE_S}s")
+        time.sleep(0.001)
+    return answer
 
 
 def wait_one(queue: JobQueue, job_id: JobId) -> JobResult:

@@ -1,30 +1,51 @@
-"""The conformance suite run against the in-memory reference backends (proof that the suite runs)."""
+"""The conformance suite run against the in-memory reference backends: proof that the suite runs.
+
+Each harness hands the suite a fresh backend and the out-of-band hooks that bypass it; the test hooks
+(``fail_next``, ``stall``, ``capacity``, ``pin``) are the reference backends' own.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Generic, TypeVar
 
 import pytest
 
 from kvcore.ids import ChunkKey
+from kvcore.ports import MemoryRegion
 from kvcore.testing.index import ChunkIndexTests, chunk_index_state_machine
-from kvcore.testing.memory import InMemoryChunkIndex
+from kvcore.testing.managed import ManagedTierTests
+from kvcore.testing.memory import (
+    InMemoryAddressSpace,
+    InMemoryBlockMover,
+    InMemoryChunkIndex,
+    InMemoryChunkStore,
+    InMemoryManagedTier,
+    InMemoryPeerTransport,
+)
+from kvcore.testing.mover import BlockMoverTests
+from kvcore.testing.peer import PeerTransportTests
+from kvcore.testing.store import ChunkStoreTests, chunk_store_state_machine
+from kvcore.testing.support import require_stall
+
+INDEX_CAPACITY = 8  # keys
+STORE_CAPACITY = 4096  # bytes
+HOST_SIZE = 16 * 1024  # bytes
+
+TierT = TypeVar("TierT", InMemoryChunkStore, InMemoryManagedTier)
 
 
 class MemoryIndexHarness:
-    """An ``InMemoryChunkIndex`` whose keys are the tier's: presence is set on the index itself."""
+    """The index's keys are the tier's: presence is set on the index itself."""
 
-    def __init__(self, capacity: int | None) -> None:
+    def __init__(self, capacity: int) -> None:
         self.backend = InMemoryChunkIndex(capacity)
+        self.capacity = capacity
         self.fail_next = self.backend.fail_next
         self.stall = self.backend.stall
         self.pin = self.backend.pin
         self.unpin = self.backend.unpin
-
-    @property
-    def capacity(self) -> int:
-        return 8
 
     def make_present(self, keys: Sequence[ChunkKey]) -> None:
         self.backend.add(keys)
@@ -33,15 +54,121 @@ class MemoryIndexHarness:
         self.backend.discard(keys)
 
 
+class MemoryMoverHarness:
+    def __init__(self) -> None:
+        self.backend = InMemoryBlockMover(
+            num_engine_blocks=12, num_host_blocks=16, layer_block_bytes=32, num_layers=3
+        )
+        self.num_engine_blocks = self.backend.num_engine_blocks
+        self.num_host_blocks = self.backend.num_host_blocks
+        self.block_bytes = self.backend.host_block_bytes
+        self.read_engine_block = self.backend.read_engine_block
+        self.write_engine_block = self.backend.write_engine_block
+        self.read_host_block = self.backend.read_host_block
+        self.write_host_block = self.backend.write_host_block
+        self.fail_next = self.backend.fail_next
+        self.stall = self.backend.stall
+
+
+class MemoryTierHarness(Generic[TierT]):
+    """A store or managed tier over a host ``bytearray``; ``peek``/``poke`` are the backend's own."""
+
+    def __init__(self, backend: TierT, host: bytearray, capacity: int) -> None:
+        self.backend: TierT = backend
+        self.host_size = len(host)
+        self.capacity = capacity
+        self._host = host
+        self.peek = backend.peek
+        self.poke = backend.poke
+        self.fail_next = backend.fail_next
+        self.stall = backend.stall
+
+    def read_host(self, offset: int, length: int) -> bytes:
+        return bytes(self._host[offset : offset + length])
+
+    def write_host(self, offset: int, data: bytes) -> None:
+        self._host[offset : offset + len(data)] = data
+
+
+class MemoryPeerHarness:
+    """Two transports on one address space; the producer's memory needs no registration."""
+
+    def __init__(self) -> None:
+        self.space = InMemoryAddressSpace()
+        self.producer = InMemoryPeerTransport(self.space, "prefill-0")
+        self.consumer = InMemoryPeerTransport(self.space, "decode-0")
+        self.consumer_name = self.consumer.name
+        self.write_memory = self.space.write
+        self.read_memory = self.space.read
+        self.fail_next = self.producer.fail_next
+        self.stall = self.producer.stall
+
+    def allocate_local(self, length: int) -> int:
+        return self.space.allocate(length).address
+
+    def allocate_remote(self, length: int) -> MemoryRegion:
+        return self.space.allocate(length)
+
+
 @contextlib.contextmanager
-def memory_index_harness() -> Iterator[MemoryIndexHarness]:
-    yield MemoryIndexHarness(None)
+def memory_index_harness(capacity: int = INDEX_CAPACITY) -> Iterator[MemoryIndexHarness]:
+    yield MemoryIndexHarness(capacity)
+
+
+@contextlib.contextmanager
+def memory_store_harness() -> Iterator[MemoryTierHarness[InMemoryChunkStore]]:
+    host = bytearray(HOST_SIZE)
+    yield MemoryTierHarness(InMemoryChunkStore(host, STORE_CAPACITY), host, STORE_CAPACITY)
 
 
 class TestInMemoryChunkIndex(ChunkIndexTests[InMemoryChunkIndex]):
-    @pytest.fixture
-    def harness(self) -> Iterator[MemoryIndexHarness]:
-        yield MemoryIndexHarness(8)
+    def make_harness(self) -> contextlib.AbstractContextManager[MemoryIndexHarness]:
+        return memory_index_harness()
+
+    def test_full_index_evicts_the_least_recently_added_key(self, harness: MemoryIndexHarness) -> None:
+        # capacity 8: add k0..k7, re-add k0, add k8 -> evicts k1
+        keys = [ChunkKey(f"k{i}") for i in range(9)]
+        harness.backend.add(keys[:8])
+        harness.backend.add(keys[:1])
+        harness.backend.add(keys[8:])
+        assert [k for k in keys if k not in harness.backend] == [keys[1]]
+
+    def test_full_index_of_pinned_keys_refuses_new_ones(self, harness: MemoryIndexHarness) -> None:
+        keys = [ChunkKey(f"k{i}") for i in range(9)]
+        harness.backend.add(keys[:8])
+        harness.backend.pin(keys[:8])
+        assert harness.backend.add(keys[8:]) == (False,)
+        assert len(harness.backend) == 8
 
 
-TestInMemoryChunkIndexMachine = chunk_index_state_machine(memory_index_harness).TestCase
+class TestInMemoryBlockMover(BlockMoverTests[InMemoryBlockMover]):
+    def make_harness(self) -> contextlib.AbstractContextManager[MemoryMoverHarness]:
+        return contextlib.nullcontext(MemoryMoverHarness())
+
+
+class TestInMemoryChunkStore(ChunkStoreTests[InMemoryChunkStore]):
+    def make_harness(self) -> contextlib.AbstractContextManager[MemoryTierHarness[InMemoryChunkStore]]:
+        return memory_store_harness()
+
+
+class TestInMemoryManagedTier(ManagedTierTests[InMemoryManagedTier]):
+    def make_harness(self) -> contextlib.AbstractContextManager[MemoryTierHarness[InMemoryManagedTier]]:
+        host = bytearray(HOST_SIZE)
+        tier = InMemoryManagedTier(host, STORE_CAPACITY)
+        return contextlib.nullcontext(MemoryTierHarness(tier, host, STORE_CAPACITY))
+
+
+class TestInMemoryPeerTransport(PeerTransportTests[InMemoryPeerTransport]):
+    def make_harness(self) -> contextlib.AbstractContextManager[MemoryPeerHarness]:
+        return contextlib.nullcontext(MemoryPeerHarness())
+
+
+TestInMemoryChunkIndexMachine = chunk_index_state_machine(
+    lambda: memory_index_harness(capacity=1024)
+).TestCase
+TestInMemoryChunkStoreMachine = chunk_store_state_machine(memory_store_harness).TestCase
+
+
+def test_a_missing_capability_skips_naming_it() -> None:
+    with pytest.raises(pytest.skip.Exception, match="object does not declare SupportsStall"):
+        require_stall(object())

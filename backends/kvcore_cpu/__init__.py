@@ -1,0 +1,16 @@
+"""The CPU backend's worker side: host memory for KV blocks and the block mover that fills and drains it.
+
+``EngineKV`` registers the engine's KV tensors against their layout, ``HostMemory`` holds the host
+blocks, and ``TorchBlockMover`` (the ``kvcore.ports.BlockMover`` port) copies whole blocks between them:
+on a worker thread for a CPU engine, on copy streams for a CUDA engine. ``open_worker`` composes them
+for one rank from kvcore's configuration; ``pool_slots`` says how many host slots a configured size buys.
+"""
+
+from __future__ import annotations
+
+from kvcore_cpu.engine_kv import EngineKV
+from kvcore_cpu.host_memory import HostMemory
+from kvcore_cpu.mover import TorchBlockMover
+from kvcore_cpu.tier import open_worker, pool_slots
+
+__all__ = ["EngineKV", "HostMemory", "TorchBlockMover", "open_worker", "pool_slots"]

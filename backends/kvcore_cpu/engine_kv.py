@@ -1,0 +1,172 @@
+"""The engine's KV tensors, checked against their declared layout and seen as rows of block bytes.
+
+Copies move whole blocks, so the mover never needs dtypes or head axes: it needs, for every layer, the
+*planes* that hold its blocks as ``[num_blocks, plane_bytes]`` byte views (FlashAttention: a K plane and
+a V plane; every other layout: one plane). A host block is those planes' blocks, layer after layer, K
+before V.
+
+When every plane lives in one storage at offsets that are whole multiples of a plane block (vLLM CPU
+allocates all layers as views into one buffer), the planes are also exposed as a single row view of that
+storage: the mover can then gather one block of every layer with one indexed copy instead of one per layer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+from attrs import frozen
+
+from kvcore.errors import InvalidSpecError
+from kvcore.layout import KVLayout, LayoutKind
+
+__all__ = ["EngineKV", "SharedRows"]
+
+_SHAPE_NAMES = {
+    LayoutKind.VLLM_CPU: "[blocks, heads, block_tokens, 2*head]",
+    LayoutKind.FLASH_ATTN: "[2, blocks, block_tokens, heads, head]",
+    LayoutKind.FLASH_INFER: "[blocks, 2, block_tokens, heads, head]",
+    LayoutKind.MLA: "[blocks, block_tokens, latent]",
+}
+
+
+@frozen(eq=False)
+class SharedRows:
+    """All planes as rows of one storage: plane ``q``'s block ``b`` is ``rows[plane_rows[q] + b]``."""
+
+    rows: torch.Tensor
+    plane_rows: tuple[int, ...]
+
+
+@frozen(eq=False)
+class EngineKV:
+    """The registered KV tensors of every layer of one rank, sharing one layout and one device.
+
+    Build it with ``EngineKV.register``. ``layers[i]`` holds layer ``i``'s planes, each a
+    ``[num_blocks, plane_bytes]`` uint8 view of the engine's memory (writes go to the engine).
+    """
+
+    layout: KVLayout
+    layers: tuple[tuple[torch.Tensor, ...], ...]
+    shared: SharedRows | None
+
+    @classmethod
+    def register(cls, tensors: Sequence[torch.Tensor], layout: KVLayout) -> EngineKV:
+        """Check every layer's tensor against ``layout`` and build the byte views.
+
+        A tensor is either the engine's view (``layout.shape`` with ``layout.strides``: HND keeps the NHD
+        axis order and permutes strides, as vLLM does) or a contiguous tensor of ``layout.physical_shape``.
+
+        Raises ``InvalidSpecError`` naming the layer, the field (shape, dtype size, dtype, device,
+        contiguity, memory), what it got and what it expected.
+        """
+        if not tensors:
+            raise InvalidSpecError("tensors: got 0 layers, expected at least 1")
+        first = tensors[0]
+        for layer, tensor in enumerate(tensors):
+            _check_layer(layer, tensor, first, layout)
+        _check_disjoint(tensors)
+        layers = tuple(_planes(t, layout) for t in tensors)
+        return cls(layout, layers, _shared_rows(first, [p for planes in layers for p in planes]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0][0].device
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    @property
+    def planes(self) -> tuple[torch.Tensor, ...]:
+        """Every plane in host-block order: layer after layer, K before V."""
+        return tuple(p for planes in self.layers for p in planes)
+
+    @property
+    def plane_bytes(self) -> int:
+        """Bytes of one block of one plane (the unit every copy is made of)."""
+        return int(self.layers[0][0].shape[1])
+
+    @property
+    def host_block_bytes(self) -> int:
+        """Bytes of one host block: one block of every plane of every layer."""
+        return self.plane_bytes * sum(len(planes) for planes in self.layers)
+
+
+def _fail(layer: int, field: str, got: object, expected: str) -> InvalidSpecError:
+    return InvalidSpecError(f"layer {layer}: {field}: got {got}, expected {expected}")
+
+
+def _check_layer(layer: int, tensor: torch.Tensor, first: torch.Tensor, layout: KVLayout) -> None:
+    got = tuple(tensor.shape)
+    engine_form = got == layout.shape
+    if not engine_form and got != layout.physical_shape:
+        raise _fail(layer, "shape", got, _shape_hint(layout))
+    if tensor.element_size() != layout.dtype_size:
+        raise _fail(
+            layer, "dtype size", f"{tensor.element_size()} ({tensor.dtype})", f"{layout.dtype_size} bytes"
+        )
+    if tensor.dtype != first.dtype:
+        raise _fail(layer, "dtype", tensor.dtype, f"{first.dtype} (layer 0's)")
+    if tensor.device != first.device:
+        raise _fail(layer, "device", tensor.device, f"{first.device} (layer 0's)")
+    dense = _strides_match(tensor, layout.strides) if engine_form else tensor.is_contiguous()
+    if not dense:
+        expected = layout.strides if engine_form else "a contiguous tensor"
+        order = layout.head_order.value.upper()
+        raise _fail(layer, "contiguity", f"strides {tensor.stride()}", f"{expected} (dense, {order})")
+
+
+def _shape_hint(layout: KVLayout) -> str:
+    names = f"{_SHAPE_NAMES[layout.kind]} for {layout.kind.value}"
+    if layout.shape == layout.physical_shape:
+        return f"{layout.shape} ({names})"
+    return f"{layout.shape} ({names}, {layout.head_order.value.upper()} strides) or {layout.physical_shape}"
+
+
+def _strides_match(tensor: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    """Strides equal where they matter: an axis of size 1 is never stepped over."""
+    return all(
+        size == 1 or got == want
+        for size, got, want in zip(tensor.shape, tensor.stride(), strides, strict=True)
+    )
+
+
+def _check_disjoint(tensors: Sequence[torch.Tensor]) -> None:
+    """Two layers sharing bytes would overwrite each other's blocks: refuse them."""
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), layer) for layer, t in enumerate(tensors)
+    )
+    for (_, end, before), (start, _, layer) in itertools.pairwise(spans):
+        if start < end:
+            raise _fail(
+                max(layer, before), "memory", "bytes shared", f"no overlap with layer {min(layer, before)}"
+            )
+
+
+def _planes(tensor: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, ...]:
+    # The engine's HND form swaps the token and head axes in memory; its transpose is contiguous.
+    in_memory_order = tensor if tensor.is_contiguous() else tensor.transpose(2, 3)
+    data = in_memory_order.view(torch.uint8)
+    if layout.kind is LayoutKind.FLASH_ATTN:
+        k_and_v = data.view(2, layout.num_blocks, -1)
+        return (k_and_v[0], k_and_v[1])
+    return (data.view(layout.num_blocks, -1),)
+
+
+def _shared_rows(first: torch.Tensor, planes: Sequence[torch.Tensor]) -> SharedRows | None:
+    storage = first.untyped_storage()
+    base = storage.data_ptr()
+    row_bytes = int(planes[0].shape[1])
+    offsets = [p.data_ptr() - base for p in planes]
+    same_storage = all(p.untyped_storage().data_ptr() == base for p in planes)
+    if not same_storage or any(offset % row_bytes for offset in offsets):
+        return None
+    count = storage.nbytes() // row_bytes
+    rows = torch.as_strided(planes[0], (count, row_bytes), (row_bytes, 1), 0)
+    return SharedRows(rows, tuple(offset // row_bytes for offset in offsets))

@@ -1,0 +1,157 @@
+"""``TorchBlockMover``: the ``BlockMover`` port over torch tensors, for CPU and CUDA engines.
+
+``submit`` checks the block ids on the caller's thread, so that wrong ids raise before anything is
+copied, then hands the job to a lane and returns: a worker thread for a CPU engine (``cpu_lane`` running
+``cpu_copy``), one copy stream per direction for a CUDA engine (``cuda_lane``). Both report to one
+``JobBoard``, which ``poll`` and ``wait`` read.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguration, UsageError
+from kvcore.ids import JobId
+from kvcore.jobs import JobBoard, JobResult
+from kvcore.ports import BlockTransfer, Direction
+from kvcore_cpu.cpu_copy import BlockCopier
+from kvcore_cpu.cpu_lane import CpuLane
+from kvcore_cpu.cuda_lane import CudaLane
+from kvcore_cpu.engine_kv import EngineKV
+from kvcore_cpu.host_memory import HostMemory
+from kvcore_cpu.rows import IntArray, routes
+
+__all__ = ["TorchBlockMover"]
+
+
+class _Lane(Protocol):
+    def start(
+        self, job_id: JobId, direction: Direction, engine_ids: IntArray, host_ids: IntArray
+    ) -> None: ...
+
+    def wait_loaded(self, job_id: JobId, timeout: float) -> None: ...
+
+    def close(self, timeout: float) -> None: ...
+
+
+class TorchBlockMover:
+    """Copies whole blocks between the registered engine KV tensors and host memory.
+
+    ``copy_threads`` is how many threads a CPU copy uses (the worker and its helpers); CUDA copies run
+    on the device's copy engines and ignore it.
+    """
+
+    def __init__(self, engine: EngineKV, host: HostMemory, *, copy_threads: int = 2) -> None:
+        if host.block_bytes != engine.host_block_bytes:
+            raise InvalidSpecError(
+                f"host memory: block_bytes: got {host.block_bytes}, expected {engine.host_block_bytes} "
+                f"(one block of each of the engine's {engine.num_layers} layers)"
+            )
+        if copy_threads < 1:
+            raise ConfigError("copy_threads", copy_threads, "at least 1")
+        self._engine_blocks = engine.num_blocks
+        self._host_blocks = host.num_blocks
+        self._board = JobBoard()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._copier: BlockCopier | None = None
+        device = engine.device
+        if device.type == "cuda":
+            self._lane: _Lane = CudaLane(routes(engine), host, self._board, device)
+        elif device.type == "cpu":
+            self._copier = BlockCopier(routes(engine), host, copy_threads)
+            self._lane = CpuLane(self._board, self._copy_on_worker)
+        else:
+            raise UnsupportedConfiguration(f"engine device: got {device}, expected cpu or cuda")
+
+    def submit(self, transfer: BlockTransfer) -> JobId:
+        """Queue a copy and return at once.
+
+        Raises ``InvalidSpecError`` (nothing copied) for block ids out of range, lists of different
+        lengths or a destination block listed twice; ``UsageError`` once the mover is closed. A copy that
+        fails later is a failed result: the destination blocks hold undefined bytes.
+        """
+        engine_ids = _ids("engine_blocks", transfer.engine_blocks, self._engine_blocks)
+        host_ids = _ids("host_blocks", transfer.host_blocks, self._host_blocks)
+        if len(engine_ids) != len(host_ids):
+            raise InvalidSpecError(
+                f"host_blocks has {len(host_ids)} entries, engine_blocks {len(engine_ids)}: expected equal"
+            )
+        if transfer.direction is Direction.SAVE:
+            _check_unique("host_blocks", host_ids)
+        else:
+            _check_unique("engine_blocks", engine_ids)
+        with self._lock:
+            if self._closed:
+                raise UsageError("the mover is closed")
+            job_id = self._board.new()
+            if len(engine_ids):
+                self._lane.start(job_id, transfer.direction, engine_ids, host_ids)
+            else:
+                self._board.finish(JobResult(job_id))
+        return job_id
+
+    def poll(self) -> tuple[JobResult, ...]:
+        return self._board.poll()
+
+    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
+        return self._board.wait(job_ids, timeout)
+
+    def wait_loaded(self, job_id: JobId, timeout: float) -> None:
+        """Order the engine after the load ``job_id``, without taking its result.
+
+        CUDA: the current stream waits for the load's copies (the host does not block). CPU: blocks
+        until the load is in place, ``TransferTimeout`` after ``timeout`` seconds. Unknown or reported
+        jobs return at once. A failed load still returns: its result says which blocks to recompute.
+        """
+        self._lane.wait_loaded(job_id, timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop taking jobs, fail those not started, join the worker (at most ``timeout`` s). Idempotent.
+
+        Every submitted job still gets a result through ``poll`` / ``wait``.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._lane.close(timeout)
+        if self._copier is not None:
+            self._copier.close()
+
+    def _copy_on_worker(
+        self, direction: Direction, engine_ids: IntArray, host_ids: IntArray
+    ) -> tuple[int, ...]:
+        """Copy one job's block pairs on the CPU worker thread; return the indices of pairs that failed.
+
+        The extension point for tests and instrumentation: an override may stall, or copy some pairs and
+        report the others failed; an exception fails every pair.
+        """
+        if self._copier is None:
+            raise UsageError("a CUDA engine copies on streams, not on the worker thread")
+        self._copier.copy(direction, engine_ids, host_ids)
+        return ()
+
+
+def _ids(name: str, values: Sequence[int], bound: int) -> IntArray:
+    if not values:
+        return np.empty(0, dtype=np.int64)
+    ids = np.asarray(values)
+    if ids.dtype.kind not in "iu":
+        raise InvalidSpecError(f"{name}: got {ids.dtype} values, expected integer block ids")
+    ids = ids.astype(np.int64, copy=False)
+    outside = ids[(ids < 0) | (ids >= bound)]
+    if len(outside):
+        raise InvalidSpecError(f"{name}: block {int(outside[0])} is outside [0, {bound})")
+    return ids
+
+
+def _check_unique(name: str, ids: IntArray) -> None:
+    values, counts = np.unique(ids, return_counts=True)
+    if len(values) != len(ids):
+        twice = int(values[counts > 1][0])
+        raise InvalidSpecError(f"{name}: block {twice} is a destination twice in one job")

@@ -1,0 +1,61 @@
+"""Where a block pair's bytes sit: engine and host block ids turned into row indices.
+
+Every copy is made of rows of ``plane_bytes`` (one block of one plane). A ``Route`` pairs an engine row
+view with the matching rows of host blocks: a single route covers every plane when the planes share one
+storage (so one indexed copy moves a block of every layer), otherwise there is one route per plane.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from attrs import frozen
+
+from kvcore_cpu.engine_kv import EngineKV
+
+__all__ = ["IntArray", "Route", "routes"]
+
+IntArray = npt.NDArray[np.int64]
+
+
+@frozen(eq=False)
+class Route:
+    """Engine rows ``engine`` and the host rows they pair with.
+
+    ``plane`` is ``None`` when the route covers every plane (a host block's rows are ``h * planes + q``),
+    else the one plane it covers (a host block's row is ``h`` of that plane's column).
+    """
+
+    engine: torch.Tensor
+    engine_base: IntArray
+    plane: int | None
+    planes: int
+
+    def host_view(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The rows this route copies to or from in ``blocks`` (contiguous ``[k, host_block_bytes]``)."""
+        row = int(self.engine.shape[1])
+        if self.plane is None:
+            return blocks.view(-1, row)
+        return blocks.view(blocks.shape[0], self.planes, row)[:, self.plane]
+
+    def engine_rows(self, engine_ids: IntArray) -> IntArray:
+        """Engine rows of every (block, plane), block-major."""
+        rows: IntArray = (engine_ids[:, None] + self.engine_base[None, :]).ravel()
+        return rows
+
+    def host_rows(self, host_ids: IntArray) -> IntArray:
+        """``host_view`` rows of every (block, plane), in the order of ``engine_rows``."""
+        width = len(self.engine_base)
+        rows: IntArray = (host_ids[:, None] * width + np.arange(width, dtype=np.int64)[None, :]).ravel()
+        return rows
+
+
+def routes(engine: EngineKV) -> tuple[Route, ...]:
+    """One route over shared rows when the engine has them, else one route per plane."""
+    planes = engine.planes
+    if engine.shared is not None:
+        base = np.asarray(engine.shared.plane_rows, dtype=np.int64)
+        return (Route(engine.shared.rows, base, None, len(planes)),)
+    zero = np.zeros(1, dtype=np.int64)
+    return tuple(Route(plane, zero, q, len(planes)) for q, plane in enumerate(planes))

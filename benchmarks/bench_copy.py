@@ -1,0 +1,213 @@
+"""Block copy throughput through ``TorchBlockMover`` against a plain copy of the same bytes.
+
+For each host block size and id pattern, saves (gather: engine -> host) and loads (scatter: host ->
+engine) ``n`` blocks through the mover, and times a contiguous ``torch`` copy of the same total bytes with
+the same number of threads in the same run (interleaved, medians of the repeats). The engine is laid out
+like vLLM CPU: every layer a view into one storage. ``random`` draws engine and host ids at random from
+pools twice the size of the copy; ``contiguous`` copies one run on both sides.
+
+On a CUDA machine it also measures device -> host and host -> device copies, and both at once, against
+``copy_`` between the device and page-locked memory of the same bytes.
+
+    python -m benchmarks.bench_copy [--quick] [--threads 2] [--layers 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from kvcore.layout import KVLayout, LayoutKind
+from kvcore.ports import BlockTransfer, Direction
+from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
+
+KiB = 1 << 10
+MiB = 1 << 20
+SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB)
+HEAD = 64  # head size; bf16, one KV head: a token of one layer holds 2 * 64 * 2 bytes
+
+
+def _median_seconds(
+    run: Callable[[], None], baseline: Callable[[], None], repeats: int
+) -> tuple[float, float]:
+    """Median wall time of ``run`` and of ``baseline``, measured alternately after one warm-up each."""
+    run()
+    baseline()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for fn, out in ((run, times[0]), (baseline, times[1])):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def _engine(blocks: int, block_bytes: int, layers: int, device: torch.device) -> list[torch.Tensor]:
+    tokens = block_bytes // layers // (4 * HEAD)
+    storage = torch.randint(
+        -100, 100, (layers, blocks, 1, tokens, 2 * HEAD), dtype=torch.int16, device=device
+    )
+    return list(storage.view(torch.bfloat16).unbind(0))
+
+
+def _ids(pattern: str, count: int, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+    if pattern == "contiguous":
+        return list(range(count // 2, count // 2 + count)), list(range(count))
+    return (
+        rng.choice(2 * count, count, replace=False).tolist(),
+        rng.choice(2 * count, count, replace=False).tolist(),
+    )
+
+
+def _mover_run(mover: TorchBlockMover, transfers: Sequence[BlockTransfer]) -> Callable[[], None]:
+    def run() -> None:
+        jobs = [mover.submit(t) for t in transfers]
+        results = mover.wait(jobs, 600.0)
+        if not all(r.ok for r in results):
+            raise RuntimeError(f"copy failed: {results}")
+
+    return run
+
+
+def _row(label: str, nbytes: int, seconds: float, base: float) -> str:
+    return f"{label:<34} {nbytes / seconds / 1e9:8.2f} {nbytes / base / 1e9:9.2f} {base / seconds:7.2f}"
+
+
+def bench_cpu(sizes: Sequence[int], layers: int, threads: int, min_bytes: int, repeats: int) -> None:
+    torch.set_num_threads(threads)
+    cpu = torch.device("cpu")
+    print(f"CPU: {layers} layer(s) in one storage, {threads} copy thread(s); baseline: torch copy_")
+    print(f"{'block / ids / direction':<34} {'GB/s':>8} {'copy GB/s':>9} {'ratio':>7}")
+    rng = np.random.default_rng(0)
+    for size in sizes:
+        count = max(256 if min_bytes >= 64 * MiB else 32, -(-min_bytes // size))
+        kv = EngineKV.register(_engine(2 * count, size, layers, cpu), _layout(2 * count, size, layers))
+        nbytes = count * size
+        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+        with HostMemory.allocate(2 * count, kv.host_block_bytes, cpu) as host:
+            host.buffer.fill_(1)
+            mover = TorchBlockMover(kv, host, copy_threads=threads)
+            for pattern in ("contiguous", "random"):
+                engine_ids, host_ids = _ids(pattern, count, rng)
+                for direction in Direction:
+                    transfer = BlockTransfer(direction, engine_ids, host_ids)
+                    seconds, base = _median_seconds(
+                        _mover_run(mover, [transfer]), _plain_copy(dst, src), repeats
+                    )
+                    label = f"{size // KiB} KiB x {count} / {pattern} / {direction.value}"
+                    print(_row(label, nbytes, seconds, base), flush=True)
+            mover.close()
+
+
+def bench_cuda(sizes: Sequence[int], layers: int, min_bytes: int, repeats: int) -> None:
+    gpu = torch.device("cuda")
+    print(f"CUDA: {layers} layer(s) in one storage; baseline: copy_ between device and page-locked memory")
+    print(f"{'block / ids / direction':<34} {'GB/s':>8} {'copy GB/s':>9} {'ratio':>7}")
+    rng = np.random.default_rng(0)
+    for size in sizes:
+        count = max(256, -(-min_bytes // size))
+        kv = EngineKV.register(_engine(2 * count, size, layers, gpu), _layout(2 * count, size, layers))
+        nbytes = count * size
+        device_bytes = torch.zeros(2 * nbytes, dtype=torch.uint8, device=gpu)
+        with HostMemory.allocate(2 * count, kv.host_block_bytes, gpu) as host:
+            mover = TorchBlockMover(kv, host)
+            pinned = host.buffer[: 2 * nbytes]
+            for pattern in ("contiguous", "random"):
+                engine_ids, host_ids = _ids(pattern, count, rng)
+                half = count // 2
+                cases = {
+                    "save": (
+                        [BlockTransfer(Direction.SAVE, engine_ids, host_ids)],
+                        _d2h(device_bytes, pinned, nbytes),
+                    ),
+                    "load": (
+                        [BlockTransfer(Direction.LOAD, engine_ids, host_ids)],
+                        _h2d(device_bytes, pinned, nbytes),
+                    ),
+                    "both": (
+                        [
+                            BlockTransfer(Direction.SAVE, engine_ids[:half], host_ids[:half]),
+                            BlockTransfer(Direction.LOAD, engine_ids[half:], host_ids[half:]),
+                        ],
+                        _both(device_bytes, pinned, nbytes),
+                    ),
+                }
+                for name, (transfers, baseline) in cases.items():
+                    seconds, base = _median_seconds(_mover_run(mover, transfers), baseline, repeats)
+                    label = f"{size // KiB} KiB x {count} / {pattern} / {name}"
+                    print(_row(label, nbytes, seconds, base), flush=True)
+            mover.close()
+
+
+def _d2h(device_bytes: torch.Tensor, pinned: torch.Tensor, nbytes: int) -> Callable[[], None]:
+    def run() -> None:
+        pinned[:nbytes].copy_(device_bytes[:nbytes], non_blocking=True)
+        torch.cuda.synchronize()
+
+    return run
+
+
+def _h2d(device_bytes: torch.Tensor, pinned: torch.Tensor, nbytes: int) -> Callable[[], None]:
+    def run() -> None:
+        device_bytes[:nbytes].copy_(pinned[:nbytes], non_blocking=True)
+        torch.cuda.synchronize()
+
+    return run
+
+
+def _both(device_bytes: torch.Tensor, pinned: torch.Tensor, nbytes: int) -> Callable[[], None]:
+    """Half the bytes each way at once, on two streams (what the mover's two copy streams do)."""
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]  # type: ignore[no-untyped-call]  # untyped __new__
+    half = nbytes // 2
+
+    def run() -> None:
+        with torch.cuda.stream(streams[0]):
+            pinned[:half].copy_(device_bytes[:half], non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            device_bytes[nbytes : nbytes + half].copy_(pinned[nbytes : nbytes + half], non_blocking=True)
+        torch.cuda.synchronize()
+
+    return run
+
+
+def _layout(blocks: int, block_bytes: int, layers: int) -> KVLayout:
+    tokens = block_bytes // layers // (4 * HEAD)
+    return KVLayout(LayoutKind.VLLM_CPU, blocks, tokens, 1, HEAD, 2)
+
+
+def _plain_copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        dst.copy_(src)
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="small copies and few repeats (seconds)")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="copy threads, and torch threads of the baseline"
+    )
+    parser.add_argument("--layers", type=int, default=1, help="layers sharing one host block")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed repeats per case (default 7, quick 3)"
+    )
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (3 if args.quick else 7)
+    min_bytes = 8 * MiB if args.quick else 64 * MiB
+    for size in SIZES:
+        if size % (args.layers * 4 * HEAD):
+            parser.error(f"--layers {args.layers}: a {size}-byte block does not split into whole tokens")
+    bench_cpu(SIZES, args.layers, args.threads, min_bytes, repeats)
+    if torch.cuda.is_available():
+        bench_cuda(SIZES, args.layers, min_bytes, repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,453 @@
+"""TorchBlockMover on CPU tensors: bit-exact copies for every layout, validation, threads, failures, close."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcore.errors import ConfigError, InvalidSpecError, TransferTimeout, UsageError
+from kvcore.jobs import JobResult
+from kvcore.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.ports import BlockTransfer, Direction
+from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
+from kvcore_cpu.cpu_copy import copy_rows
+from kvcore_cpu.rows import IntArray
+
+SETTLE = 10.0
+ENGINE_BLOCKS = 24
+HOST_BLOCKS = 32
+LAYERS = 3
+
+
+def make_layout(kind: LayoutKind, blocks: int = ENGINE_BLOCKS, tokens: int = 4) -> KVLayout:
+    heads = 1 if kind is LayoutKind.MLA else 2
+    order = HeadOrder.NHD if kind in (LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER) else HeadOrder.HND
+    return KVLayout(kind, blocks, tokens, heads, head_size=16, dtype_size=2, head_order=order)
+
+
+def random_kv(layout: KVLayout, *, shared: bool, seed: int = 0) -> list[torch.Tensor]:
+    """Random bf16 KV: one storage for all layers (vLLM CPU style) or one tensor per layer."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (LAYERS, *layout.physical_shape)
+    bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
+    kv = bits.view(torch.bfloat16)
+    return list(kv.unbind(0)) if shared else [t.clone() for t in kv.unbind(0)]
+
+
+class Rig:
+    """A mover over random engine KV and host memory, with out-of-band reads of both."""
+
+    def __init__(self, mover: TorchBlockMover, engine: EngineKV, host: HostMemory) -> None:
+        self.mover = mover
+        self.engine = engine
+        self.host = host
+
+    def engine_block(self, block: int) -> bytes:
+        return b"".join(plane[block].numpy().tobytes() for plane in self.engine.planes)
+
+    def host_block(self, block: int) -> bytes:
+        return self.host.blocks[block].numpy().tobytes()
+
+    def engine_blocks(self) -> list[bytes]:
+        return [self.engine_block(b) for b in range(self.engine.num_blocks)]
+
+    def host_blocks(self) -> list[bytes]:
+        return [self.host_block(b) for b in range(self.host.num_blocks)]
+
+    def run(self, direction: Direction, engine: list[int], host: list[int]) -> JobResult:
+        job = self.mover.submit(BlockTransfer(direction, engine, host))
+        (result,) = self.mover.wait([job], SETTLE)
+        return result
+
+
+def make_rig(
+    kind: LayoutKind = LayoutKind.VLLM_CPU,
+    *,
+    shared: bool = True,
+    blocks: int = ENGINE_BLOCKS,
+    host_blocks: int = HOST_BLOCKS,
+    tokens: int = 4,
+    mover_type: type[TorchBlockMover] = TorchBlockMover,
+) -> Rig:
+    layout = make_layout(kind, blocks, tokens)
+    engine = EngineKV.register(random_kv(layout, shared=shared), layout)
+    host = HostMemory.allocate(host_blocks, engine.host_block_bytes, engine.device)
+    host.buffer.copy_(torch.randint(0, 256, (host.nbytes,), dtype=torch.uint8))
+    return Rig(mover_type(engine, host), engine, host)
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    made = make_rig()
+    yield made
+    made.mover.close()
+
+
+class GatedMover(TorchBlockMover):
+    """Copies only once ``gate`` is open; records the order in which jobs reach the worker."""
+
+    def __init__(self, engine: EngineKV, host: HostMemory) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.order: list[Direction] = []
+        super().__init__(engine, host)
+
+    def _copy_on_worker(
+        self, direction: Direction, engine_ids: IntArray, host_ids: IntArray
+    ) -> tuple[int, ...]:
+        self.order.append(direction)
+        if not self.gate.wait(SETTLE):
+            raise RuntimeError("the test never opened the gate")
+        return super()._copy_on_worker(direction, engine_ids, host_ids)
+
+
+class FirstPairFails(TorchBlockMover):
+    """Copies every pair but the first, which it reports failed (a partial tier failure)."""
+
+    def _copy_on_worker(
+        self, direction: Direction, engine_ids: IntArray, host_ids: IntArray
+    ) -> tuple[int, ...]:
+        super()._copy_on_worker(direction, engine_ids[1:], host_ids[1:])
+        return (0,)
+
+
+class BrokenMover(TorchBlockMover):
+    def _copy_on_worker(
+        self, direction: Direction, engine_ids: IntArray, host_ids: IntArray
+    ) -> tuple[int, ...]:
+        raise OSError("memory controller on fire")
+
+
+# -- bit-exact copies ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-storage", "tensor-per-layer"])
+@pytest.mark.parametrize("kind", list(LayoutKind), ids=[k.value for k in LayoutKind])
+def test_save_then_load_round_trip_is_bit_exact(kind: LayoutKind, shared: bool) -> None:
+    # save engine [random 10] -> host [random 10]; scribble; load host -> other engine blocks
+    rig = make_rig(kind, shared=shared)
+    rng = np.random.default_rng(7)
+    engine_ids = rng.choice(ENGINE_BLOCKS, 10, replace=False).tolist()
+    host_ids = rng.choice(HOST_BLOCKS, 10, replace=False).tolist()
+    before = rig.engine_blocks()
+    host_before = rig.host_blocks()
+
+    assert rig.run(Direction.SAVE, engine_ids, host_ids).ok
+    host_after = rig.host_blocks()
+    for e, h in zip(engine_ids, host_ids, strict=True):
+        assert host_after[h] == before[e]
+    assert [host_after[h] for h in range(HOST_BLOCKS) if h not in host_ids] == [
+        host_before[h] for h in range(HOST_BLOCKS) if h not in host_ids
+    ]
+    assert rig.engine_blocks() == before
+
+    targets = rng.permutation(ENGINE_BLOCKS)[:10].tolist()
+    for plane in rig.engine.planes:
+        plane[targets].zero_()
+    assert rig.run(Direction.LOAD, targets, host_ids).ok
+    after = rig.engine_blocks()
+    for t, e in zip(targets, engine_ids, strict=True):
+        assert after[t] == before[e]
+    assert [after[b] for b in range(ENGINE_BLOCKS) if b not in targets] == [
+        before[b] for b in range(ENGINE_BLOCKS) if b not in targets
+    ]
+    rig.mover.close()
+
+
+@pytest.mark.parametrize(
+    ("engine_ids", "host_ids"),
+    [
+        (list(range(4, 20)), list(range(8, 24))),  # one run on both sides: one slice copy
+        ([9, 10, 11, 2, 3, 4, 20], [0, 1, 2, 3, 4, 5, 6]),  # host run, engine runs
+        ([5, 1, 17, 12, 3, 8], [20, 21, 22, 23, 24, 25]),  # host run, engine random
+        ([6, 7, 8, 9, 10, 11], [30, 2, 17, 9, 4, 25]),  # engine run, host random
+        ([13, 2, 21, 7, 0, 16], [3, 29, 11, 18, 0, 24]),  # random both
+        ([3, 3, 3], [1, 5, 9]),  # one source saved to three host blocks
+    ],
+    ids=["runs", "host-run-engine-runs", "host-run", "engine-run", "random", "repeated-source"],
+)
+@pytest.mark.parametrize("shared", [True, False], ids=["one-storage", "tensor-per-layer"])
+def test_id_patterns_copy_the_right_blocks(shared: bool, engine_ids: list[int], host_ids: list[int]) -> None:
+    rig = make_rig(LayoutKind.FLASH_ATTN, shared=shared)
+    engine = rig.engine_blocks()
+    assert rig.run(Direction.SAVE, engine_ids, host_ids).ok
+    host = rig.host_blocks()
+    assert all(host[h] == engine[e] for e, h in zip(engine_ids, host_ids, strict=True))
+    if len(set(engine_ids)) == len(engine_ids):
+        for plane in rig.engine.planes:
+            plane.zero_()
+        assert rig.run(Direction.LOAD, engine_ids, host_ids).ok
+        after = rig.engine_blocks()
+        assert all(after[e] == engine[e] for e in engine_ids)
+        assert not any(any(after[b]) for b in range(ENGINE_BLOCKS) if b not in engine_ids)
+    rig.mover.close()
+
+
+@pytest.mark.parametrize("pattern", ["contiguous", "random"])
+def test_large_jobs_split_across_threads_stay_exact(pattern: str) -> None:
+    # 96 blocks x 3 layers x 32 KiB rows = 9 MiB: split between the worker and its helper
+    rig = make_rig(LayoutKind.VLLM_CPU, blocks=128, host_blocks=128, tokens=512)
+    rng = np.random.default_rng(3)
+    if pattern == "contiguous":
+        engine_ids, host_ids = list(range(16, 112)), list(range(96))
+    else:
+        engine_ids = rng.choice(128, 96, replace=False).tolist()
+        host_ids = rng.choice(128, 96, replace=False).tolist()
+    engine = rig.engine_blocks()
+    assert rig.run(Direction.SAVE, engine_ids, host_ids).ok
+    host = rig.host_blocks()
+    assert all(host[h] == engine[e] for e, h in zip(engine_ids, host_ids, strict=True))
+    for plane in rig.engine.planes:
+        plane.zero_()
+    assert rig.run(Direction.LOAD, engine_ids, host_ids).ok
+    after = rig.engine_blocks()
+    assert all(after[e] == engine[e] for e in engine_ids)
+    rig.mover.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    rows=st.integers(1, 40),
+    width=st.sampled_from([1, 24, 4096]),
+    strided=st.booleans(),
+)
+def test_copy_rows_matches_numpy_fancy_indexing(
+    data: st.DataObject, rows: int, width: int, strided: bool
+) -> None:
+    # any pairs with distinct destinations, contiguous or strided arrays -> dst[d] = src[s]
+    count = data.draw(st.integers(0, rows))
+    s = np.asarray(data.draw(st.lists(st.integers(0, rows - 1), min_size=count, max_size=count)), np.int64)
+    d = np.asarray(data.draw(st.permutations(range(rows))), np.int64)[:count]
+    if data.draw(st.booleans()):
+        s, d = np.sort(s), np.sort(d)  # favour runs
+    rng = np.random.default_rng(count)
+    src = rng.integers(0, 256, (rows, width), dtype=np.uint8)
+    dst_base = rng.integers(0, 256, (rows, 2 * width if strided else width), dtype=np.uint8)
+    dst = dst_base[:, width:] if strided else dst_base
+    expected = dst.copy()
+    expected[d] = src[s]
+    copy_rows(src, dst, s, d, np.empty((3, width), dtype=np.uint8))
+    assert np.array_equal(dst, expected)
+
+
+def test_empty_transfer_finishes_at_once(rig: Rig) -> None:
+    assert rig.run(Direction.SAVE, [], []).ok
+
+
+# -- validation: nothing copied ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("direction", "engine_ids", "host_ids", "message"),
+    [
+        (Direction.SAVE, [0, ENGINE_BLOCKS], [0, 1], rf"engine_blocks: block {ENGINE_BLOCKS} is outside"),
+        (Direction.LOAD, [-1, 2], [0, 1], r"engine_blocks: block -1 is outside"),
+        (Direction.SAVE, [0, 1], [HOST_BLOCKS, 1], rf"host_blocks: block {HOST_BLOCKS} is outside"),
+        (Direction.LOAD, [0, 1], [0, -3], r"host_blocks: block -3 is outside"),
+        (Direction.SAVE, [0, 1, 2], [4, 5, 4], r"host_blocks: block 4 is a destination twice"),
+        (Direction.LOAD, [7, 3, 7], [0, 1, 2], r"engine_blocks: block 7 is a destination twice"),
+    ],
+)
+def test_bad_ids_raise_before_anything_is_copied(
+    rig: Rig, direction: Direction, engine_ids: list[int], host_ids: list[int], message: str
+) -> None:
+    engine, host = rig.engine_blocks(), rig.host_blocks()
+    with pytest.raises(InvalidSpecError, match=message):
+        rig.mover.submit(BlockTransfer(direction, engine_ids, host_ids))
+    assert rig.mover.poll() == ()
+    assert rig.engine_blocks() == engine
+    assert rig.host_blocks() == host
+
+
+def test_mismatched_lengths_raise(rig: Rig) -> None:
+    host = rig.host_blocks()
+    with pytest.raises(InvalidSpecError, match="host_blocks has 1 entries"):
+        rig.mover.submit(BlockTransfer(Direction.SAVE, (0, 1), (0,)))
+    assert rig.host_blocks() == host
+
+
+def test_non_integer_ids_raise(rig: Rig) -> None:
+    transfer = BlockTransfer(Direction.SAVE, (0, 1), (0, 1))
+    object.__setattr__(transfer, "host_blocks", (0.0, 1.5))  # what a caller bypassing the types sends
+    with pytest.raises(InvalidSpecError, match="host_blocks: got float64 values"):
+        rig.mover.submit(transfer)
+
+
+def test_host_memory_must_hold_one_block_of_every_layer() -> None:
+    layout = make_layout(LayoutKind.MLA)
+    engine = EngineKV.register(random_kv(layout, shared=True), layout)
+    host = HostMemory.allocate(4, engine.host_block_bytes // LAYERS, engine.device)
+    with pytest.raises(InvalidSpecError, match=rf"block_bytes: got {engine.host_block_bytes // LAYERS}"):
+        TorchBlockMover(engine, host)
+    with pytest.raises(ConfigError, match="copy_threads"):
+        TorchBlockMover(
+            engine, HostMemory.allocate(4, engine.host_block_bytes, engine.device), copy_threads=0
+        )
+
+
+# -- threads, waits, failures, close -------------------------------------------------------------------
+
+
+def test_concurrent_submitters_stay_correct(rig: Rig) -> None:
+    # 4 threads x 6 single-block saves into disjoint host blocks, then loads back into disjoint blocks
+    engine = rig.engine_blocks()
+    errors: list[BaseException] = []
+
+    def worker(thread: int) -> None:
+        try:
+            jobs = [
+                rig.mover.submit(BlockTransfer(Direction.SAVE, [thread * 6 + i], [thread * 8 + i]))
+                for i in range(6)
+            ]
+            results = rig.mover.wait(jobs, SETTLE)
+            assert [r.job_id for r in results] == jobs
+            assert all(r.ok for r in results)
+        except BaseException as exc:  # handed to the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(SETTLE)
+    assert not errors
+    host = rig.host_blocks()
+    assert all(host[t * 8 + i] == engine[t * 6 + i] for t in range(4) for i in range(6))
+
+
+def test_wait_times_out_and_the_result_arrives_later() -> None:
+    rig = make_rig(mover_type=GatedMover)
+    mover = rig.mover
+    assert isinstance(mover, GatedMover)
+    mover.gate.clear()
+    job = mover.submit(BlockTransfer(Direction.SAVE, [1, 2], [3, 4]))
+    with pytest.raises(TransferTimeout):
+        mover.wait([job], 0)
+    with pytest.raises(TransferTimeout):
+        mover.wait([job], 0.02)
+    mover.gate.set()
+    (result,) = mover.wait([job], SETTLE)
+    assert result.ok
+    assert rig.host_block(3) == rig.engine_block(1)
+    mover.close()
+
+
+def test_wait_loaded_blocks_until_the_load_is_in_place() -> None:
+    rig = make_rig(mover_type=GatedMover)
+    mover = rig.mover
+    assert isinstance(mover, GatedMover)
+    mover.gate.clear()
+    job = mover.submit(BlockTransfer(Direction.LOAD, [5], [9]))
+    with pytest.raises(TransferTimeout, match=f"load job {job}"):
+        mover.wait_loaded(job, 0.02)
+    mover.gate.set()
+    mover.wait_loaded(job, SETTLE)
+    assert rig.engine_block(5) == rig.host_block(9)
+    (result,) = mover.wait([job], SETTLE)  # the result is still handed out once
+    assert result.ok
+    mover.close()
+
+
+def test_queued_loads_go_before_queued_saves() -> None:
+    # first save holds the worker; then save, load queued -> the load runs next
+    rig = make_rig(mover_type=GatedMover)
+    mover = rig.mover
+    assert isinstance(mover, GatedMover)
+    mover.gate.clear()
+    jobs = [mover.submit(BlockTransfer(Direction.SAVE, [0], [0]))]
+    while not mover.order:
+        threading.Event().wait(0.001)
+    jobs.append(mover.submit(BlockTransfer(Direction.SAVE, [1], [1])))
+    jobs.append(mover.submit(BlockTransfer(Direction.LOAD, [2], [2])))
+    mover.gate.set()
+    assert all(r.ok for r in mover.wait(jobs, SETTLE))
+    assert mover.order == [Direction.SAVE, Direction.LOAD, Direction.SAVE]
+    mover.close()
+
+
+def test_a_copy_that_raises_is_a_failed_result() -> None:
+    rig = make_rig(mover_type=BrokenMover)
+    result = rig.run(Direction.SAVE, [0, 1, 2], [0, 1, 2])
+    assert result.failed == (0, 1, 2)
+    assert result.error == "OSError: memory controller on fire"
+    assert rig.mover.poll() == ()
+    rig.mover.close()
+
+
+def test_a_partial_failure_reports_the_failed_pairs() -> None:
+    # save engine [0, 1, 2] -> host [4, 5, 6], pair 0 fails: 5 and 6 copied
+    rig = make_rig(mover_type=FirstPairFails)
+    result = rig.run(Direction.SAVE, [0, 1, 2], [4, 5, 6])
+    assert result.failed == (0,)
+    assert not result.ok
+    assert rig.host_block(5) == rig.engine_block(1)
+    assert rig.host_block(6) == rig.engine_block(2)
+    rig.mover.close()
+
+
+def test_close_with_jobs_in_flight_reports_every_job() -> None:
+    # job 1 held at the worker, jobs 2-4 queued -> close: 2-4 fail at once, 1 finishes once released
+    rig = make_rig(mover_type=GatedMover)
+    mover = rig.mover
+    assert isinstance(mover, GatedMover)
+    mover.gate.clear()
+    first = mover.submit(BlockTransfer(Direction.SAVE, [0], [0]))
+    while not mover.order:
+        threading.Event().wait(0.001)
+    queued = [mover.submit(BlockTransfer(Direction.SAVE, [b], [b])) for b in (1, 2, 3)]
+    mover.close(timeout=0.05)
+    results = mover.wait(queued, SETTLE)
+    assert all(r.error == "the mover closed before the copy ran" for r in results)
+    assert all(r.failed == (0,) for r in results)
+    mover.gate.set()
+    (held,) = mover.wait([first], SETTLE)
+    assert held.ok
+    with pytest.raises(UsageError, match="closed"):
+        mover.submit(BlockTransfer(Direction.SAVE, [0], [0]))
+    mover.close()
+
+
+def test_close_is_idempotent_and_every_job_gets_a_result(rig: Rig) -> None:
+    jobs = [rig.mover.submit(BlockTransfer(Direction.SAVE, [b], [b])) for b in range(8)]
+    rig.mover.close()
+    rig.mover.close()
+    results = rig.mover.wait(jobs, SETTLE)
+    assert [r.job_id for r in results] == jobs
+    assert all(r.ok or r.error == "the mover closed before the copy ran" for r in results)
+
+
+# -- host memory ---------------------------------------------------------------------------------------
+
+
+def test_host_memory_is_exactly_the_size_asked_for() -> None:
+    # 3 blocks of 1000 bytes -> 3000 bytes, no power-of-two rounding
+    with HostMemory.allocate(3, 1000, torch.device("cpu")) as host:
+        assert host.nbytes == 3000
+        assert host.buffer.untyped_storage().nbytes() == 3000
+        assert host.blocks.shape == (3, 1000)
+        assert not host.pinned
+
+
+@pytest.mark.parametrize(("blocks", "block_bytes", "field"), [(0, 64, "num_blocks"), (4, -1, "block_bytes")])
+def test_host_memory_refuses_empty_sizes(blocks: int, block_bytes: int, field: str) -> None:
+    with pytest.raises(
+        ConfigError, match=rf"^{field}: got {block_bytes if field == 'block_bytes' else blocks}"
+    ):
+        HostMemory.allocate(blocks, block_bytes, torch.device("cpu"))
+
+
+def test_host_memory_from_size_holds_whole_chunks() -> None:
+    # 10_000 bytes, chunks of 4 blocks x 512 bytes = 2048 -> 4 chunks = 16 blocks
+    host = HostMemory.from_size(10_000, 512, 4, torch.device("cpu"))
+    assert host.num_blocks == 16
+    with pytest.raises(ConfigError, match=r"^size: got 2000, expected at least 2048 bytes \(one chunk of 4"):
+        HostMemory.from_size(2000, 512, 4, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="blocks_per_chunk"):
+        HostMemory.from_size(10_000, 512, 0, torch.device("cpu"))
