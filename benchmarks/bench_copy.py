@@ -2,7 +2,8 @@
 
 For each host block size and id pattern, saves (gather: engine -> host) and loads (scatter: host ->
 engine) ``n`` blocks through the mover, and times a contiguous ``torch`` copy of the same total bytes with
-the same number of threads in the same run (interleaved, medians of the repeats). The engine is laid out
+the same number of threads in the same run (interleaved, with a short idle gap before each timed call;
+medians of the repeats). The engine is laid out
 like vLLM CPU: every layer a view into one storage. ``random`` draws engine and host ids at random from
 pools twice the size of the copy; ``contiguous`` copies one run on both sides.
 

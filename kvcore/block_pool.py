@@ -12,12 +12,13 @@ Primitives, and who calls them (the scheduler side of a connector; workers own t
 
 Eviction takes unpinned ready chunks in the order of an ``EvictionPolicy`` (LRU by default).
 
-Every operation costs O(1) per block and allocates no Python object per block beyond dict entries: slot
-numbers live in a free list of ints (sliced off and put back in bulk), plain dicts map keys to their
-slots (one for ready keys, one for the others), recency is an ``OrderedDict`` inside the policy. Each call
-makes one call into the policy, not one per key, and bulk moves run in C (``dict.update(zip(...))``,
-slicing the free list). What is allocated is per call: the returned tuples and at most one event. The
-exception is ``StorePlan.slots``, whose (key, slot) pairs the API asks for.
+Every operation costs O(1) per block and allocates no Python object per block beyond dict entries (and
+the (key, slot) pairs of ``StorePlan.slots``, which the API asks for): slot numbers live in a free list
+of ints used as a stack, plain dicts map keys to their slots (one for ready keys, one for the others),
+recency is an ``OrderedDict`` inside the policy, whose C linked list is the intrusive LRU list. Each call
+makes one call into the policy, not one per key, and the loops use no helper calls or iterator objects:
+at one block per call, the fixed cost of a call is what counts. What is allocated is per call: the
+returned tuples and at most one event.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class BlockPool:
         self._capacity = num_slots
         self._policy = policy
         # A stack, so that a batch of keys gets consecutive slots while the pool fills up.
-        self._free: list[int] = list(range(num_slots))
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._ready: dict[ChunkKey, int] = {}
         # Keys that hold a slot but are not ready: being stored, or left behind by reset (below).
         self._pending: dict[ChunkKey, int] = {}
@@ -153,11 +154,14 @@ class BlockPool:
         if len(new) > len(free):
             # keys that are not new may be ready: keep them
             evicted = self._evict(len(new) - len(free), keys if len(new) < len(keys) else ())
-        cut = max(0, len(free) - len(new))
-        reserved = tuple(zip(new, free[cut:], strict=False))  # the keys beyond the last slot get none
-        del free[cut:]
-        pending.update(reserved)
-        return StorePlan(reserved, evicted, len(keys) - len(new))
+        reserved: list[tuple[ChunkKey, int]] = []
+        for key in new:
+            if not free:
+                break  # the keys beyond the last slot get none
+            slot = free.pop()
+            pending[key] = slot
+            reserved.append((key, slot))
+        return StorePlan(tuple(reserved), evicted, len(keys) - len(new))
 
     def complete_store(self, keys: Sequence[ChunkKey], success: bool) -> None:
         """Finish the stores of ``keys``: on success they become ready (most recently used), on failure
@@ -272,14 +276,16 @@ class BlockPool:
 
     def _evict(self, count: int, keep: Sequence[ChunkKey]) -> tuple[ChunkKey, ...]:
         """Evict up to ``count`` chunks, none of ``keep``, and put their slots on the free list."""
-        policy, ready, pins = self._policy, self._ready, self._pins
-        # Out of the policy while it picks: a store never evicts a chunk of its own prefix.
-        shielded = list(dict.fromkeys([key for key in keep if key in ready and key not in pins]))
-        if shielded:
+        policy, ready = self._policy, self._ready
+        if keep:
+            # Out of the policy while it picks: a store never evicts a chunk of its own prefix.
+            pins = self._pins
+            shielded = list(dict.fromkeys([key for key in keep if key in ready and key not in pins]))
             policy.discard(shielded)
-        victims = policy.evict(count)
-        if shielded:
+            victims = policy.evict(count)
             policy.readmit(shielded)
+        else:
+            victims = policy.evict(count)
         free = self._free
         for key in victims:
             free.append(ready.pop(key))

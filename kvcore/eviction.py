@@ -84,10 +84,11 @@ class LRUPolicy:
     readmit = insert
 
     def evict(self, count: int) -> list[ChunkKey]:
-        pop = self._order.popitem
+        order = self._order
         victims: list[ChunkKey] = []
-        for _ in range(min(count, len(self._order))):
-            victims.append(pop(False)[0])
+        while count > 0 and order:
+            victims.append(order.popitem(False)[0])
+            count -= 1
         return victims
 
     def clear(self) -> None:
@@ -153,7 +154,9 @@ class ARCPolicy:
     def discard(self, keys: Iterable[ChunkKey]) -> None:
         t1, t2 = self._t1, self._t2
         for key in keys:
-            if t1.pop(key, _ABSENT) is _ABSENT:
+            if key in t1:
+                del t1[key]
+            else:
                 t2.pop(key, None)
 
     def readmit(self, keys: Iterable[ChunkKey]) -> None:
@@ -165,7 +168,7 @@ class ARCPolicy:
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         target, capacity = self._target, self._capacity
         victims: list[ChunkKey] = []
-        for _ in range(min(count, len(t1) + len(t2))):
+        while count > 0 and (t1 or t2):
             if t1 and (len(t1) > target or not t2):
                 key = t1.popitem(False)[0]
                 b1[key] = None
@@ -173,10 +176,11 @@ class ARCPolicy:
                 key = t2.popitem(False)[0]
                 b2[key] = None
             victims.append(key)
+            count -= 1
         # The paper's bounds on ghosts: |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c.
-        for _ in range(min(len(b1), len(t1) + len(b1) - capacity)):
+        while b1 and len(t1) + len(b1) > capacity:
             b1.popitem(False)
-        for _ in range(min(len(b2), len(t1) + len(t2) + len(b1) + len(b2) - 2 * capacity)):
+        while b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * capacity:
             b2.popitem(False)
         return victims
 
@@ -187,9 +191,6 @@ class ARCPolicy:
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
-
-
-_ABSENT = object()
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:

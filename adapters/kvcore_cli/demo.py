@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import time
+from array import array
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from attrs import define, frozen
 
@@ -119,9 +121,11 @@ class _Engine:
         self.tensors = list(self.storage.unbind(0))
         self.bytes = self.storage.view(torch.uint8).view(opts.layers, num_blocks, -1)
         gen = torch.Generator().manual_seed(opts.seed)
-        self.ramp = torch.randint(
-            0, 256, (opts.layers, 1, self.bytes.shape[2]), dtype=torch.uint8, generator=gen
-        )
+        ramp = torch.randint(0, 256, (1, opts.layers, self.bytes.shape[2]), dtype=torch.uint8, generator=gen)
+        # 255 precomputed block contents (uint8 arithmetic wraps): computing or checking a block is then
+        # one copy or one comparison at memory speed, with no allocation.
+        self.patterns = (ramp + torch.arange(1, 256, dtype=torch.uint8).view(-1, 1, 1)).numpy()
+        self.rows = self.bytes.numpy()  # numpy compares and copies strided rows at memory speed
         self.free = list(range(num_blocks))
 
     def allocate(self, n: int) -> list[int] | None:
@@ -133,27 +137,27 @@ class _Engine:
     def release(self, blocks: Sequence[int]) -> None:
         self.free.extend(blocks)
 
-    def expected(self, tokens: Sequence[int], first: int, stop: int) -> torch.Tensor:
-        """The bytes blocks ``[first, stop)`` of a request hold once computed: a function of the prefix."""
-        values = []
+    def _patterns(self, tokens: Sequence[int], first: int, stop: int) -> list[int]:
+        """Which pattern blocks ``[first, stop)`` of a request hold once computed: a function of the prefix."""
+        out = []
         digest = hashlib.blake2b(digest_size=8)
         for j in range(stop):
-            digest.update(bytes(str(tokens[j * self.block_tokens : (j + 1) * self.block_tokens]), "ascii"))
+            digest.update(array("I", tokens[j * self.block_tokens : (j + 1) * self.block_tokens]).tobytes())
             if j >= first:
-                values.append(int.from_bytes(digest.copy().digest(), "little") % 255 + 1)
-        shift = torch.tensor(values, dtype=torch.uint8).view(1, -1, 1)
-        return self.ramp + shift  # uint8 arithmetic wraps: [layers, blocks, bytes]
+                out.append(int.from_bytes(digest.copy().digest(), "little") % 255)
+        return out
 
     def compute(self, tokens: Sequence[int], blocks: Sequence[int], first: int) -> None:
-        if first < len(blocks):
-            ids = torch.tensor(blocks[first:])
-            self.bytes[:, ids] = self.expected(tokens, first, len(blocks))
+        for block, pattern in zip(blocks[first:], self._patterns(tokens, first, len(blocks)), strict=True):
+            np.copyto(self.rows[:, block], self.patterns[pattern])
 
     def matches(self, tokens: Sequence[int], blocks: Sequence[int], first: int, stop: int) -> int:
         """How many of blocks ``[first, stop)`` hold exactly the bytes of their prefix."""
-        ids = torch.tensor(blocks[first:stop])
-        same = (self.bytes[:, ids] == self.expected(tokens, first, stop)).flatten(2).all(dim=2).all(dim=0)
-        return int(same.sum())
+        patterns = self._patterns(tokens, first, stop)
+        return sum(
+            np.array_equal(self.rows[:, b], self.patterns[p])
+            for b, p in zip(blocks[first:stop], patterns, strict=True)
+        )
 
 
 def _run_ops(

@@ -9,14 +9,15 @@ copying a 16 KiB row:
 - consecutive source rows: one fancy-index scatter per run;
 - neither: gather a batch into a small cache-resident staging buffer, then scatter it.
 
-numpy releases the GIL inside all four, so a large job is split across ``threads`` threads (the caller's
-and ``threads - 1`` helpers), each copying its share of every route.
+numpy releases the GIL inside all four, so a large job is shared by ``threads`` threads (the caller's and
+``threads - 1`` helpers), which take pieces of it in turn.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +43,10 @@ _STAGING_COST = 0.35
 _SPLIT_BYTES = 2 << 20
 """Jobs below this stay on one thread: handing work to a helper costs more than it saves."""
 
+_PIECE_BYTES = 4 << 20
+"""Threads take work in pieces of at most this size (and at least four per thread), so that a thread
+that starts late (its core busy with the engine) takes fewer pieces instead of holding up a fixed half."""
+
 
 class RowTask:
     """Copy ``src[src_rows[i]]`` to ``dst[dst_rows[i]]`` for every ``i``."""
@@ -55,10 +60,10 @@ class RowTask:
         self.dst_rows = dst_rows
 
 
-def _run_bounds(steps: npt.NDArray[np.bool_]) -> tuple[list[int], list[int]]:
-    """Starts and stops of the runs in which every step continues the run."""
+def _run_bounds(steps: npt.NDArray[np.bool_]) -> zip[tuple[int, int]]:
+    """``(start, stop)`` of the runs in which every step continues the run."""
     starts = [0, *(np.flatnonzero(~steps) + 1).tolist()]
-    return starts, [*starts[1:], len(steps) + 1]
+    return zip(starts, [*starts[1:], len(steps) + 1], strict=True)
 
 
 def copy_rows(src: ByteRows, dst: ByteRows, s: IntArray, d: IntArray, staging: ByteRows) -> None:
@@ -66,31 +71,28 @@ def copy_rows(src: ByteRows, dst: ByteRows, s: IntArray, d: IntArray, staging: B
     count = len(s)
     if count == 0:
         return
-    row = src.shape[1]
     next_s = np.diff(s) == 1
     next_d = np.diff(d) == 1
-    both = _run_bounds(next_s & next_d)
-    by_dst = _run_bounds(next_d)
-    by_src = _run_bounds(next_s)
+    both = next_s & next_d
     batch = len(staging)
     gather_ok = src.flags.c_contiguous and dst.flags.c_contiguous
     costs = (
-        len(both[0]) * _CALL_BYTES,
-        len(by_dst[0]) * _CALL_BYTES if gather_ok else float("inf"),
-        len(by_src[0]) * _CALL_BYTES,
-        -(-count // batch) * 2 * _CALL_BYTES + count * row * _STAGING_COST,
+        (count - int(np.count_nonzero(both))) * _CALL_BYTES,
+        (count - int(np.count_nonzero(next_d))) * _CALL_BYTES if gather_ok else float("inf"),
+        (count - int(np.count_nonzero(next_s))) * _CALL_BYTES,
+        -(-count // batch) * 2 * _CALL_BYTES + count * src.shape[1] * _STAGING_COST,
     )
     best = costs.index(min(costs))
     if best == 0:
-        for a, b in zip(*both, strict=True):
+        for a, b in _run_bounds(both):
             sa, da = int(s[a]), int(d[a])
             np.copyto(dst[da : da + b - a], src[sa : sa + b - a])
     elif best == 1:
-        for a, b in zip(*by_dst, strict=True):
+        for a, b in _run_bounds(next_d):
             da = int(d[a])
             np.take(src, s[a:b], axis=0, out=dst[da : da + b - a], mode="clip")
     elif best == 2:
-        for a, b in zip(*by_src, strict=True):
+        for a, b in _run_bounds(next_s):
             sa = int(s[a])
             dst[d[a:b]] = src[sa : sa + b - a]
     else:
@@ -129,23 +131,35 @@ class BlockCopier:
             else:
                 tasks.append(RowTask(host, engine, host_rows, engine_rows))
         total = sum(len(t.src_rows) for t in tasks) * self._row_bytes
-        parts = self._threads if self._helpers is not None and total >= _SPLIT_BYTES else 1
-        futures: list[Future[None]] = []
-        if self._helpers is not None:
-            futures = [self._helpers.submit(self._copy_part, tasks, p, parts) for p in range(1, parts)]
+        helpers = self._helpers if total >= _SPLIT_BYTES else None
+        piece_bytes = total if helpers is None else min(_PIECE_BYTES, total // (4 * self._threads))
+        pieces = iter(self._pieces(tasks, piece_bytes))
+        lock = threading.Lock()
+
+        def drain(thread: int) -> None:
+            while True:
+                with lock:
+                    piece = next(pieces, None)
+                if piece is None:
+                    return
+                task, a, b = piece
+                copy_rows(task.src, task.dst, task.src_rows[a:b], task.dst_rows[a:b], self._staging[thread])
+
+        futures = [helpers.submit(drain, t) for t in range(1, self._threads)] if helpers is not None else []
         try:
-            self._copy_part(tasks, 0, parts)
+            drain(0)
         finally:
             for future in futures:
                 future.exception()
         for future in futures:
             future.result()
 
-    def _copy_part(self, tasks: Sequence[RowTask], part: int, parts: int) -> None:
-        for task in tasks:
-            count = len(task.src_rows)
-            a, b = count * part // parts, count * (part + 1) // parts
-            copy_rows(task.src, task.dst, task.src_rows[a:b], task.dst_rows[a:b], self._staging[part])
+    def _pieces(self, tasks: Sequence[RowTask], piece_bytes: int) -> list[tuple[RowTask, int, int]]:
+        """Each task cut into pieces of about ``piece_bytes``, for the threads to take in turn."""
+        rows = max(1, piece_bytes // self._row_bytes)
+        return [
+            (t, a, min(a + rows, len(t.src_rows))) for t in tasks for a in range(0, len(t.src_rows), rows)
+        ]
 
     def close(self) -> None:
         """Let the helper threads exit once idle; does not wait for a copy in progress."""

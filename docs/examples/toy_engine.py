@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore import CacheScheduler, EngineSpec, KVLayout, LayoutKind, RequestId, load_config
+from kvcore import CacheScheduler, EngineSpec, HeadOrder, KVLayout, LayoutKind, RequestId, load_config
 from kvcore_cpu import open_worker, pool_slots
 
 BLOCK = 16  # tokens per engine block
@@ -16,9 +16,15 @@ LAYERS = 4
 
 
 def main() -> int:
-    # 1. Describe the engine: its KV layout per layer (FlashInfer-style [blocks, 2, heads, block, head] here).
+    # 1. Describe the engine: its KV layout per layer (FlashInfer's [blocks, 2, block, heads, head], NHD).
     layout = KVLayout(
-        kind=LayoutKind.FLASH_INFER, num_blocks=128, block_tokens=BLOCK, num_kv_heads=4, head_size=64, dtype_size=2
+        kind=LayoutKind.FLASH_INFER,
+        num_blocks=128,
+        block_tokens=BLOCK,
+        num_kv_heads=4,
+        head_size=64,
+        dtype_size=2,
+        head_order=HeadOrder.NHD,
     )
     engine = EngineSpec(model_id="toy-4L", kv_dtype="bfloat16", num_layers=LAYERS, total_kv_heads=4, layout=layout)
     kv = [torch.zeros(layout.shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
