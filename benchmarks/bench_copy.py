@@ -4,8 +4,9 @@ For each host block size and id pattern, saves (gather: engine -> host) and load
 engine) ``n`` blocks through the mover, and times a contiguous ``torch`` copy of the same total bytes with
 the same number of threads in the same run (interleaved, with a short idle gap before each timed call;
 medians of the repeats). The engine is laid out
-like vLLM CPU: every layer a view into one storage. ``random`` draws engine and host ids at random from
-pools twice the size of the copy; ``contiguous`` copies one run on both sides.
+like vLLM CPU: every layer a view into one storage. Id patterns, from pools twice the size of the copy:
+``contiguous`` is one run on both sides; ``chunks`` draws engine ids at random and host ids as whole
+slots of 16 consecutive blocks (what the scheduler hands out); ``random`` draws both sides at random.
 
 On a CUDA machine it also measures device -> host and host -> device copies, and both at once, against
 ``copy_`` between the device and page-locked memory of the same bytes.
@@ -56,13 +57,19 @@ def _engine(blocks: int, block_bytes: int, layers: int, device: torch.device) ->
     return list(storage.view(torch.bfloat16).unbind(0))
 
 
+PATTERNS = ("contiguous", "chunks", "random")
+CHUNK = 16  # host blocks per slot in the "chunks" pattern
+
+
 def _ids(pattern: str, count: int, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+    """Engine and host ids of one copy of ``count`` blocks, from pools of ``2 * count`` blocks."""
     if pattern == "contiguous":
         return list(range(count // 2, count // 2 + count)), list(range(count))
-    return (
-        rng.choice(2 * count, count, replace=False).tolist(),
-        rng.choice(2 * count, count, replace=False).tolist(),
-    )
+    engine = rng.choice(2 * count, count, replace=False).tolist()
+    if pattern == "random":
+        return engine, rng.choice(2 * count, count, replace=False).tolist()
+    slots = rng.choice(2 * count // CHUNK, -(-count // CHUNK), replace=False)
+    return engine, (slots[:, None] * CHUNK + np.arange(CHUNK)).ravel()[:count].tolist()
 
 
 def _mover_run(mover: TorchBlockMover, transfers: Sequence[BlockTransfer]) -> Callable[[], None]:
@@ -93,7 +100,7 @@ def bench_cpu(sizes: Sequence[int], layers: int, threads: int, min_bytes: int, r
         with HostMemory.allocate(2 * count, kv.host_block_bytes, cpu) as host:
             host.buffer.fill_(1)
             mover = TorchBlockMover(kv, host, copy_threads=threads)
-            for pattern in ("contiguous", "random"):
+            for pattern in PATTERNS:
                 engine_ids, host_ids = _ids(pattern, count, rng)
                 for direction in Direction:
                     transfer = BlockTransfer(direction, engine_ids, host_ids)
@@ -118,7 +125,7 @@ def bench_cuda(sizes: Sequence[int], layers: int, min_bytes: int, repeats: int) 
         with HostMemory.allocate(2 * count, kv.host_block_bytes, gpu) as host:
             mover = TorchBlockMover(kv, host)
             pinned = host.buffer[: 2 * nbytes]
-            for pattern in ("contiguous", "random"):
+            for pattern in PATTERNS:
                 engine_ids, host_ids = _ids(pattern, count, rng)
                 half = count // 2
                 cases = {

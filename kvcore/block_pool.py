@@ -6,6 +6,7 @@ Primitives, and who calls them (the scheduler side of a connector; workers own t
 - ``prepare_store`` -> copy -> ``complete_store(success)`` — two-phase store. A chunk being stored is
   invisible to ``lookup`` and never evicted; a failed store gives its slot back.
 - ``pin`` / ``unpin`` — hold ready chunks while a load reads their slots; pinned chunks are never evicted.
+- ``remove`` — drop ready, unpinned chunks now: a chunk whose checksum did not match, an operator action.
 - ``reset`` — drop everything, correct with jobs in flight: nothing in flight loses its slot, nothing
   in flight comes back.
 - ``take_events`` — STORED / REMOVED events, for KV-event subscribers.
@@ -39,7 +40,7 @@ class PoolEventKind(enum.Enum):
     """What happened to the keys of a ``PoolEvent``."""
 
     STORED = "stored"  # became ready: lookups find them
-    REMOVED = "removed"  # left the index: evicted or reset
+    REMOVED = "removed"  # left the index: evicted, removed or reset
 
 
 @frozen
@@ -230,6 +231,31 @@ class BlockPool:
                 del pins[key]
                 released.append(key)
         self._policy.readmit(released)
+
+    # -- removal ---------------------------------------------------------------------------------------
+
+    def remove(self, keys: Sequence[ChunkKey]) -> int:
+        """Drop the ready, unpinned ``keys`` now and free their slots; returns how many were dropped.
+
+        For chunks that must never be served again (bytes that failed their checksum) and for operators.
+        Keys that are pinned (a load reads them), being stored or absent are left as they are: the caller
+        removes a pinned key again after its unpin. A removal is not an eviction: ``usage().evictions``
+        does not count it, and the policy keeps no memory of the key.
+        """
+        ready, pins, free = self._ready, self._pins, self._free
+        removed: list[ChunkKey] = []
+        for key in keys:
+            if key in pins:
+                continue
+            slot = ready.pop(key, -1)
+            if slot >= 0:
+                free.append(slot)
+                removed.append(key)
+        if removed:
+            self._policy.discard(removed)
+            if self._events is not None:
+                self._events.append(PoolEvent(PoolEventKind.REMOVED, tuple(removed)))
+        return len(removed)
 
     # -- whole pool ------------------------------------------------------------------------------------
 

@@ -15,12 +15,17 @@ __all__ = ["BlockOp", "OpReport", "StepPlan"]
 
 @frozen
 class BlockOp:
-    """One copy job for every worker: engine block ``engine_blocks[i]`` <-> host block ``host_blocks[i]``."""
+    """One copy job for every worker: engine block ``engine_blocks[i]`` <-> host block ``host_blocks[i]``.
+
+    ``request_id`` names the request whose blocks are copied, so a worker can fence a preempted request's
+    copies and tell when a finished request's last copy is done.
+    """
 
     op_id: int
     direction: Direction
     engine_blocks: tuple[int, ...] = field(converter=int_tuple)
     host_blocks: tuple[int, ...] = field(converter=int_tuple)
+    request_id: str = ""
 
 
 @frozen

@@ -19,6 +19,7 @@ Typical use, one step of an engine::
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 from collections.abc import Iterable, Sequence
@@ -37,6 +38,7 @@ from kvcore.lifecycle import JobRole, Phase, RequestTable, RequestTracker
 from kvcore.load_spec import LoadSpec, hit_tokens, plan_load
 from kvcore.lookup import PendingLookup, PrefixLookup
 from kvcore.plan import BlockOp, OpReport, StepPlan
+from kvcore.pool_index import PoolIndex
 from kvcore.ports import Direction
 
 __all__ = ["CacheScheduler", "SchedulerStats"]
@@ -57,16 +59,6 @@ class SchedulerStats:
     pool: PoolUsage
 
 
-class _PoolIndex:
-    """The block pool seen through the ``SupportsImmediateLookup`` port (one shard per chunk here)."""
-
-    def __init__(self, pool: BlockPool) -> None:
-        self._pool = pool
-
-    def lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> int:
-        return self._pool.lookup([keys[0] for keys in chunks])
-
-
 class _Request:
     """Scheduler-side facts about one request, beside its lifecycle tracker."""
 
@@ -74,10 +66,12 @@ class _Request:
         "answer",
         "counts",
         "extra",
+        "failed_blocks",
         "hashes",
         "keys",
         "load",
         "load_errors",
+        "loaded",
         "pending",
         "saved_chunks",
     )
@@ -90,12 +84,14 @@ class _Request:
         self.pending: PendingLookup | None = None
         self.answer: tuple[int, int] | None = None  # (local tokens asked with, hit chunks)
         self.load: LoadSpec | None = None
+        self.loaded: LoadSpec | None = None  # the load started, kept for extra_cached_tokens
+        self.failed_blocks: set[int] = set()  # request block indices whose load failed
         self.load_errors: list[int] = []
         self.saved_chunks = 0
 
 
 class _InFlight:
-    __slots__ = ("blocks", "failed", "keys", "op", "ranks", "request_id")
+    __slots__ = ("failed", "keys", "op", "ranks", "request_id")
 
     def __init__(self, request_id: RequestId, op: BlockOp, keys: tuple[ChunkKey, ...]) -> None:
         self.request_id = request_id
@@ -109,8 +105,17 @@ class CacheScheduler:
     """Scheduler side over a host-slot pool (the CPU tier): one instance per engine."""
 
     def __init__(
-        self, config: KVCoreConfig, engine: EngineSpec, num_slots: int, *, world_size: int = 1
+        self,
+        config: KVCoreConfig,
+        engine: EngineSpec,
+        num_slots: int,
+        *,
+        world_size: int = 1,
+        hash_identity: str | None = None,
     ) -> None:
+        """``hash_identity`` names the chain of engine-provided block hashes (e.g. vLLM's algorithm and
+        seed) when lookups pass ``block_hashes``; it replaces kvcore's own seed digest in the namespace,
+        so that engines whose chains differ can never share keys."""
         block_tokens = engine.layout.block_tokens
         if config.chunk_tokens % block_tokens:
             raise ConfigError(
@@ -138,7 +143,11 @@ class CacheScheduler:
             block_tokens=block_tokens,
             chunk_tokens=config.chunk_tokens,
             hash_algorithm=config.hash_algorithm,
-            hash_seed_digest=self.hasher.seed_digest(),
+            hash_seed_digest=(
+                self.hasher.seed_digest()
+                if hash_identity is None
+                else hashlib.sha256(hash_identity.encode()).hexdigest()
+            ),
             secret=config.secret.encode() if config.secret is not None else None,
         )
         # One pool serves every rank of this engine (same slot ids on each), so its keys name the whole
@@ -146,7 +155,7 @@ class CacheScheduler:
         shard = Shard(0, engine.num_layers, 0, engine.total_kv_heads)
         self.keyspace = Keyspace(namespace, shard)
         self.pool = BlockPool(num_slots, make_policy(config.eviction, num_slots))
-        self._lookup = PrefixLookup(_PoolIndex(self.pool), config.lookup_timeout_s)
+        self._lookup = PrefixLookup(PoolIndex(self.pool), config.lookup_timeout_s)
         self._table = RequestTable()
         self._requests: dict[RequestId, _Request] = {}
         self._op_ids = itertools.count(1)
@@ -228,6 +237,7 @@ class CacheScheduler:
         if req is None or spec is None:
             return 0
         req.load = None
+        req.loaded = spec
         if len(block_ids) < spec.first_block + spec.num_blocks:
             raise InvalidSpecError(
                 f"request {request_id}: {len(block_ids)} blocks given, the load needs "
@@ -247,9 +257,9 @@ class CacheScheduler:
         lost = spec.num_blocks - len(engine_blocks)
         if lost:
             log.warning("kvcore: request %s: %d blocks left the pool before loading", request_id, lost)
-            req.load_errors.extend(
-                block_ids[spec.first_block + len(engine_blocks) : spec.first_block + spec.num_blocks]
-            )
+            lost_from = spec.first_block + len(engine_blocks)
+            req.failed_blocks.update(range(lost_from, spec.first_block + spec.num_blocks))
+            req.load_errors.extend(block_ids[lost_from : spec.first_block + spec.num_blocks])
         if not engine_blocks:
             return 0
         self._submit(request_id, Direction.LOAD, engine_blocks, host_blocks, keys[:ready], JobRole.LOAD)
@@ -272,20 +282,26 @@ class CacheScheduler:
         block_ids: Sequence[int],
         num_tokens: int,
         tokens: Sequence[int] | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+        hash_block_tokens: int | None = None,
     ) -> int:
         """Queue saves of the request's full chunks whose KV is computed; returns chunks queued.
 
-        ``num_tokens`` counts real computed tokens (never placeholders); ``tokens`` extends the keys when
-        the request grew past its prompt (decode tokens are reused by the next turn of a chat). Chunks the
-        pool already holds are skipped; chunks that do not fit are dropped (no room is not an error).
+        ``num_tokens`` counts real computed tokens (never placeholders). When the request grew past its
+        prompt (decode tokens are reused by the next turn of a chat), ``tokens`` — or the engine's
+        ``block_hashes``, if lookups used them — extend the keys. Chunks the pool already holds are
+        skipped; chunks that do not fit are dropped (no room is not an error).
         """
         req = self._requests.get(request_id)
         tracker = self._table.get(request_id)
         if req is None or tracker is None or tracker.ended:
             return 0
         full = num_tokens // self.config.chunk_tokens
-        if tokens is not None and full > len(req.keys):
-            self._extend(req, tokens)
+        if full > len(req.keys):
+            if block_hashes is not None:
+                self._key(req, None, block_hashes, hash_block_tokens)
+            elif tokens is not None:
+                self._extend(req, tokens)
         full = min(full, len(req.keys), len(block_ids) // self.blocks_per_chunk)
         if full <= req.saved_chunks:
             return 0
@@ -331,6 +347,27 @@ class CacheScheduler:
     def abort(self, request_id: RequestId) -> bool:
         """The request was aborted (maybe before it was ever scheduled); same contract as ``finish``."""
         return self._end(request_id, Phase.ABORTED)
+
+    def preempt(self, request_id: RequestId) -> None:
+        """The engine preempted the request and freed its blocks: its cached answer is stale, and chunks
+        not yet saved will be saved again after it resumes. Copies in flight finish normally (the worker
+        fences saves that read the freed blocks)."""
+        req = self._requests.get(request_id)
+        tracker = self._table.get(request_id)
+        if req is None or tracker is None or tracker.ended:
+            return
+        if req.pending is not None:
+            self._lookup.abandon(req.pending)
+        req.pending = req.answer = req.load = None
+        tracker.move(Phase.PREEMPTED)
+        tracker.move(Phase.SCHEDULED)
+
+    def extra_cached_tokens(self, request_id: RequestId) -> int:
+        """Tokens the tier served beyond the engine's own hit, counting only blocks that really loaded."""
+        req = self._requests.get(request_id)
+        if req is None or req.loaded is None:
+            return 0
+        return req.loaded.extra_cached_tokens(req.failed_blocks)
 
     def take_finished(self) -> tuple[RequestId, ...]:
         """Requests whose delayed free is over since the last call."""
@@ -395,7 +432,7 @@ class CacheScheduler:
         keys: tuple[ChunkKey, ...],
         role: JobRole,
     ) -> None:
-        op = BlockOp(next(self._op_ids), direction, tuple(engine_blocks), tuple(host_blocks))
+        op = BlockOp(next(self._op_ids), direction, engine_blocks, host_blocks, request_id)
         self._table.add_job(request_id, JobId(op.op_id), role, keys)
         self._inflight[op.op_id] = _InFlight(request_id, op, keys)
         self._plan.append(op)
@@ -410,6 +447,8 @@ class CacheScheduler:
                 req = self._requests.get(entry.request_id)
                 if req is not None:
                     req.load_errors.extend(op.engine_blocks[i] for i in sorted(entry.failed))
+                    if req.loaded is not None:
+                        req.failed_blocks.update(req.loaded.first_block + i for i in entry.failed)
         else:
             bad = {i // self.blocks_per_chunk for i in entry.failed}
             good = tuple(k for i, k in enumerate(entry.keys) if i not in bad)

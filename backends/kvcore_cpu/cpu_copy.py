@@ -15,6 +15,8 @@ numpy releases the GIL inside all four, so a large job is shared by ``threads`` 
 
 from __future__ import annotations
 
+import enum
+import itertools
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +29,7 @@ from kvcore.ports import Direction
 from kvcore_cpu.host_memory import HostMemory
 from kvcore_cpu.rows import IntArray, Route
 
-__all__ = ["BlockCopier", "RowTask", "copy_rows"]
+__all__ = ["BlockCopier", "ByteRows", "RowTask", "copy_rows"]
 
 ByteRows = npt.NDArray[np.uint8]
 
@@ -48,62 +50,99 @@ _PIECE_BYTES = 4 << 20
 that starts late (its core busy with the engine) takes fewer pieces instead of holding up a fixed half."""
 
 
+class _Form(enum.Enum):
+    """How a task's rows are copied; the order is the preference among equal costs."""
+
+    SLICE = "slice"  # runs on both sides
+    GATHER = "gather"  # runs of destination rows
+    SCATTER = "scatter"  # runs of source rows
+    STAGED = "staged"  # no runs: through the staging buffer
+
+
 class RowTask:
-    """Copy ``src[src_rows[i]]`` to ``dst[dst_rows[i]]`` for every ``i``."""
+    """Copy ``src[src_rows[i]]`` to ``dst[dst_rows[i]]`` for every ``i``.
 
-    __slots__ = ("dst", "dst_rows", "src", "src_rows")
+    Planned once: a form and the ranges of pairs (``starts[k]:stops[k]``) that each take one numpy call.
+    Threads then copy groups of ranges (``copy(lo, hi)``) independently.
+    """
 
-    def __init__(self, src: ByteRows, dst: ByteRows, src_rows: IntArray, dst_rows: IntArray) -> None:
+    __slots__ = ("dst", "dst_rows", "form", "src", "src_rows", "starts", "stops")
+
+    def __init__(
+        self, src: ByteRows, dst: ByteRows, src_rows: IntArray, dst_rows: IntArray, batch: int
+    ) -> None:
         self.src = src
         self.dst = dst
         self.src_rows = src_rows
         self.dst_rows = dst_rows
+        self.form, self.starts, self.stops = _plan(src, dst, src_rows, dst_rows, batch)
+
+    def pieces(self, rows: int) -> list[tuple[int, int]]:
+        """Cut ranges longer than ``rows`` pairs, then group them: ``(lo, hi)`` of about ``rows`` pairs."""
+        lengths = self.stops - self.starts
+        parts = (lengths + rows - 1) // rows
+        if len(parts) and int(parts.max()) > 1:
+            first = np.repeat(self.starts, parts)
+            step = np.arange(len(first), dtype=np.int64) - np.repeat(np.cumsum(parts) - parts, parts)
+            self.starts = first + step * rows
+            self.stops = np.minimum(self.starts + rows, np.repeat(self.stops, parts))
+            lengths = self.stops - self.starts
+        group = (np.cumsum(lengths) - 1) // rows
+        edges = [0, *(np.flatnonzero(group[1:] != group[:-1]) + 1).tolist(), len(lengths)]
+        return list(itertools.pairwise(edges))
+
+    def copy(self, lo: int, hi: int, staging: ByteRows) -> None:
+        """Copy ranges ``lo`` to ``hi``; ``staging`` is scratch of at least one row."""
+        src, dst, s, d = self.src, self.dst, self.src_rows, self.dst_rows
+        starts, stops = self.starts[lo:hi], self.stops[lo:hi]
+        if self.form is _Form.STAGED:
+            for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
+                for c in range(a, b, len(staging)):
+                    e = min(b, c + len(staging))
+                    buffer = staging[: e - c]
+                    if src.flags.c_contiguous:
+                        np.take(src, s[c:e], axis=0, out=buffer, mode="clip")
+                    else:
+                        buffer[...] = src[s[c:e]]
+                    dst[d[c:e]] = buffer
+            return
+        ranges = zip(starts.tolist(), stops.tolist(), s[starts].tolist(), d[starts].tolist(), strict=True)
+        if self.form is _Form.SLICE:
+            for a, b, sa, da in ranges:
+                np.copyto(dst[da : da + b - a], src[sa : sa + b - a])
+        elif self.form is _Form.GATHER:
+            for a, b, _, da in ranges:
+                np.take(src, s[a:b], axis=0, out=dst[da : da + b - a], mode="clip")
+        else:
+            for a, b, sa, _ in ranges:
+                dst[d[a:b]] = src[sa : sa + b - a]
 
 
-def _run_bounds(steps: npt.NDArray[np.bool_]) -> zip[tuple[int, int]]:
-    """``(start, stop)`` of the runs in which every step continues the run."""
-    starts = [0, *(np.flatnonzero(~steps) + 1).tolist()]
-    return zip(starts, [*starts[1:], len(steps) + 1], strict=True)
+def _plan(
+    src: ByteRows, dst: ByteRows, s: IntArray, d: IntArray, batch: int
+) -> tuple[_Form, IntArray, IntArray]:
+    """The form that needs the least time in Python calls, and its ranges of pairs."""
+    count = len(s)
+    next_s = (s[1:] - s[:-1]) == 1
+    next_d = (d[1:] - d[:-1]) == 1
+    steps = {_Form.SLICE: next_s & next_d, _Form.GATHER: next_d, _Form.SCATTER: next_s}
+    if not (src.flags.c_contiguous and dst.flags.c_contiguous):
+        del steps[_Form.GATHER]  # np.take copies a non-contiguous array whole
+    costs = {form: (count - int(np.count_nonzero(run))) * _CALL_BYTES for form, run in steps.items()}
+    costs[_Form.STAGED] = -(-count // batch) * 2 * _CALL_BYTES + count * src.shape[1] * _STAGING_COST
+    form = min(costs, key=costs.__getitem__)
+    if form is _Form.STAGED:
+        starts = np.arange(0, count, batch, dtype=np.int64)
+        return form, starts, np.minimum(starts + batch, count)
+    starts = np.concatenate((np.zeros(1, np.int64), np.flatnonzero(~steps[form]) + 1))
+    return form, starts, np.append(starts[1:], count)
 
 
 def copy_rows(src: ByteRows, dst: ByteRows, s: IntArray, d: IntArray, staging: ByteRows) -> None:
-    """Copy rows ``src[s[i]] -> dst[d[i]]``; ``staging`` is scratch of at least one row."""
-    count = len(s)
-    if count == 0:
-        return
-    next_s = np.diff(s) == 1
-    next_d = np.diff(d) == 1
-    both = next_s & next_d
-    batch = len(staging)
-    gather_ok = src.flags.c_contiguous and dst.flags.c_contiguous
-    costs = (
-        (count - int(np.count_nonzero(both))) * _CALL_BYTES,
-        (count - int(np.count_nonzero(next_d))) * _CALL_BYTES if gather_ok else float("inf"),
-        (count - int(np.count_nonzero(next_s))) * _CALL_BYTES,
-        -(-count // batch) * 2 * _CALL_BYTES + count * src.shape[1] * _STAGING_COST,
-    )
-    best = costs.index(min(costs))
-    if best == 0:
-        for a, b in _run_bounds(both):
-            sa, da = int(s[a]), int(d[a])
-            np.copyto(dst[da : da + b - a], src[sa : sa + b - a])
-    elif best == 1:
-        for a, b in _run_bounds(next_d):
-            da = int(d[a])
-            np.take(src, s[a:b], axis=0, out=dst[da : da + b - a], mode="clip")
-    elif best == 2:
-        for a, b in _run_bounds(next_s):
-            sa = int(s[a])
-            dst[d[a:b]] = src[sa : sa + b - a]
-    else:
-        for a in range(0, count, batch):
-            b = min(count, a + batch)
-            buffer = staging[: b - a]
-            if src.flags.c_contiguous:
-                np.take(src, s[a:b], axis=0, out=buffer, mode="clip")
-            else:
-                buffer[...] = src[s[a:b]]
-            dst[d[a:b]] = buffer
+    """Copy rows ``src[s[i]] -> dst[d[i]]`` on the calling thread; ``staging`` holds at least one row."""
+    if len(s):
+        task = RowTask(src, dst, s, d, len(staging))
+        task.copy(0, len(task.starts), staging)
 
 
 class BlockCopier:
@@ -115,8 +154,8 @@ class BlockCopier:
         ]
         self._row_bytes = int(routes[0].engine.shape[1])
         self._threads = threads
-        rows = max(1, _STAGING_BYTES // self._row_bytes)
-        self._staging = [np.empty((rows, self._row_bytes), dtype=np.uint8) for _ in range(threads)]
+        self._batch = max(1, _STAGING_BYTES // self._row_bytes)
+        self._staging = [np.empty((self._batch, self._row_bytes), dtype=np.uint8) for _ in range(threads)]
         self._helpers = (
             ThreadPoolExecutor(threads - 1, thread_name_prefix="kvcore-copy") if threads > 1 else None
         )
@@ -127,13 +166,14 @@ class BlockCopier:
         for route, engine, host in self._routes:
             engine_rows, host_rows = route.engine_rows(engine_ids), route.host_rows(host_ids)
             if direction is Direction.SAVE:
-                tasks.append(RowTask(engine, host, engine_rows, host_rows))
+                tasks.append(RowTask(engine, host, engine_rows, host_rows, self._batch))
             else:
-                tasks.append(RowTask(host, engine, host_rows, engine_rows))
-        total = sum(len(t.src_rows) for t in tasks) * self._row_bytes
-        helpers = self._helpers if total >= _SPLIT_BYTES else None
-        piece_bytes = total if helpers is None else min(_PIECE_BYTES, total // (4 * self._threads))
-        pieces = iter(self._pieces(tasks, piece_bytes))
+                tasks.append(RowTask(host, engine, host_rows, engine_rows, self._batch))
+        total = sum(len(t.src_rows) for t in tasks)
+        helpers = self._helpers if total * self._row_bytes >= _SPLIT_BYTES else None
+        piece_bytes = min(_PIECE_BYTES, total * self._row_bytes // (4 * self._threads))
+        rows = total if helpers is None else max(1, piece_bytes // self._row_bytes)
+        pieces = iter([(task, lo, hi) for task in tasks for lo, hi in task.pieces(rows)])
         lock = threading.Lock()
 
         def drain(thread: int) -> None:
@@ -142,8 +182,8 @@ class BlockCopier:
                     piece = next(pieces, None)
                 if piece is None:
                     return
-                task, a, b = piece
-                copy_rows(task.src, task.dst, task.src_rows[a:b], task.dst_rows[a:b], self._staging[thread])
+                task, lo, hi = piece
+                task.copy(lo, hi, self._staging[thread])
 
         futures = [helpers.submit(drain, t) for t in range(1, self._threads)] if helpers is not None else []
         try:
@@ -153,13 +193,6 @@ class BlockCopier:
                 future.exception()
         for future in futures:
             future.result()
-
-    def _pieces(self, tasks: Sequence[RowTask], piece_bytes: int) -> list[tuple[RowTask, int, int]]:
-        """Each task cut into pieces of about ``piece_bytes``, for the threads to take in turn."""
-        rows = max(1, piece_bytes // self._row_bytes)
-        return [
-            (t, a, min(a + rows, len(t.src_rows))) for t in tasks for a in range(0, len(t.src_rows), rows)
-        ]
 
     def close(self) -> None:
         """Let the helper threads exit once idle; does not wait for a copy in progress."""

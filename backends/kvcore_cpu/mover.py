@@ -151,7 +151,7 @@ def _ids(name: str, values: Sequence[int], bound: int) -> IntArray:
 
 
 def _check_unique(name: str, ids: IntArray) -> None:
-    values, counts = np.unique(ids, return_counts=True)
-    if len(values) != len(ids):
-        twice = int(values[counts > 1][0])
-        raise InvalidSpecError(f"{name}: block {twice} is a destination twice in one job")
+    ordered = np.sort(ids)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if len(repeated):
+        raise InvalidSpecError(f"{name}: block {int(repeated[0])} is a destination twice in one job")

@@ -41,12 +41,23 @@ def pool_slots(config: KVCoreConfig, engine: EngineSpec, world_size: int = 1) ->
 
 
 class CPUWorker(BlockWorker):
-    """A rank's executor over its own host slots; ``close`` joins the copy thread and frees the memory."""
+    """A rank's executor over its own host slots; ``close`` joins the copy thread and frees the memory.
 
-    def __init__(self, mover: TorchBlockMover, host: HostMemory, rank: int) -> None:
+    ``engine_kv`` and ``host`` stay reachable for out-of-band checks (tests compare their bytes).
+    """
+
+    def __init__(self, mover: TorchBlockMover, engine_kv: EngineKV, host: HostMemory, rank: int) -> None:
         super().__init__(mover, rank)
         self.mover = mover
+        self.engine_kv = engine_kv
         self.host = host
+
+    def engine_block_bytes(self, block: int) -> bytes:
+        """An engine block's bytes in host-block order (every plane of every layer)."""
+        return b"".join(plane[block].cpu().numpy().tobytes() for plane in self.engine_kv.planes)
+
+    def host_block_bytes(self, block: int) -> bytes:
+        return bytes(self.host.blocks[block].numpy().tobytes())
 
     def close(self) -> None:
         self.mover.close()
@@ -68,4 +79,4 @@ def open_worker(
     kv = EngineKV.register(tensors, engine.layout)
     blocks_per_chunk = config.chunk_tokens // engine.layout.block_tokens
     host = HostMemory.allocate(slots * blocks_per_chunk, kv.host_block_bytes, kv.device)
-    return CPUWorker(TorchBlockMover(kv, host), host, rank)
+    return CPUWorker(TorchBlockMover(kv, host), kv, host, rank)

@@ -16,7 +16,7 @@ from kvcore.jobs import JobResult
 from kvcore.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.ports import BlockTransfer, Direction
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
-from kvcore_cpu.cpu_copy import copy_rows
+from kvcore_cpu.cpu_copy import ByteRows, RowTask, copy_rows
 from kvcore_cpu.rows import IntArray
 
 SETTLE = 10.0
@@ -211,29 +211,52 @@ def test_large_jobs_split_across_threads_stay_exact(pattern: str) -> None:
     rig.mover.close()
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    data=st.data(),
-    rows=st.integers(1, 40),
-    width=st.sampled_from([1, 24, 4096]),
-    strided=st.booleans(),
-)
-def test_copy_rows_matches_numpy_fancy_indexing(
-    data: st.DataObject, rows: int, width: int, strided: bool
-) -> None:
-    # any pairs with distinct destinations, contiguous or strided arrays -> dst[d] = src[s]
-    count = data.draw(st.integers(0, rows))
-    s = np.asarray(data.draw(st.lists(st.integers(0, rows - 1), min_size=count, max_size=count)), np.int64)
-    d = np.asarray(data.draw(st.permutations(range(rows))), np.int64)[:count]
-    if data.draw(st.booleans()):
-        s, d = np.sort(s), np.sort(d)  # favour runs
+@st.composite
+def row_copies(draw: st.DrawFn) -> tuple[ByteRows, ByteRows, IntArray, IntArray]:
+    """Random source and destination rows (the destination sometimes strided), pairs with distinct
+    destinations, sorted half of the time so that runs appear."""
+    rows = draw(st.integers(1, 40))
+    width = draw(st.sampled_from([1, 24, 4096]))
+    count = draw(st.integers(1, rows))
+    s = np.asarray(draw(st.lists(st.integers(0, rows - 1), min_size=count, max_size=count)), np.int64)
+    d = np.asarray(draw(st.permutations(range(rows))), np.int64)[:count]
+    if draw(st.booleans()):
+        s, d = np.sort(s), np.sort(d)
     rng = np.random.default_rng(count)
     src = rng.integers(0, 256, (rows, width), dtype=np.uint8)
-    dst_base = rng.integers(0, 256, (rows, 2 * width if strided else width), dtype=np.uint8)
-    dst = dst_base[:, width:] if strided else dst_base
+    strided = draw(st.booleans())
+    dst = rng.integers(0, 256, (rows, 2 * width if strided else width), dtype=np.uint8)
+    return src, (dst[:, width:] if strided else dst), s, d
+
+
+@settings(max_examples=60, deadline=None)
+@given(copies=row_copies(), batch=st.integers(1, 4))
+def test_copy_rows_matches_numpy_fancy_indexing(
+    copies: tuple[ByteRows, ByteRows, IntArray, IntArray], batch: int
+) -> None:
+    # any pairs with distinct destinations, contiguous or strided arrays -> dst[d] = src[s]
+    src, dst, s, d = copies
     expected = dst.copy()
     expected[d] = src[s]
-    copy_rows(src, dst, s, d, np.empty((3, width), dtype=np.uint8))
+    copy_rows(src, dst, s, d, np.empty((batch, src.shape[1]), dtype=np.uint8))
+    assert np.array_equal(dst, expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(copies=row_copies(), rows=st.integers(1, 9))
+def test_pieces_cover_every_pair_once(
+    copies: tuple[ByteRows, ByteRows, IntArray, IntArray], rows: int
+) -> None:
+    # a task cut into pieces of about `rows` pairs, copied piece by piece in reverse -> same bytes
+    src, dst, s, d = copies
+    expected = dst.copy()
+    expected[d] = src[s]
+    task = RowTask(src, dst, s, d, batch=2)
+    pieces = task.pieces(rows)
+    assert [lo for lo, _ in pieces[1:]] == [hi for _, hi in pieces[:-1]]
+    assert all(int(task.stops[k] - task.starts[k]) <= rows for k in range(len(task.starts)))
+    for lo, hi in reversed(pieces):
+        task.copy(lo, hi, np.empty((2, src.shape[1]), dtype=np.uint8))
     assert np.array_equal(dst, expected)
 
 

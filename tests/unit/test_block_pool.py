@@ -1,8 +1,11 @@
-"""The block pool, scenario by scenario: lookups, two-phase stores, eviction, pins, events and reset."""
+"""The block pool, scenario by scenario: lookups, two-phase stores, eviction, pins, events, removal and
+reset."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvcore.block_pool import BlockPool, PoolEvent, PoolEventKind, PoolUsage
 from kvcore.errors import ConfigError, InvalidSpecError
@@ -253,6 +256,111 @@ def test_unpin_of_an_unpinned_key_is_refused_and_changes_nothing() -> None:
     with pytest.raises(InvalidSpecError, match="more times"):
         pool.unpin(keys("a a"))
     assert pool.usage().pinned == 1
+
+
+# -- removal -------------------------------------------------------------------------------------------
+
+
+def test_remove_drops_ready_keys_frees_their_slots_and_reports_them() -> None:
+    pool = BlockPool(4)
+    store(pool, "a b c")
+    pool.take_events()
+    # remove [a, c] -> 2 removed, b stays; one REMOVED event in the order given
+    assert pool.remove(keys("c a")) == 2
+    assert ready(pool, "a b c") == ["b"]
+    assert pool.take_events() == (PoolEvent(REMOVED, tuple(keys("c a"))),)
+    assert pool.usage() == PoolUsage(capacity=4, used=1, ready=1, storing=0, pinned=0, evictions=0)
+
+
+def test_remove_ignores_absent_keys_and_counts_a_repeated_key_once() -> None:
+    pool = BlockPool(4)
+    store(pool, "a")
+    pool.take_events()
+    # remove [x, a, a] -> only a, once
+    assert pool.remove(keys("x a a")) == 1
+    assert pool.take_events() == (PoolEvent(REMOVED, tuple(keys("a"))),)
+    # nothing left to remove -> 0 and no event
+    assert pool.remove(keys("a x")) == 0
+    assert pool.take_events() == ()
+
+
+def test_remove_leaves_a_pinned_key_until_it_is_unpinned() -> None:
+    pool = BlockPool(2)
+    store(pool, "a b")
+    pool.pin(keys("a"))  # a load reads a: its slot must not be reused under it
+    assert pool.remove(keys("a b")) == 1
+    assert ready(pool, "a b") == ["a"]
+    pool.unpin(keys("a"))
+    assert pool.remove(keys("a")) == 1
+    assert pool.usage().used == 0
+
+
+def test_remove_leaves_a_store_in_progress_alone() -> None:
+    pool = BlockPool(2)
+    pool.prepare_store(keys("a"))
+    assert pool.remove(keys("a")) == 0
+    pool.complete_store(keys("a"), success=True)
+    assert ready(pool, "a") == ["a"]
+
+
+def test_a_removed_slot_is_reused_without_evicting() -> None:
+    pool = BlockPool(2)
+    store(pool, "a b")
+    (slot,) = pool.slots_of(keys("a"))
+    pool.remove(keys("a"))
+    # store [c] -> takes a's freed slot, b stays
+    plan = pool.prepare_store(keys("c"))
+    assert plan.slots == ((ChunkKey("c"), slot),)
+    assert plan.evicted == ()
+    assert pool.usage().evictions == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_removed_key_is_never_chosen_for_eviction(policy: str) -> None:
+    pool = BlockPool(2, make_policy(policy, 2))
+    store(pool, "a b")  # a is the least recently used
+    pool.remove(keys("a"))
+    # store [c, d] -> c takes the free slot, d evicts b: the policy no longer offers a
+    plan = pool.prepare_store(keys("c d"))
+    assert plan.evicted == tuple(keys("b"))
+    pool.complete_store(keys("c d"), success=True)
+    assert ready(pool, "a b c d") == ["c", "d"]
+
+
+def test_reset_after_a_remove_reports_only_the_keys_left() -> None:
+    pool = BlockPool(3)
+    store(pool, "a b")
+    pool.remove(keys("a"))
+    pool.take_events()
+    pool.reset()
+    assert pool.take_events() == (PoolEvent(REMOVED, tuple(keys("b"))),)
+    assert pool.usage().used == 0
+
+
+def test_remove_without_events_still_removes() -> None:
+    pool = BlockPool(2, record_events=False)
+    store(pool, "a")
+    assert pool.remove(keys("a")) == 1
+    assert pool.lookup(keys("a")) == 0
+    assert pool.take_events() == ()
+
+
+@given(
+    stored=st.sets(st.sampled_from("abcdef"), max_size=6),
+    pinned=st.sets(st.sampled_from("abcdef"), max_size=6),
+    removed=st.lists(st.sampled_from("abcdefgh"), max_size=8),
+)
+def test_remove_drops_exactly_the_ready_unpinned_keys_given(
+    stored: set[str], pinned: set[str], removed: list[str]
+) -> None:
+    pool = BlockPool(6)
+    store(pool, " ".join(sorted(stored)))
+    held = sorted(stored & pinned)
+    pool.pin([ChunkKey(name) for name in held])
+    gone = set(removed) & stored - pinned
+    assert pool.remove([ChunkKey(name) for name in removed]) == len(gone)
+    assert set(ready(pool, "a b c d e f")) == stored - gone
+    assert pool.usage().used == len(stored - gone)
 
 
 # -- reset ---------------------------------------------------------------------------------------------

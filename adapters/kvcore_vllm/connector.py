@@ -1,0 +1,169 @@
+"""``KVCoreConnector``: kvcore as a vLLM V1 KV connector (``KVConnectorBase_V1``).
+
+One class serves both roles, as vLLM requires; it builds the scheduler side or the worker side from the
+validated config and delegates every hook to it (DESIGN §3). Configuration errors and unsupported engine
+configurations stop the engine at start-up with a message naming the field or the feature.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from attrs import asdict
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvcore.errors import InvalidSpecError
+from kvcore_vllm.compat import check_vllm
+from kvcore_vllm.engine_spec import engine_spec, hash_identity, layer_names
+from kvcore_vllm.metadata import KVCoreMetadata
+from kvcore_vllm.scheduler_side import SchedulerSide
+from kvcore_vllm.settings import read_extra_config
+from kvcore_vllm.stats import KVCoreStats
+from kvcore_vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVCoreConnector"]
+
+log = logging.getLogger(__name__)
+
+check_vllm(vllm.__version__, KVConnectorBase_V1)
+
+
+class KVCoreConnector(KVConnectorBase_V1):
+    """kvcore's connector. Configure it through ``kv_connector_extra_config`` (see ``docs/vllm.md``)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = read_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        engine = engine_spec(vllm_config, kv_cache_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            identity, random_seed = hash_identity(vllm_config)
+            if random_seed:
+                log.warning(
+                    "kvcore: vLLM's prefix-cache hash seed is random per process (%s without "
+                    "PYTHONHASHSEED); cached KV is reusable within this engine only",
+                    vllm_config.cache_config.prefix_caching_hash_algo,
+                )
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                log.warning(
+                    "kvcore: kv_load_failure_policy=%r ends a request when a load fails; "
+                    "set it to 'recompute' to fall back to computing the blocks instead",
+                    self._kv_transfer_config.kv_load_failure_policy,
+                )
+            hash_block = kv_cache_config.hash_block_size or engine.layout.block_tokens
+            self._scheduler = SchedulerSide(config, engine, hash_block, identity)
+            log.info("kvcore: scheduler side ready: %s", asdict(config, filter=lambda a, _: a.name != "secret"))
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank() if engine.tp_size > 1 else 0
+            self._worker = WorkerSide(config, engine, layer_names(kv_cache_config), rank)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache is best effort: a dropped save is a future miss, never lost output
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise InvalidSpecError("scheduler-side hook called on a worker-side connector")
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise InvalidSpecError("worker-side hook called on a scheduler-side connector")
+        return self._worker
+
+    def _meta(self) -> KVCoreMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVCoreMetadata):
+            raise InvalidSpecError(f"unexpected connector metadata {type(meta).__name__}")
+        return meta
+
+    # -- worker side -------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, KVCoreMetadata):
+            self.worker_side.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker_side.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the forward pass
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return  # whole blocks of every layer are saved once, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self.worker_side.wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker_side.get_finished(), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_load_errors()
+
+    def build_connector_worker_meta(self) -> Any:
+        return self.worker_side.build_worker_meta()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # -- scheduler side ----------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool | None:
+        return self.scheduler_side.reset_cache()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._scheduler is None:
+            return None
+        stats = self._scheduler.stats()
+        data = {k: v for k, v in asdict(stats).items() if k != "pool"}
+        data.update({f"pool_{k}": v for k, v in asdict(stats.pool).items()})
+        return KVCoreStats.of(data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVCoreStats.of(data) if data is not None else KVCoreStats.of({})

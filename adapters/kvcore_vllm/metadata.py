@@ -1,0 +1,41 @@
+"""What crosses between vLLM's processes each step: the scheduler's plan to the workers, reports back.
+
+Both are frozen attrs values that pickle (vLLM sends ``KVConnectorMetadata`` from the engine-core process
+to every worker, and aggregates worker metadata across ranks).
+"""
+
+from __future__ import annotations
+
+from attrs import frozen
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from kvcore.plan import OpReport, StepPlan
+
+__all__ = ["KVCoreMetadata", "KVCoreWorkerMetadata"]
+
+
+@frozen
+class KVCoreMetadata(KVConnectorMetadata):
+    """One step's instructions for every worker.
+
+    ``delayed``: finished requests whose blocks vLLM keeps until each worker reports them done.
+    ``preempted``: requests whose in-flight saves must be fenced before their blocks are reused.
+    ``failed_blocks``: engine blocks the scheduler could not load (chunks gone since the lookup).
+    """
+
+    plan: StepPlan
+    delayed: tuple[str, ...] = ()
+    preempted: tuple[str, ...] = ()
+    failed_blocks: tuple[int, ...] = ()
+
+
+@frozen
+class KVCoreWorkerMetadata(KVConnectorWorkerMetadata):
+    """The op reports of one step, from one worker or (aggregated) from all of them."""
+
+    reports: tuple[OpReport, ...]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KVCoreWorkerMetadata):
+            return self
+        return KVCoreWorkerMetadata(self.reports + other.reports)

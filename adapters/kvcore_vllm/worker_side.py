@@ -1,0 +1,120 @@
+"""The connector's worker side (one per rank): executes the step's copies on kvcore's CPU tier.
+
+Loads run in ``start_load_kv``, which vLLM calls before the forward pass whenever a request of the step
+has a synchronous hit, and are awaited there (bounded by ``transfer_timeout_s``); saves are submitted in
+``wait_for_save``, after the forward pass wrote the blocks, and never block the step. A finished request
+whose saves are in flight is reported in ``get_finished`` only when this rank's copies of it are done;
+a preempted request's saves are fenced before vLLM reuses its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+
+import torch
+
+from kvcore.config import KVCoreConfig
+from kvcore.engine import EngineSpec
+from kvcore.errors import InvalidSpecError
+from kvcore.plan import BlockOp, OpReport, StepPlan
+from kvcore.ports import Direction
+from kvcore_cpu.tier import CPUWorker, open_worker
+from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata
+
+__all__ = ["WorkerSide"]
+
+log = logging.getLogger(__name__)
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+class WorkerSide:
+    def __init__(self, config: KVCoreConfig, engine: EngineSpec, layers: list[str], rank: int) -> None:
+        self._config = config
+        self._engine = engine
+        self._layers = layers
+        self._rank = rank
+        self._worker: CPUWorker | None = None
+        self._inflight: dict[int, BlockOp] = {}
+        self._reports: list[OpReport] = []
+        self._load_errors: set[int] = set()
+        self._delayed: set[str] = set()
+        self.last_load: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # for out-of-band checks
+
+    @property
+    def worker(self) -> CPUWorker:
+        if self._worker is None:
+            raise InvalidSpecError("register_kv_caches has not been called")
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [name for name in self._layers if name not in kv_caches]
+        if missing:
+            raise InvalidSpecError(f"KV caches missing for layers {missing}")
+        tensors = [kv_caches[name] for name in self._layers]
+        self._worker = open_worker(
+            self._config, self._engine, tensors, rank=self._rank, world_size=self._engine.tp_size
+        )
+
+    def start_load_kv(self, meta: KVCoreMetadata) -> None:
+        self._load_errors.update(meta.failed_blocks)
+        self._delayed.update(meta.delayed)
+        loads = self._run(meta.plan, Direction.LOAD)
+        if not loads:
+            return
+        reports = self.worker.wait([op.op_id for op in loads], self._config.transfer_timeout_s)
+        self._collect(reports)
+        done = {r.op_id for r in reports}
+        for op in loads:
+            if op.op_id not in done:  # timed out: vLLM recomputes; the copy stays reserved until it ends
+                self._load_errors.update(op.engine_blocks)
+        last = loads[-1]
+        self.last_load = (last.engine_blocks, last.host_blocks)
+
+    def wait_for_save(self, meta: KVCoreMetadata) -> None:
+        self._run(meta.plan, Direction.SAVE)
+
+    def handle_preemptions(self, meta: KVCoreMetadata) -> None:
+        preempted = set(meta.preempted)
+        fenced = [op_id for op_id, op in self._inflight.items() if op.request_id in preempted]
+        if fenced and self._worker is not None:
+            self._collect(self._worker.wait(fenced, self._config.transfer_timeout_s))
+
+    def get_finished(self) -> set[str] | None:
+        if self._worker is not None:
+            self._collect(self._worker.reports())
+        busy = {op.request_id for op in self._inflight.values()}
+        done = {rid for rid in self._delayed if rid not in busy}
+        self._delayed -= done
+        return done or None
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_worker_meta(self) -> KVCoreWorkerMetadata | None:
+        if not self._reports:
+            return None
+        reports, self._reports = tuple(self._reports), []
+        return KVCoreWorkerMetadata(reports)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    def _run(self, plan: StepPlan, direction: Direction) -> list[BlockOp]:
+        ops = [op for op in plan.ops if op.direction is direction]
+        if ops:
+            self._inflight.update((op.op_id, op) for op in ops)
+            self.worker.execute(StepPlan(tuple(ops)))
+        return ops
+
+    def _collect(self, reports: Iterable[OpReport]) -> None:
+        for report in reports:
+            op = self._inflight.pop(report.op_id, None)
+            if op is not None and op.direction is Direction.LOAD and report.failed:
+                self._load_errors.update(op.engine_blocks[i] for i in report.failed)
+            self._reports.append(report)

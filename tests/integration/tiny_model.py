@@ -1,0 +1,110 @@
+"""Build a tiny random-weight Llama model (and its BPE tokenizer) on local disk.
+
+The model is meant for tests: it loads in vLLM's CPU build in seconds and needs no
+download. Weights are random (bf16, normal(0, 0.2)), so generations are gibberish but
+deterministic under greedy sampling.
+
+Usage: python -m tests.integration.tiny_model OUT_DIR [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Final
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CORPUS: Final[tuple[str, ...]] = (
+    "The quick brown fox jumps over the lazy dog.",
+    "A key value cache stores attention keys and values for every token.",
+    "Prefix caching lets a server reuse the work done for a shared prompt.",
+    "Offloading moves blocks of the cache from fast memory to slower memory.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "def main() -> None: print('hello')",
+)
+SPECIAL_TOKENS: Final[tuple[str, ...]] = ("<unk>", "<s>", "</s>", "<pad>")
+VOCAB_TARGET: Final[int] = 512
+
+HIDDEN_SIZE: Final[int] = 128
+INTERMEDIATE_SIZE: Final[int] = 256
+NUM_LAYERS: Final[int] = 2
+NUM_HEADS: Final[int] = 4
+NUM_KV_HEADS: Final[int] = 2
+HEAD_DIM: Final[int] = 32  # vLLM CPU: one of 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512
+MAX_POSITIONS: Final[int] = 4096
+WEIGHT_STD: Final[float] = 0.2
+
+
+def build_tokenizer(corpus: tuple[str, ...] = CORPUS) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``corpus`` and wrap it for transformers."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_TARGET,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(corpus), trainer=trainer)
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> LlamaForCausalLM:
+    """Create a 2-layer Llama with random bf16 weights sized to ``tokenizer``."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=INTERMEDIATE_SIZE,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    model: LlamaForCausalLM = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
+    model = model.bfloat16()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, WEIGHT_STD)
+    return model
+
+
+def make_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write tokenizer and model to ``out_dir`` (created if needed); return the path."""
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=seed)
+    tokenizer.save_pretrained(path)
+    model.save_pretrained(path)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    path = make_tiny_model(args.out_dir, seed=args.seed)
+    print(f"tiny model written to {path}")
+
+
+if __name__ == "__main__":
+    main()
