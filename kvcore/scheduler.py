@@ -57,6 +57,8 @@ class SchedulerStats:
     failed_load_blocks: int
     failed_save_chunks: int
     pool: PoolUsage
+    requests: int  # live request trackers (0 once every request ended and its copies completed)
+    ops_in_flight: int
 
 
 class _Request:
@@ -263,6 +265,7 @@ class CacheScheduler:
         if not engine_blocks:
             return 0
         self._submit(request_id, Direction.LOAD, engine_blocks, host_blocks, keys[:ready], JobRole.LOAD)
+        self._counters["hit_tokens"] += len(engine_blocks) * self.block_tokens
         return len(engine_blocks) * self.block_tokens
 
     def take_load_errors(self) -> dict[RequestId, tuple[int, ...]]:
@@ -388,7 +391,12 @@ class CacheScheduler:
         return len(self._inflight)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(**self._counters, pool=self.pool.usage())
+        return SchedulerStats(
+            **self._counters,
+            pool=self.pool.usage(),
+            requests=len(self._requests),
+            ops_in_flight=len(self._inflight),
+        )
 
     # -- internals ---------------------------------------------------------------------------------------
 
@@ -441,6 +449,8 @@ class CacheScheduler:
         op = entry.op
         if op.direction is Direction.LOAD:
             self.pool.unpin(entry.keys)
+            if entry.failed:  # a chunk that failed to load is suspect: never serve it again
+                self.pool.remove(self._failed_chunks(entry))
             self._counters["loaded_blocks"] += len(op.engine_blocks) - len(entry.failed)
             if entry.failed:
                 self._counters["failed_load_blocks"] += len(entry.failed)
@@ -461,6 +471,18 @@ class CacheScheduler:
         done = self._table.complete_job(JobId(op.op_id))
         if done is not None:
             self._retire(done[1])
+
+    def _failed_chunks(self, entry: _InFlight) -> tuple[ChunkKey, ...]:
+        """Keys of a load's chunks holding a failed block (the op's blocks run piece after piece)."""
+        req = self._requests.get(entry.request_id)
+        if req is None or req.loaded is None:
+            return entry.keys
+        out, start = [], 0
+        for piece, key in zip(req.loaded.pieces(self.config.chunk_tokens), entry.keys, strict=False):
+            if any(start <= i < start + piece.num_blocks for i in entry.failed):
+                out.append(key)
+            start += piece.num_blocks
+        return tuple(out)
 
     def _retire(self, tracker: RequestTracker) -> None:
         if tracker.phase in (Phase.FINISHED, Phase.ABORTED) and not tracker.jobs:

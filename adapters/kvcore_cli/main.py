@@ -47,6 +47,18 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if summary.verified_ok else 1
 
 
+def _vllm_config(args: argparse.Namespace) -> int:
+    from kvcore_vllm.settings import transfer_config
+
+    try:
+        config = transfer_config(backend=args.backend, size=args.size, role=args.role)
+    except KVCoreError as exc:
+        print(f"kvcore vllm-config: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(config))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from kvcore_cli.bench import run_benchmarks
 
@@ -76,6 +88,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("names", nargs="*", help="hashing, pool, copy, plan (default: all)")
     bench.add_argument("--quick", action="store_true", help="a few seconds each")
     bench.set_defaults(run=_bench)
+
+    vllm = verbs.add_parser("vllm-config", help="print the --kv-transfer-config JSON for vLLM")
+    vllm.add_argument("--backend", default="cpu", help="the tier (default cpu)")
+    vllm.add_argument("--size", default="8GiB", help="pool size, total across ranks (default 8GiB)")
+    vllm.add_argument("--role", default="kv_both", choices=("kv_both", "kv_producer", "kv_consumer"))
+    vllm.set_defaults(run=_vllm_config)
 
     config = verbs.add_parser("config", help="configuration tools")
     config_verbs = config.add_subparsers(dest="config_verb", required=True)

@@ -36,8 +36,8 @@ def check_vllm(version: str, base: type) -> None:
             f"0.32.0); found vLLM {version}"
         )
     missing = [hook for hook in _HOOKS if not callable(getattr(base, hook, None))]
-    params = list(inspect.signature(base.__init__).parameters)
-    if missing or params[:4] != ["self", "vllm_config", "role", "kv_cache_config"]:
+    params = list(inspect.signature(base).parameters)
+    if missing or params[:3] != ["vllm_config", "role", "kv_cache_config"]:
         raise UnsupportedConfiguration(
             f"vLLM {version}'s KV connector API differs from the one kvcore_vllm was written for "
             f"(missing hooks: {missing or 'none'}; constructor parameters: {params})"

@@ -25,12 +25,12 @@ from kvcore_vllm.engine_spec import engine_spec, hash_identity, layer_names
 from kvcore_vllm.metadata import KVCoreMetadata
 from kvcore_vllm.scheduler_side import SchedulerSide
 from kvcore_vllm.settings import read_extra_config
-from kvcore_vllm.stats import KVCoreStats
+from kvcore_vllm.stats import KVCorePromMetrics, KVCoreStats, StatsDelta
 from kvcore_vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -55,6 +55,7 @@ class KVCoreConnector(KVConnectorBase_V1):
         engine = engine_spec(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._stats_delta = StatsDelta()
         if role == KVConnectorRole.SCHEDULER:
             identity, random_seed = hash_identity(vllm_config)
             if random_seed:
@@ -159,11 +160,18 @@ class KVCoreConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._scheduler is None:
             return None
-        stats = self._scheduler.stats()
-        data = {k: v for k, v in asdict(stats).items() if k != "pool"}
-        data.update({f"pool_{k}": v for k, v in asdict(stats.pool).items()})
-        return KVCoreStats.of(data)
+        return self._stats_delta(self._scheduler.stats())
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
-        return KVCoreStats.of(data) if data is not None else KVCoreStats.of({})
+        return KVCoreStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVCorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -138,12 +138,7 @@ class TorchBlockMover:
 
 
 def _ids(name: str, values: Sequence[int], bound: int) -> IntArray:
-    if not values:
-        return np.empty(0, dtype=np.int64)
-    ids = np.asarray(values)
-    if ids.dtype.kind not in "iu":
-        raise InvalidSpecError(f"{name}: got {ids.dtype} values, expected integer block ids")
-    ids = ids.astype(np.int64, copy=False)
+    ids = np.fromiter(values, dtype=np.int64, count=len(values))
     outside = ids[(ids < 0) | (ids >= bound)]
     if len(outside):
         raise InvalidSpecError(f"{name}: block {int(outside[0])} is outside [0, {bound})")

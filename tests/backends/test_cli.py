@@ -48,3 +48,12 @@ def test_config_check_names_the_bad_field(tmp_path: Path, capsys: pytest.Capture
 def test_bench_refuses_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "warp-drive"]) == 2
     assert "unknown benchmark" in capsys.readouterr().err
+
+
+def test_vllm_config_prints_pasteable_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["vllm-config", "--backend", "cpu", "--size", "4GiB"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["kv_connector"] == "KVCoreConnector"
+    assert printed["kv_connector_extra_config"] == {"backend": {"kind": "cpu", "size": "4GiB"}}
+    assert main(["vllm-config", "--size", "lots"]) == 2
+    assert "size" in capsys.readouterr().err

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.integration.conftest import BLOCK, PROMPTS, generate, prompt
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [
+    pytest.mark.timeout(600),
+    # vLLM, torch and transformers warn about their own deprecations at import and start-up
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::PendingDeprecationWarning"),
+    # vLLM's engine shutdown leaves a zmq context for the garbage collector
+    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
 
 
 def _external_hits(llm: Any) -> int:
@@ -57,3 +69,69 @@ def test_external_hit_after_eviction_matches_local_hit(kvcore_engine: Any) -> No
     ((blocks, same),) = kvcore_engine.collective_rpc(_loaded_equals_saved)
     assert blocks == 4
     assert same
+
+
+def _metric(llm: Any, name: str) -> float:
+    for metric in llm.get_metrics():
+        if metric.name == f"vllm:kvcore_{name}":
+            return float(metric.value)
+    raise AssertionError(f"metric vllm:kvcore_{name} not exported")
+
+
+def test_preemption_and_reset_leak_nothing(kvcore_engine: Any) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # four long requests at once in a 24-block engine: vLLM must preempt some of them mid-flight
+    prompts = [TokensPrompt(prompt_token_ids=prompt(300 + i, 900)) for i in range(4)]
+    outs = kvcore_engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 64 for o in outs)
+    assert kvcore_engine.reset_prefix_cache(reset_connector=True)
+    generate(kvcore_engine, prompt(400, 200), max_tokens=2)  # one more step so the gauges are fresh
+    assert _metric(kvcore_engine, "pool_pinned") == 0
+    assert _metric(kvcore_engine, "pool_storing") == 0
+    assert _metric(kvcore_engine, "ops_in_flight") == 0
+    assert _metric(kvcore_engine, "requests") == 0
+
+
+def _close_backend(worker: Any) -> bool:
+    """Runs in the worker process: the CPU tier's mover stops taking copies (a dead backend)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    get_kv_transfer_group().worker_side.worker.mover.close()
+    return True
+
+
+def test_failed_loads_are_recomputed(kvcore_engine: Any) -> None:
+    # runs last on this engine: it leaves the backend dead
+    tokens = prompt(500, 3 * BLOCK + 40)
+    first = generate(kvcore_engine, tokens)
+    for seed in range(3):
+        generate(kvcore_engine, prompt(600 + seed, 1500), max_tokens=1)
+    failed_before = _metric(kvcore_engine, "failed_load_blocks")
+    assert kvcore_engine.collective_rpc(_close_backend) == [True]
+    again = generate(kvcore_engine, tokens)
+    assert _metric(kvcore_engine, "failed_load_blocks") > failed_before
+    # vLLM counts the scheduled hit in num_cached_tokens even when it recovers by recomputing
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    assert _metric(kvcore_engine, "pool_pinned") == 0
+
+
+BAD_ENGINE = """
+import sys
+from vllm import LLM
+if __name__ == "__main__":
+    LLM(model=sys.argv[1], max_model_len=512, enforce_eager=True, kv_cache_memory_bytes=8 << 20,
+        kv_transfer_config={"kv_connector": "KVCoreConnector", "kv_role": "kv_both",
+                            "kv_connector_extra_config": {"backend": {"kind": "cpu", "size": "12 parsecs"}}})
+"""
+
+
+def test_bad_extra_config_stops_the_engine_naming_the_field(tiny_model: Path, tmp_path: Path) -> None:
+    script = tmp_path / "bad_engine.py"
+    script.write_text(BAD_ENGINE)
+    run = subprocess.run(
+        [sys.executable, str(script), str(tiny_model)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode != 0
+    assert "backend.size: got '12 parsecs'" in run.stderr

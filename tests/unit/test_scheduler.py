@@ -191,3 +191,30 @@ def test_start_load_with_too_few_blocks() -> None:
     rig.sched.lookup(b, tokens=TOKENS)
     with pytest.raises(InvalidSpecError, match="blocks"):
         rig.sched.start_load(b, [1, 2])
+
+
+def test_a_chunk_that_failed_to_load_is_not_served_again() -> None:
+    # load of 3 chunks, first block fails -> chunk 0 dropped from the pool; the prefix is gone
+    rig = Rig()
+    rig.serve_and_save("a", TOKENS, range(8))
+    b = RequestId("b")
+    rig.sched.lookup(b, tokens=TOKENS)
+    rig.sched.start_load(b, range(20, 28))
+    rig.mover.fail_next(1)
+    rig.step()
+    assert rig.sched.extra_cached_tokens(b) < 24
+    assert rig.sched.lookup(RequestId("c"), tokens=TOKENS) == 0
+    assert rig.sched.stats().pool.pinned == 0
+
+
+def test_stats_count_requests_and_ops() -> None:
+    rig = Rig()
+    a = RequestId("a")
+    rig.sched.lookup(a, tokens=TOKENS)
+    rig.sched.save(a, range(8), num_tokens=30)
+    assert rig.sched.stats().ops_in_flight == 1
+    assert rig.sched.stats().requests == 1
+    rig.step()
+    rig.sched.finish(a)
+    assert rig.sched.stats().requests == 0
+    assert rig.sched.stats().ops_in_flight == 0

@@ -1,0 +1,71 @@
+"""The vLLM adapter's pieces that need no engine: extra-config reading, the one-knob helper, the
+version check and the plugin's idempotent registration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvcore.errors import ConfigError, UnsupportedConfiguration
+from kvcore_vllm.compat import check_vllm
+from kvcore_vllm.settings import read_extra_config, transfer_config
+
+
+def test_extra_config_is_the_core_config() -> None:
+    config = read_extra_config({"backend": {"kind": "cpu", "size": "4GiB"}, "chunk_tokens": 512})
+    assert config.backend.size == 4 << 30
+    assert config.chunk_tokens == 512
+
+
+def test_bad_extra_config_names_the_field() -> None:
+    with pytest.raises(ConfigError) as info:
+        read_extra_config({"backend": {"kind": "cpu", "size": "4 bananas"}})
+    assert info.value.field == "backend.size"
+
+
+def test_config_file_json_and_yaml(tmp_path: Path) -> None:
+    as_json = tmp_path / "kvcore.json"
+    as_json.write_text(json.dumps({"backend": {"kind": "cpu", "size": "1GiB"}, "eviction": "arc"}))
+    assert read_extra_config({"config_file": str(as_json)}).eviction == "arc"
+    pytest.importorskip("yaml", reason="PyYAML comes with vLLM")
+    as_yaml = tmp_path / "kvcore.yaml"
+    as_yaml.write_text("backend:\n  kind: cpu\n  size: 2GiB\nchunk_tokens: 128\n")
+    assert read_extra_config({"config_file": str(as_yaml)}).chunk_tokens == 128
+
+
+def test_config_file_problems(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config_file"):
+        read_extra_config({"config_file": str(tmp_path / "nope.json")})
+    with pytest.raises(ConfigError, match="kv_connector_extra_config"):
+        read_extra_config({"config_file": "x.json", "chunk_tokens": 3})
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="mapping"):
+        read_extra_config({"config_file": str(listed)})
+
+
+def test_one_knob_transfer_config() -> None:
+    config = transfer_config(backend="cpu", size="8GiB")
+    assert config["kv_connector"] == "KVCoreConnector"
+    assert config["kv_load_failure_policy"] == "recompute"
+    assert read_extra_config(config["kv_connector_extra_config"]).backend.size == 8 << 30
+    with pytest.raises(ConfigError, match="backend"):
+        transfer_config(backend="floppy")
+    with pytest.raises(ConfigError, match="size"):
+        transfer_config(size="-1GiB")
+
+
+class _Base:
+    def __init__(self, vllm_config: object, role: object, kv_cache_config: object) -> None: ...
+
+
+def test_unknown_vllm_version_is_refused() -> None:
+    with pytest.raises(UnsupportedConfiguration, match=r"0\.32"):
+        check_vllm("0.40.1", _Base)
+
+
+def test_unknown_connector_api_is_refused() -> None:
+    with pytest.raises(UnsupportedConfiguration, match="missing hooks"):
+        check_vllm("0.32.0", _Base)

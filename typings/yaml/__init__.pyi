@@ -1,0 +1,6 @@
+# The part of PyYAML that kvcore calls (PyYAML ships no type hints).
+from typing import Any
+
+class YAMLError(Exception): ...
+
+def safe_load(stream: str | bytes) -> Any: ...
