@@ -138,7 +138,7 @@ class _Engine:
         self.free.extend(blocks)
 
     def _patterns(self, tokens: Sequence[int], first: int, stop: int) -> list[int]:
-        """Which pattern blocks ``[first, stop)`` of a request hold once computed: a function of the prefix."""
+        """The patterns blocks ``[first, stop)`` of a request hold once computed: a function of the prefix."""
         out = []
         digest = hashlib.blake2b(digest_size=8)
         for j in range(stop):

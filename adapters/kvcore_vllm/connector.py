@@ -49,7 +49,9 @@ check_vllm(vllm.__version__, KVConnectorBase_V1)
 class KVCoreConnector(KVConnectorBase_V1):
     """kvcore's connector. Configure it through ``kv_connector_extra_config`` (see ``docs/vllm.md``)."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         config = read_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         engine = engine_spec(vllm_config, kv_cache_config)
@@ -72,7 +74,9 @@ class KVCoreConnector(KVConnectorBase_V1):
                 )
             hash_block = kv_cache_config.hash_block_size or engine.layout.block_tokens
             self._scheduler = SchedulerSide(config, engine, hash_block, identity)
-            log.info("kvcore: scheduler side ready: %s", asdict(config, filter=lambda a, _: a.name != "secret"))
+            log.info(
+                "kvcore: scheduler side ready: %s", asdict(config, filter=lambda a, _: a.name != "secret")
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -139,10 +143,14 @@ class KVCoreConnector(KVConnectorBase_V1):
 
     # -- scheduler side ----------------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

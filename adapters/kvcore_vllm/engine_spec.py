@@ -47,7 +47,9 @@ def engine_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Engi
         )
     spec = groups[0].kv_cache_spec
     if isinstance(spec, MLAAttentionSpec) or not isinstance(spec, FullAttentionSpec):
-        raise UnsupportedConfiguration(f"kvcore's vLLM adapter supports full attention, not {type(spec).__name__}")
+        raise UnsupportedConfiguration(
+            f"kvcore's vLLM adapter supports full attention, not {type(spec).__name__}"
+        )
     if not vllm_config.device_config.device_type == "cpu":
         raise UnsupportedConfiguration(
             "kvcore's vLLM adapter has been run on vLLM's CPU build only; CUDA layouts are not wired yet"

@@ -45,7 +45,9 @@ class SchedulerSide:
         self._blocks: dict[str, list[int]] = {}
         self._delayed: list[str] = []
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         rid = RequestId(request.request_id)
         self._requests[request.request_id] = request
         hits = self.core.lookup(
@@ -57,7 +59,9 @@ class SchedulerSide:
         )
         return hits, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self._requests[request.request_id] = request
         if num_external_tokens > 0:
             self.core.start_load(RequestId(request.request_id), blocks.get_block_ids()[0])

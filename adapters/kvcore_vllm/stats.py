@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import prometheus_client
-
 from attrs import asdict
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
@@ -114,7 +113,10 @@ class KVCorePromMetrics(KVConnectorPromMetrics):
         self._gauges = {
             key: _per_engine(
                 gauge_cls(
-                    name=f"vllm:kvcore_{key}", documentation=doc, labelnames=labelnames, multiprocess_mode="mostrecent"
+                    name=f"vllm:kvcore_{key}",
+                    documentation=doc,
+                    labelnames=labelnames,
+                    multiprocess_mode="mostrecent",
                 ),
                 per_engine_labelvalues,
             )

@@ -26,7 +26,9 @@ def main() -> int:
         dtype_size=2,
         head_order=HeadOrder.NHD,
     )
-    engine = EngineSpec(model_id="toy-4L", kv_dtype="bfloat16", num_layers=LAYERS, total_kv_heads=4, layout=layout)
+    engine = EngineSpec(
+        model_id="toy-4L", kv_dtype="bfloat16", num_layers=LAYERS, total_kv_heads=4, layout=layout
+    )
     kv = [torch.zeros(layout.shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
 
     # 2. Build both sides: the scheduler decides, the worker (one per rank) copies.
@@ -40,7 +42,7 @@ def main() -> int:
         scheduler.complete(worker.wait(plan.op_ids(), timeout=10.0))
 
     prompt = list(range(1000, 1300))  # 300 tokens
-    blocks_a = list(range(0, 19))
+    blocks_a = list(range(19))
     try:
         # 3. First request: nothing cached. "Compute" its KV, then save its full chunks.
         first = RequestId("first")

@@ -14,7 +14,13 @@ from kvcore_cli.main import main
 def test_demo_reuses_and_verifies_every_loaded_block() -> None:
     # a small model shape and a pool that cannot hold everything -> hits, evictions, all blocks verified
     options = DemoOptions(
-        chats=6, turns=3, layers=2, kv_heads=2, head_size=64, engine_size="64MiB", pool_size="6MiB",
+        chats=6,
+        turns=3,
+        layers=2,
+        kv_heads=2,
+        head_size=64,
+        engine_size="64MiB",
+        pool_size="6MiB",
         progress=False,
     )
     summary = run_demo(options)

@@ -10,6 +10,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "toy_engin
 
 
 def test_toy_engine_example_runs() -> None:
-    out = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=120, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert "loaded 256 of 300 tokens from kvcore; bytes identical: True" in out.stdout

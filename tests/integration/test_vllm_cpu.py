@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from kvcore_vllm.connector import KVCoreConnector
+from kvcore_vllm.worker_side import WorkerSide
 from tests.integration.conftest import BLOCK, PROMPTS, generate, prompt
 
 pytestmark = [
@@ -30,11 +32,18 @@ def _external_hits(llm: Any) -> int:
     return 0
 
 
-def _loaded_equals_saved(worker: Any) -> tuple[int, bool]:
-    """Runs in the worker process: the last loaded engine blocks against the host blocks they came from."""
+def _worker_side(worker: Any) -> WorkerSide:
+    """Runs in the worker process: kvcore's worker side of the engine's connector."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    side = get_kv_transfer_group().worker_side
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, KVCoreConnector)
+    return connector.worker_side
+
+
+def _loaded_equals_saved(worker: Any) -> tuple[int, bool]:
+    """Runs in the worker process: the last loaded engine blocks against the host blocks they came from."""
+    side = _worker_side(worker)
     engine_blocks, host_blocks = side.last_load
     tier = side.worker
     same = all(
@@ -96,9 +105,7 @@ def test_preemption_and_reset_leak_nothing(kvcore_engine: Any) -> None:
 
 def _close_backend(worker: Any) -> bool:
     """Runs in the worker process: the CPU tier's mover stops taking copies (a dead backend)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    get_kv_transfer_group().worker_side.worker.mover.close()
+    _worker_side(worker).worker.mover.close()
     return True
 
 
@@ -131,7 +138,11 @@ def test_bad_extra_config_stops_the_engine_naming_the_field(tiny_model: Path, tm
     script = tmp_path / "bad_engine.py"
     script.write_text(BAD_ENGINE)
     run = subprocess.run(
-        [sys.executable, str(script), str(tiny_model)], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, str(script), str(tiny_model)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert run.returncode != 0
     assert "backend.size: got '12 parsecs'" in run.stderr
