@@ -2,11 +2,11 @@
 
 For each host block size and id pattern, saves (gather: engine -> host) and loads (scatter: host ->
 engine) ``n`` blocks through the mover, and times a contiguous ``torch`` copy of the same total bytes with
-the same number of threads in the same run (interleaved, with a short idle gap before each timed call;
-medians of the repeats). The engine is laid out
-like vLLM CPU: every layer a view into one storage. Id patterns, from pools twice the size of the copy:
-``contiguous`` is one run on both sides; ``chunks`` draws engine ids at random and host ids as whole
-slots of 16 consecutive blocks (what the scheduler hands out); ``random`` draws both sides at random.
+the same number of threads between the same two buffers, in the same run: timed back to back after a
+short idle gap, medians of the repeats; the ratio is the median of the per-repeat ratios. The engine is
+laid out like vLLM CPU: every layer a view into one storage. Id patterns, from pools twice the size of
+the copy: ``contiguous`` is one run on both sides; ``chunks`` draws engine ids at random and host ids as
+whole slots of 16 consecutive blocks (what the scheduler hands out); ``random`` draws both at random.
 
 On a CUDA machine it also measures device -> host and host -> device copies, and both at once, against
 ``copy_`` between the device and page-locked memory of the same bytes.
@@ -34,27 +34,43 @@ SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB)
 HEAD = 64  # head size; bf16, one KV head: a token of one layer holds 2 * 64 * 2 bytes
 
 
-def _median_seconds(
+IDLE_S = 0.05
+"""Pause before each timed call: torch's OpenMP threads spin for a while after a parallel copy and would
+steal the cores of whatever runs next (measured: the mover ran at half speed right after the baseline)."""
+
+
+def _measure(
     run: Callable[[], None], baseline: Callable[[], None], repeats: int
-) -> tuple[float, float]:
-    """Median wall time of ``run`` and of ``baseline``, measured alternately after one warm-up each."""
+) -> tuple[float, float, float]:
+    """Median seconds of ``run`` and of ``baseline``, and the median of their per-repeat ratios.
+
+    The two are timed back to back in each repeat, after one warm-up each, so that a change in the load
+    of a shared machine hits both sides of a ratio alike.
+    """
     run()
     baseline()
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
         for fn, out in ((run, times[0]), (baseline, times[1])):
+            time.sleep(IDLE_S)
             start = time.perf_counter()
             fn()
             out.append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
+    ratios = [b / r for r, b in zip(*times, strict=True)]
+    return statistics.median(times[0]), statistics.median(times[1]), statistics.median(ratios)
 
 
-def _engine(blocks: int, block_bytes: int, layers: int, device: torch.device) -> list[torch.Tensor]:
+def _engine(
+    blocks: int, block_bytes: int, layers: int, device: torch.device
+) -> tuple[EngineKV, torch.Tensor]:
+    """An engine with every layer in one storage (vLLM CPU style), and that storage as flat bytes."""
     tokens = block_bytes // layers // (4 * HEAD)
     storage = torch.randint(
         -100, 100, (layers, blocks, 1, tokens, 2 * HEAD), dtype=torch.int16, device=device
     )
-    return list(storage.view(torch.bfloat16).unbind(0))
+    layout = KVLayout(LayoutKind.VLLM_CPU, blocks, tokens, 1, HEAD, 2)
+    kv = EngineKV.register(list(storage.view(torch.bfloat16).unbind(0)), layout)
+    return kv, storage.view(torch.uint8).view(-1)
 
 
 PATTERNS = ("contiguous", "chunks", "random")
@@ -82,8 +98,9 @@ def _mover_run(mover: TorchBlockMover, transfers: Sequence[BlockTransfer]) -> Ca
     return run
 
 
-def _row(label: str, nbytes: int, seconds: float, base: float) -> str:
-    return f"{label:<34} {nbytes / seconds / 1e9:8.2f} {nbytes / base / 1e9:9.2f} {base / seconds:7.2f}"
+def _row(label: str, nbytes: int, measured: tuple[float, float, float]) -> str:
+    seconds, base, ratio = measured
+    return f"{label:<34} {nbytes / seconds / 1e9:8.2f} {nbytes / base / 1e9:9.2f} {ratio:7.2f}"
 
 
 def bench_cpu(sizes: Sequence[int], layers: int, threads: int, min_bytes: int, repeats: int) -> None:
@@ -94,21 +111,23 @@ def bench_cpu(sizes: Sequence[int], layers: int, threads: int, min_bytes: int, r
     rng = np.random.default_rng(0)
     for size in sizes:
         count = max(256 if min_bytes >= 64 * MiB else 32, -(-min_bytes // size))
-        kv = EngineKV.register(_engine(2 * count, size, layers, cpu), _layout(2 * count, size, layers))
+        kv, engine_bytes = _engine(2 * count, size, layers, cpu)
         nbytes = count * size
-        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
         with HostMemory.allocate(2 * count, kv.host_block_bytes, cpu) as host:
             host.buffer.fill_(1)
+            # The baseline copies between the same two buffers: where memory lies changes its speed.
+            plain = {
+                Direction.SAVE: _plain_copy(host.buffer[:nbytes], engine_bytes[:nbytes]),
+                Direction.LOAD: _plain_copy(engine_bytes[:nbytes], host.buffer[:nbytes]),
+            }
             mover = TorchBlockMover(kv, host, copy_threads=threads)
             for pattern in PATTERNS:
                 engine_ids, host_ids = _ids(pattern, count, rng)
                 for direction in Direction:
                     transfer = BlockTransfer(direction, engine_ids, host_ids)
-                    seconds, base = _median_seconds(
-                        _mover_run(mover, [transfer]), _plain_copy(dst, src), repeats
-                    )
+                    measured = _measure(_mover_run(mover, [transfer]), plain[direction], repeats)
                     label = f"{size // KiB} KiB x {count} / {pattern} / {direction.value}"
-                    print(_row(label, nbytes, seconds, base), flush=True)
+                    print(_row(label, nbytes, measured), flush=True)
             mover.close()
 
 
@@ -119,9 +138,8 @@ def bench_cuda(sizes: Sequence[int], layers: int, min_bytes: int, repeats: int) 
     rng = np.random.default_rng(0)
     for size in sizes:
         count = max(256, -(-min_bytes // size))
-        kv = EngineKV.register(_engine(2 * count, size, layers, gpu), _layout(2 * count, size, layers))
+        kv, device_bytes = _engine(2 * count, size, layers, gpu)
         nbytes = count * size
-        device_bytes = torch.zeros(2 * nbytes, dtype=torch.uint8, device=gpu)
         with HostMemory.allocate(2 * count, kv.host_block_bytes, gpu) as host:
             mover = TorchBlockMover(kv, host)
             pinned = host.buffer[: 2 * nbytes]
@@ -146,9 +164,9 @@ def bench_cuda(sizes: Sequence[int], layers: int, min_bytes: int, repeats: int) 
                     ),
                 }
                 for name, (transfers, baseline) in cases.items():
-                    seconds, base = _median_seconds(_mover_run(mover, transfers), baseline, repeats)
+                    measured = _measure(_mover_run(mover, transfers), baseline, repeats)
                     label = f"{size // KiB} KiB x {count} / {pattern} / {name}"
-                    print(_row(label, nbytes, seconds, base), flush=True)
+                    print(_row(label, nbytes, measured), flush=True)
             mover.close()
 
 
@@ -181,11 +199,6 @@ def _both(device_bytes: torch.Tensor, pinned: torch.Tensor, nbytes: int) -> Call
         torch.cuda.synchronize()
 
     return run
-
-
-def _layout(blocks: int, block_bytes: int, layers: int) -> KVLayout:
-    tokens = block_bytes // layers // (4 * HEAD)
-    return KVLayout(LayoutKind.VLLM_CPU, blocks, tokens, 1, HEAD, 2)
 
 
 def _plain_copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:

