@@ -15,6 +15,7 @@ BENCHMARKS = {
     "pool": "benchmarks.bench_pool",
     "copy": "benchmarks.bench_copy",
     "plan": "benchmarks.bench_plan",
+    "ttft": "benchmarks.bench_ttft",
 }
 
 

