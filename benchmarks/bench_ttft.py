@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         model=str(model),
         max_model_len=8192,
         enforce_eager=True,
-        kv_cache_memory_bytes=ENGINE_BLOCKS * BLOCK * kv_bytes_per_token,
+        kv_cache_memory_bytes=(ENGINE_BLOCKS + 1) * BLOCK * kv_bytes_per_token,  # + vLLM's null block
         kv_transfer_config={
             "kv_connector": "KVCoreConnector",
             "kv_role": "kv_both",
