@@ -84,7 +84,7 @@ class _Request:
         self.keys: tuple[ChunkKey, ...] = ()
         self.counts: tuple[int, ...] = ()
         self.pending: PendingLookup | None = None
-        self.answer: tuple[int, int] | None = None  # (local tokens asked with, hit chunks)
+        self.answer: int | None = None  # leading chunks the tier holds
         self.load: LoadSpec | None = None
         self.loaded: LoadSpec | None = None  # the load started, kept for extra_cached_tokens
         self.failed_blocks: set[int] = set()  # request block indices whose load failed
@@ -217,8 +217,8 @@ class CacheScheduler:
             if answer is None:
                 return None  # still pending: ask again next step
             req.pending = None
-            req.answer = (local_tokens, answer)
-        external = hit_tokens(req.answer[1], req.counts)
+            req.answer = answer
+        external = hit_tokens(req.answer, req.counts)
         req.load = plan_load(
             prompt_tokens=total,
             local_tokens=local_tokens,
