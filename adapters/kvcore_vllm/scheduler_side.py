@@ -7,14 +7,13 @@ vLLM does not hand back each step: each request's block table and the live ``Req
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
 from kvcore.ids import RequestId
-from kvcore.scheduler import CacheScheduler, SchedulerStats
-from kvcore_cpu.tier import pool_slots
+from kvcore.scheduler import SchedulerStats
+from kvcore_vllm.compose import scheduler_core
 from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata
 
 if TYPE_CHECKING:
@@ -25,8 +24,6 @@ if TYPE_CHECKING:
 
 __all__ = ["EXTRA_CACHED_KEYS", "SchedulerSide"]
 
-log = logging.getLogger(__name__)
-
 # kv_transfer_params keys a request sets to get the tokens served from kvcore back (the second for
 # drop-in compatibility with LMCache's connector).
 EXTRA_CACHED_KEYS = ("num_extra_cached_tokens", "num_lmcache_extra_cached_tokens")
@@ -36,10 +33,7 @@ class SchedulerSide:
     def __init__(
         self, config: KVCoreConfig, engine: EngineSpec, hash_block_tokens: int, hash_identity: str
     ) -> None:
-        world = engine.tp_size
-        self.core = CacheScheduler(
-            config, engine, pool_slots(config, engine, world), world_size=world, hash_identity=hash_identity
-        )
+        self.core = scheduler_core(config, engine, hash_identity)
         self._hash_block_tokens = hash_block_tokens
         self._requests: dict[str, Request] = {}
         self._blocks: dict[str, list[int]] = {}

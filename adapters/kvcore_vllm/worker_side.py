@@ -9,8 +9,6 @@ a preempted request's saves are fenced before vLLM reuses its blocks.
 
 from __future__ import annotations
 
-import logging
-import re
 from collections.abc import Iterable
 
 import torch
@@ -20,14 +18,10 @@ from kvcore.engine import EngineSpec
 from kvcore.errors import InvalidSpecError
 from kvcore.plan import BlockOp, OpReport, StepPlan
 from kvcore.ports import Direction
-from kvcore_cpu.tier import CPUWorker, open_worker
+from kvcore_vllm.compose import RankWorker, open_rank_worker
 from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata
 
 __all__ = ["WorkerSide"]
-
-log = logging.getLogger(__name__)
-
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
 class WorkerSide:
@@ -36,7 +30,7 @@ class WorkerSide:
         self._engine = engine
         self._layers = layers
         self._rank = rank
-        self._worker: CPUWorker | None = None
+        self._worker: RankWorker | None = None
         self._inflight: dict[int, BlockOp] = {}
         self._reports: list[OpReport] = []
         self._load_errors: set[int] = set()
@@ -44,7 +38,7 @@ class WorkerSide:
         self.last_load: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # for out-of-band checks
 
     @property
-    def worker(self) -> CPUWorker:
+    def worker(self) -> RankWorker:
         if self._worker is None:
             raise InvalidSpecError("register_kv_caches has not been called")
         return self._worker
@@ -54,9 +48,7 @@ class WorkerSide:
         if missing:
             raise InvalidSpecError(f"KV caches missing for layers {missing}")
         tensors = [kv_caches[name] for name in self._layers]
-        self._worker = open_worker(
-            self._config, self._engine, tensors, rank=self._rank, world_size=self._engine.tp_size
-        )
+        self._worker = open_rank_worker(self._config, self._engine, tensors, self._rank)
 
     def start_load_kv(self, meta: KVCoreMetadata) -> None:
         self._load_errors.update(meta.failed_blocks)
