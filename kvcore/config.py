@@ -121,6 +121,7 @@ class KVCoreConfig:
     hash_algorithm: HashAlgorithm = HashAlgorithm.SHA256
     partial_chunks: PartialChunkPolicy = PartialChunkPolicy.DROP
     eviction: str = field(default="lru", validator=_eviction)
+    save_after_sightings: int = field(default=1, validator=_positive)
     lookup_timeout_s: float = field(default=1.0, validator=_positive)
     transfer_timeout_s: float = field(default=30.0, validator=_positive)
     hash_seed: str = "kvcore"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from attrs import frozen
@@ -164,6 +165,10 @@ class CacheScheduler:
         self._plan: list[BlockOp] = []
         self._inflight: dict[int, _InFlight] = {}
         self._finished: list[RequestId] = []
+        # How often each chunk was looked up (bounded, oldest forgotten first): with
+        # save_after_sightings = N > 1 a chunk is saved only once N requests asked for it.
+        self._sightings: OrderedDict[ChunkKey, int] = OrderedDict()
+        self._sightings_bound = 4 * num_slots
         self._counters = dict.fromkeys(
             (
                 "lookups",
@@ -202,6 +207,8 @@ class CacheScheduler:
             self._requests[request_id] = req
             self._table.track(request_id)
             self._counters["lookups"] += 1
+            if self.config.save_after_sightings > 1:
+                self._sight(req.keys)
         total = len(tokens) if tokens is not None else num_tokens
         if total is None:
             raise InvalidSpecError("lookup needs tokens, or block_hashes with num_tokens")
@@ -308,8 +315,12 @@ class CacheScheduler:
         full = min(full, len(req.keys), len(block_ids) // self.blocks_per_chunk)
         if full <= req.saved_chunks:
             return 0
+        wanted = req.keys[req.saved_chunks : full]
+        if self.config.save_after_sightings > 1:
+            needed = self.config.save_after_sightings
+            wanted = tuple(itertools.takewhile(lambda k: self._sightings.get(k, 0) >= needed, wanted))
         chunk_of = {req.keys[i]: i for i in range(req.saved_chunks, full)}
-        plan = self.pool.prepare_store(req.keys[req.saved_chunks : full])
+        plan = self.pool.prepare_store(wanted)
         req.saved_chunks = full
         if not plan.slots:
             return 0
@@ -483,6 +494,14 @@ class CacheScheduler:
                 out.append(key)
             start += piece.num_blocks
         return tuple(out)
+
+    def _sight(self, keys: Sequence[ChunkKey]) -> None:
+        sightings = self._sightings
+        for key in keys:
+            sightings[key] = sightings.get(key, 0) + 1
+            sightings.move_to_end(key)
+        while len(sightings) > self._sightings_bound:
+            sightings.popitem(last=False)
 
     def _retire(self, tracker: RequestTracker) -> None:
         if tracker.phase in (Phase.FINISHED, Phase.ABORTED) and not tracker.jobs:

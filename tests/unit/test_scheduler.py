@@ -218,3 +218,16 @@ def test_stats_count_requests_and_ops() -> None:
     rig.sched.finish(a)
     assert rig.sched.stats().requests == 0
     assert rig.sched.stats().ops_in_flight == 0
+
+
+def test_save_after_two_sightings() -> None:
+    # N = 2: the first request's chunks are not saved; the second asks again and saves them
+    rig = Rig(save_after_sightings=2)
+    a, b = RequestId("a"), RequestId("b")
+    rig.sched.lookup(a, tokens=TOKENS)
+    assert rig.sched.save(a, range(8), num_tokens=30) == 0
+    rig.sched.finish(a)
+    assert rig.sched.lookup(b, tokens=TOKENS) == 0
+    assert rig.sched.save(b, range(8), num_tokens=30) == 3
+    rig.step()
+    assert rig.sched.lookup(RequestId("c"), tokens=TOKENS) == 24
