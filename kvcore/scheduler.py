@@ -75,6 +75,7 @@ class _Request:
         "load",
         "load_errors",
         "loaded",
+        "lost_blocks",
         "pending",
         "saved_chunks",
     )
@@ -89,7 +90,8 @@ class _Request:
         self.load: LoadSpec | None = None
         self.loaded: LoadSpec | None = None  # the load started, kept for extra_cached_tokens
         self.failed_blocks: set[int] = set()  # request block indices whose load failed
-        self.load_errors: list[int] = []
+        self.load_errors: list[int] = []  # engine block ids to recompute, any cause
+        self.lost_blocks: list[int] = []  # the part the scheduler itself decided (chunk gone before the copy)
         self.saved_chunks = 0
 
 
@@ -269,11 +271,25 @@ class CacheScheduler:
             lost_from = spec.first_block + len(engine_blocks)
             req.failed_blocks.update(range(lost_from, spec.first_block + spec.num_blocks))
             req.load_errors.extend(block_ids[lost_from : spec.first_block + spec.num_blocks])
+            req.lost_blocks.extend(block_ids[lost_from : spec.first_block + spec.num_blocks])
         if not engine_blocks:
             return 0
         self._submit(request_id, Direction.LOAD, engine_blocks, host_blocks, keys[:ready], JobRole.LOAD)
         self._counters["hit_tokens"] += len(engine_blocks) * self.block_tokens
         return len(engine_blocks) * self.block_tokens
+
+    def take_lost_blocks(self) -> tuple[int, ...]:
+        """Engine block ids the scheduler gave up loading before any copy (their chunks left the pool).
+
+        For engines whose workers report their own failed copies (vLLM): those are already known to
+        the engine, so only these must travel to the workers. Clears what ``take_load_errors`` holds.
+        """
+        lost: list[int] = []
+        for req in self._requests.values():
+            lost.extend(req.lost_blocks)
+            req.lost_blocks.clear()
+            req.load_errors.clear()
+        return tuple(lost)
 
     def take_load_errors(self) -> dict[RequestId, tuple[int, ...]]:
         """Engine block ids whose load failed, per request, since the last call: recompute them."""
@@ -282,6 +298,7 @@ class CacheScheduler:
             if req.load_errors:
                 out[request_id] = tuple(req.load_errors)
                 req.load_errors.clear()
+                req.lost_blocks.clear()
         return out
 
     # -- saves -----------------------------------------------------------------------------------------
@@ -373,6 +390,8 @@ class CacheScheduler:
         if req.pending is not None:
             self._lookup.abandon(req.pending)
         req.pending = req.answer = req.load = None
+        req.load_errors.clear()  # block ids the request no longer owns
+        req.lost_blocks.clear()
         tracker.move(Phase.PREEMPTED)
         tracker.move(Phase.SCHEDULED)
 

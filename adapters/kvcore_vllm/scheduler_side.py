@@ -76,8 +76,10 @@ class SchedulerSide:
         for rid in preempted:
             self.core.preempt(RequestId(rid))
             self._blocks.pop(rid, None)
-        failed = tuple(b for blocks in self.core.take_load_errors().values() for b in blocks)
-        meta = KVCoreMetadata(self.core.take_plan(), tuple(self._delayed), preempted, failed)
+        # workers report their own failed copies in the step that detects them; only the blocks the
+        # scheduler gave up on before any copy travel to them
+        lost = self.core.take_lost_blocks()
+        meta = KVCoreMetadata(self.core.take_plan(), tuple(self._delayed), preempted, lost)
         self._delayed.clear()
         return meta
 

@@ -9,6 +9,7 @@ a preempted request's saves are fenced before vLLM reuses its blocks.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -23,6 +24,8 @@ from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata
 
 __all__ = ["WorkerSide"]
 
+log = logging.getLogger(__name__)
+
 
 class WorkerSide:
     def __init__(self, config: KVCoreConfig, engine: EngineSpec, layers: list[str], rank: int) -> None:
@@ -30,11 +33,13 @@ class WorkerSide:
         self._engine = engine
         self._layers = layers
         self._rank = rank
+        self._timeout = config.transfer_timeout_s
         self._worker: RankWorker | None = None
         self._inflight: dict[int, BlockOp] = {}
         self._reports: list[OpReport] = []
         self._load_errors: set[int] = set()
         self._delayed: set[str] = set()
+        self._abandoned: set[int] = set()  # ops waited on past their deadline: reported as failed
         self.last_load: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # for out-of-band checks
 
     @property
@@ -56,11 +61,17 @@ class WorkerSide:
         loads = self._run(meta.plan, Direction.LOAD)
         if not loads:
             return
-        reports = self.worker.wait([op.op_id for op in loads], self._config.transfer_timeout_s)
+        reports = self.worker.wait([op.op_id for op in loads], self._timeout)
         self._collect(reports)
         done = {r.op_id for r in reports}
-        for op in loads:
-            if op.op_id not in done:  # timed out: vLLM recomputes; the copy stays reserved until it ends
+        late = [op for op in loads if op.op_id not in done]
+        if late:
+            # vLLM will recompute these blocks in this very step: no copy may still be writing them.
+            # Stop the mover (it joins its copy thread) and treat this tier as dead from now on.
+            log.error("kvcore: %d loads not done after %.1fs; closing the CPU tier", len(late), self._timeout)
+            self.worker.mover.close()
+            self._abandon(late)
+            for op in late:
                 self._load_errors.update(op.engine_blocks)
         last = loads[-1]
         self.last_load = (last.engine_blocks, last.host_blocks)
@@ -70,9 +81,11 @@ class WorkerSide:
 
     def handle_preemptions(self, meta: KVCoreMetadata) -> None:
         preempted = set(meta.preempted)
-        fenced = [op_id for op_id, op in self._inflight.items() if op.request_id in preempted]
+        fenced = [op for op in self._inflight.values() if op.request_id in preempted]
         if fenced and self._worker is not None:
-            self._collect(self._worker.wait(fenced, self._config.transfer_timeout_s))
+            self._collect(self._worker.wait([op.op_id for op in fenced], self._timeout))
+            # a save still running now reads blocks vLLM is about to reuse: its chunks must not be kept
+            self._abandon([op for op in fenced if op.op_id in self._inflight])
 
     def get_finished(self) -> set[str] | None:
         if self._worker is not None:
@@ -104,9 +117,15 @@ class WorkerSide:
             self.worker.execute(StepPlan(tuple(ops)))
         return ops
 
+    def _abandon(self, ops: Iterable[BlockOp]) -> None:
+        self._abandoned.update(op.op_id for op in ops)
+
     def _collect(self, reports: Iterable[OpReport]) -> None:
         for report in reports:
             op = self._inflight.pop(report.op_id, None)
-            if op is not None and op.direction is Direction.LOAD and report.failed:
+            if report.op_id in self._abandoned and op is not None:
+                self._abandoned.discard(report.op_id)
+                report = OpReport(report.op_id, report.rank, tuple(range(len(op.engine_blocks))), "abandoned")
+            elif op is not None and op.direction is Direction.LOAD and report.failed:
                 self._load_errors.update(op.engine_blocks[i] for i in report.failed)
             self._reports.append(report)

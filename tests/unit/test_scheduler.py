@@ -202,7 +202,7 @@ def test_a_chunk_that_failed_to_load_is_not_served_again() -> None:
     rig.sched.start_load(b, range(20, 28))
     rig.mover.fail_next(1)
     rig.step()
-    assert rig.sched.extra_cached_tokens(b) < 24
+    assert rig.sched.extra_cached_tokens(b) == 0  # the first block failed: nothing after it counts
     assert rig.sched.lookup(RequestId("c"), tokens=TOKENS) == 0
     assert rig.sched.stats().pool.pinned == 0
 
@@ -231,3 +231,16 @@ def test_save_after_two_sightings() -> None:
     assert rig.sched.save(b, range(8), num_tokens=30) == 3
     rig.step()
     assert rig.sched.lookup(RequestId("c"), tokens=TOKENS) == 24
+
+
+def test_chunks_gone_before_the_load_are_lost_blocks() -> None:
+    # pool of 3: lookup sees a's 3 chunks, then b's saves evict them before a second request loads
+    rig = Rig(slots=3)
+    rig.serve_and_save("a", TOKENS, range(8))
+    c = RequestId("c")
+    assert rig.sched.lookup(c, tokens=TOKENS) == 24
+    rig.serve_and_save("b", list(range(1000, 1030)), range(8, 16))
+    assert rig.sched.start_load(c, range(20, 28)) == 0
+    assert rig.sched.take_lost_blocks() == tuple(range(20, 26))
+    assert rig.sched.take_load_errors() == {}  # taken once, by either form
+    assert rig.sched.extra_cached_tokens(c) == 0
