@@ -63,9 +63,6 @@ class BlockWorker:
             results = ()
         return self._report(results + self._mover.poll())
 
-    def in_flight(self) -> int:
-        return len(self._ops)
-
     def _report(self, results: tuple[JobResult, ...]) -> tuple[OpReport, ...]:
         out, self._refused = self._refused, []
         for result in results:

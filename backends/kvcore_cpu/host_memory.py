@@ -34,7 +34,7 @@ class HostMemory:
     """``num_blocks`` host blocks of ``block_bytes`` each, in one contiguous uint8 buffer on the CPU.
 
     ``blocks`` views it as ``[num_blocks, block_bytes]``. ``close`` unregisters page-locked memory; the
-    bytes stay readable until the last view is dropped. Use ``allocate`` or ``from_size``.
+    bytes stay readable until the last view is dropped. Use ``allocate``.
     """
 
     def __init__(self, buffer: torch.Tensor, num_blocks: int, block_bytes: int, pinned: bool) -> None:
@@ -60,28 +60,6 @@ class HostMemory:
         if pinned:
             _register(buffer)
         return cls(buffer, num_blocks, block_bytes, pinned)
-
-    @classmethod
-    def from_size(
-        cls, size_bytes: int, block_bytes: int, blocks_per_chunk: int, device: torch.device
-    ) -> HostMemory:
-        """As many whole chunks of ``blocks_per_chunk`` blocks as fit in ``size_bytes``.
-
-        Raises ``ConfigError`` naming ``size`` when not even one chunk fits.
-        """
-        if block_bytes < 1:
-            raise ConfigError("block_bytes", block_bytes, "at least 1")
-        if blocks_per_chunk < 1:
-            raise ConfigError("blocks_per_chunk", blocks_per_chunk, "at least 1")
-        chunk_bytes = blocks_per_chunk * block_bytes
-        if size_bytes < chunk_bytes:
-            raise ConfigError(
-                "size",
-                size_bytes,
-                f"at least {chunk_bytes} bytes "
-                f"(one chunk of {blocks_per_chunk} blocks of {block_bytes} bytes)",
-            )
-        return cls.allocate(size_bytes // chunk_bytes * blocks_per_chunk, block_bytes, device)
 
     @property
     def nbytes(self) -> int:

@@ -14,7 +14,6 @@ from functools import partial
 from typing import Generic, Protocol, TypeVar
 
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
@@ -23,7 +22,7 @@ from kvcore.ids import ChunkKey, LookupId
 from kvcore.ports import ChunkIndex, SupportsClear, SupportsImmediateLookup
 from kvcore.testing.support import (
     HarnessFixture,
-    conformance,
+    finish_machine,
     fresh_keys,
     require_capacity,
     require_clear,
@@ -244,11 +243,5 @@ def chunk_index_state_machine(
             require_clear(self.harness.backend).clear()
             self.model.clear()
 
-    ChunkIndexMachine.TestCase.settings = settings(
-        max_examples=max_examples,
-        stateful_step_count=steps,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
-    conformance(ChunkIndexMachine.TestCase)
+    finish_machine(ChunkIndexMachine.TestCase, max_examples, steps)
     return ChunkIndexMachine

@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -27,7 +26,7 @@ from kvcore.testing.support import (
     check_result_handed_out_once,
     check_wait_timeout_then_poll,
     collect,
-    conformance,
+    finish_machine,
     fresh_keys,
     payload,
     require_capacity,
@@ -409,11 +408,5 @@ def chunk_store_state_machine(
         def values_match_the_model(self) -> None:
             assert {k: v for k in self.keys if (v := self.harness.peek(k)) is not None} == self.model
 
-    ChunkStoreMachine.TestCase.settings = settings(
-        max_examples=max_examples,
-        stateful_step_count=steps,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
-    conformance(ChunkStoreMachine.TestCase)
+    finish_machine(ChunkStoreMachine.TestCase, max_examples, steps)
     return ChunkStoreMachine

@@ -9,6 +9,7 @@ import contextlib
 import random
 import threading
 import time
+import unittest
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import ClassVar, Generic, TypeVar
@@ -34,6 +35,7 @@ __all__ = [
     "check_wait_timeout_then_poll",
     "collect",
     "conformance",
+    "finish_machine",
     "fresh_keys",
     "payload",
     "require_capacity",
@@ -79,6 +81,19 @@ class HarnessFixture(Generic[HarnessT]):
     def harness(self) -> Iterator[HarnessT]:
         with self.make_harness() as harness:
             yield harness
+
+
+def finish_machine(case: type[unittest.TestCase], max_examples: int, steps: int) -> None:
+    """Give a state machine's test case its run length and the conformance marker."""
+    from hypothesis import HealthCheck, settings
+
+    case.settings = settings(  # type: ignore[attr-defined]  # hypothesis reads this class attribute
+        max_examples=max_examples,
+        stateful_step_count=steps,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    conformance(case)
 
 
 def _reason(obj: object, capability: str) -> str:

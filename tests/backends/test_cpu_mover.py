@@ -11,11 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcore.config import KVCoreConfig, load_config
+from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError, TransferTimeout, UsageError
 from kvcore.jobs import JobResult
 from kvcore.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.ports import BlockTransfer, Direction
-from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
+from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover, pool_slots
 from kvcore_cpu.cpu_copy import ByteRows, RowTask, copy_rows
 from kvcore_cpu.rows import IntArray
 
@@ -459,11 +461,17 @@ def test_host_memory_refuses_empty_sizes(blocks: int, block_bytes: int, field: s
         HostMemory.allocate(blocks, block_bytes, torch.device("cpu"))
 
 
-def test_host_memory_from_size_holds_whole_chunks() -> None:
-    # 10_000 bytes, chunks of 4 blocks x 512 bytes = 2048 -> 4 chunks = 16 blocks
-    host = HostMemory.from_size(10_000, 512, 4, torch.device("cpu"))
-    assert host.num_blocks == 16
-    with pytest.raises(ConfigError, match=r"^size: got 2000, expected at least 2048 bytes \(one chunk of 4"):
-        HostMemory.from_size(2000, 512, 4, torch.device("cpu"))
-    with pytest.raises(ConfigError, match="blocks_per_chunk"):
-        HostMemory.from_size(10_000, 512, 0, torch.device("cpu"))
+def test_pool_holds_whole_chunks_and_refuses_less_than_one() -> None:
+    # 10_000 bytes, chunks of 4 blocks x 512 bytes = 2048 -> 4 slots (16 host blocks)
+    layout = KVLayout(
+        kind=LayoutKind.VLLM_CPU, num_blocks=8, block_tokens=16, num_kv_heads=1, head_size=8, dtype_size=2
+    )
+    engine = EngineSpec(model_id="m", kv_dtype="bfloat16", num_layers=1, total_kv_heads=1, layout=layout)
+
+    def config(size: int) -> KVCoreConfig:
+        return load_config({"backend": {"kind": "cpu", "size": size}, "chunk_tokens": 64})
+
+    assert pool_slots(config(10_000), engine) == 4
+    assert pool_slots(config(10_000), engine, world_size=2) == 2  # size is the total across ranks
+    with pytest.raises(ConfigError, match=r"^backend.size: got 2000, expected at least 2048 bytes"):
+        pool_slots(config(2000), engine)
