@@ -25,9 +25,13 @@ from kvcore.hashing import HashAlgorithm, PartialChunkPolicy
 
 __all__ = [
     "BackendConfig",
+    "ByteCount",
     "ByteSize",
     "CPUBackendConfig",
     "KVCoreConfig",
+    "LMCacheMPConfig",
+    "MooncakeStoreConfig",
+    "PDConfig",
     "config_to_dict",
     "load_config",
     "load_config_file",
@@ -35,6 +39,7 @@ __all__ = [
 ]
 
 ByteSize = NewType("ByteSize", int)
+ByteCount = NewType("ByteCount", int)  # like ByteSize, but 0 is allowed (e.g. "contribute nothing")
 
 _UNITS = {
     "": 1,
@@ -69,8 +74,11 @@ def parse_size(value: object, field_name: str = "size") -> int:
         raise ConfigError(field_name, value, exc.expected) from None
 
 
-def _parse_size(value: object) -> int:
-    expected = "a positive size: bytes as an integer, or a string such as '8GiB' or '512MB'"
+def _parse_size(value: object, *, allow_zero: bool = False) -> int:
+    expected = (
+        f"a {'non-negative' if allow_zero else 'positive'} size: bytes as an integer, "
+        "or a string such as '8GiB' or '512MB'"
+    )
     if isinstance(value, bool):
         raise _BadValue(value, expected)
     if isinstance(value, int):
@@ -79,7 +87,7 @@ def _parse_size(value: object) -> int:
         size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     else:
         raise _BadValue(value, expected)
-    if size <= 0:
+    if size < 0 or (size == 0 and not allow_zero):
         raise _BadValue(value, expected)
     return size
 
@@ -100,11 +108,77 @@ class CPUBackendConfig:
     size: ByteSize
 
 
-BackendConfig: TypeAlias = CPUBackendConfig
+def _one_of(*choices: str) -> Callable[[object, Attribute[Any], str], None]:
+    def check(_: object, attribute: Attribute[Any], value: str) -> None:
+        if value not in choices:
+            raise _BadValue(value, f"one of {', '.join(map(repr, choices))}", attribute.name)
+
+    return check
+
+
+def _non_negative(_: object, attribute: Attribute[Any], value: float) -> None:
+    if value < 0:
+        raise _BadValue(value, "a number >= 0", attribute.name)
+
+
+@frozen
+class MooncakeStoreConfig:
+    """A Mooncake distributed store shared by engine instances, in front of a local host tier.
+
+    ``local_size`` is the host memory (total across ranks) that stages every transfer and keeps recent
+    chunks, as the CPU backend's ``size``; ``segment_size`` is what each worker contributes to the shared
+    pool (0: a pure client, the pool lives in segment holders).
+    """
+
+    KIND: ClassVar[str] = "mooncake_store"
+    master: str = "127.0.0.1:50051"
+    metadata: str = "P2PHANDSHAKE"
+    protocol: str = field(default="tcp", validator=_one_of("tcp", "rdma"))
+    devices: str = ""
+    local_hostname: str = "127.0.0.1"
+    local_size: ByteSize = ByteSize(2**30)
+    segment_size: ByteCount = ByteCount(2**30)
+    transfer_buffer_size: ByteSize = ByteSize(64 * 2**20)
+    replicas: int = field(default=1, validator=_positive)
+    setup_timeout_s: float = field(default=10.0, validator=_positive)
+
+
+@frozen
+class LMCacheMPConfig:
+    """A standalone LMCache multiprocess server, driven by the engine through shared-memory slots."""
+
+    KIND: ClassVar[str] = "lmcache_mp"
+    url: str = "tcp://localhost:5555"
+    transfer_mode: str = field(default="engine_driven", validator=_one_of("engine_driven"))
+    request_timeout_s: float = field(default=5.0, validator=_positive)
+    heartbeat_s: float = field(default=30.0, validator=_positive)
+
+
+BackendConfig: TypeAlias = CPUBackendConfig | MooncakeStoreConfig | LMCacheMPConfig
 """Every backend's config class; the ``kind`` key picks one."""
 
-_BACKENDS: dict[str, type[BackendConfig]] = {cls.KIND: cls for cls in (CPUBackendConfig,)}
+_BACKENDS: dict[str, type[BackendConfig]] = {
+    cls.KIND: cls for cls in (CPUBackendConfig, MooncakeStoreConfig, LMCacheMPConfig)
+}
 _EVICTIONS = ("lru", "arc")
+
+
+@frozen
+class PDConfig:
+    """Disaggregated prefill/decode over a peer transport (the role comes from the engine).
+
+    The side channel (handshakes) listens on ``host:port`` (loopback by default; port 0 picks one).
+    A producer frees a finished prefill's blocks once every consumer rank acknowledged them, or after
+    ``abort_timeout_s``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = field(default=0, validator=_non_negative)
+    protocol: str = field(default="tcp", validator=_one_of("tcp", "rdma"))
+    devices: str = ""
+    handshake_timeout_s: float = field(default=5.0, validator=_positive)
+    handshake_retries: int = field(default=3, validator=_non_negative)
+    abort_timeout_s: float = field(default=120.0, validator=_positive)
 
 
 def _eviction(_: object, attribute: Attribute[Any], value: str) -> None:
@@ -128,6 +202,7 @@ class KVCoreConfig:
     epoch: str = "0"
     secret: str | None = field(default=None, repr=False)
     checksums: bool = False
+    pd: PDConfig | None = None
 
 
 def _strict(kind: type[Any], expected: str) -> Callable[[object, type[Any]], Any]:
@@ -161,6 +236,7 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(bool, _strict(bool, "true or false"))
     conv.register_structure_hook(float, _float)
     conv.register_structure_hook(ByteSize, lambda v, _: ByteSize(_parse_size(v)))
+    conv.register_structure_hook(ByteCount, lambda v, _: ByteCount(_parse_size(v, allow_zero=True)))
     conv.register_structure_hook_func(lambda t: isinstance(t, type) and issubclass(t, enum.Enum), _enum)
     conv.register_unstructure_hook_func(
         lambda t: isinstance(t, type) and issubclass(t, enum.Enum), lambda e: e.value

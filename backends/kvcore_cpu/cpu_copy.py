@@ -128,14 +128,16 @@ def _plan(
     steps = {_Form.SLICE: next_s & next_d, _Form.GATHER: next_d, _Form.SCATTER: next_s}
     if not (src.flags.c_contiguous and dst.flags.c_contiguous):
         del steps[_Form.GATHER]  # np.take copies a non-contiguous array whole
-    costs = {form: (count - int(np.count_nonzero(run))) * _CALL_BYTES for form, run in steps.items()}
+    costs: dict[_Form, float] = {
+        form: (count - int(np.count_nonzero(run))) * _CALL_BYTES for form, run in steps.items()
+    }
     costs[_Form.STAGED] = -(-count // batch) * 2 * _CALL_BYTES + count * src.shape[1] * _STAGING_COST
     form = min(costs, key=costs.__getitem__)
     if form is _Form.STAGED:
         starts = np.arange(0, count, batch, dtype=np.int64)
         return form, starts, np.minimum(starts + batch, count)
-    starts = np.concatenate((np.zeros(1, np.int64), np.flatnonzero(~steps[form]) + 1))
-    return form, starts, np.append(starts[1:], count)
+    breaks: IntArray = np.concatenate((np.zeros(1, np.int64), np.flatnonzero(~steps[form]) + 1))
+    return form, breaks, np.append(breaks[1:], count)
 
 
 def copy_rows(src: ByteRows, dst: ByteRows, s: IntArray, d: IntArray, staging: ByteRows) -> None:

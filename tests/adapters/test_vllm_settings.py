@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcore.config import ByteSize, CPUBackendConfig
 from kvcore.errors import ConfigError, UnsupportedConfiguration
 from kvcore_vllm.compat import check_vllm
 from kvcore_vllm.settings import read_extra_config, transfer_config
@@ -15,6 +16,7 @@ from kvcore_vllm.settings import read_extra_config, transfer_config
 
 def test_extra_config_is_the_core_config() -> None:
     config = read_extra_config({"backend": {"kind": "cpu", "size": "4GiB"}, "chunk_tokens": 512})
+    assert isinstance(config.backend, CPUBackendConfig)
     assert config.backend.size == 4 << 30
     assert config.chunk_tokens == 512
 
@@ -50,7 +52,9 @@ def test_one_knob_transfer_config() -> None:
     config = transfer_config(backend="cpu", size="8GiB")
     assert config["kv_connector"] == "KVCoreConnector"
     assert config["kv_load_failure_policy"] == "recompute"
-    assert read_extra_config(config["kv_connector_extra_config"]).backend.size == 8 << 30
+    assert read_extra_config(config["kv_connector_extra_config"]).backend == CPUBackendConfig(
+        ByteSize(8 << 30)
+    )
     with pytest.raises(ConfigError, match="backend"):
         transfer_config(backend="floppy")
     with pytest.raises(ConfigError, match="size"):
