@@ -7,10 +7,27 @@ They are frozen, picklable values: in vLLM they cross from the engine-core proce
 from __future__ import annotations
 
 from attrs import field, frozen
+from attrs.validators import ge
 
+from kvcore.ids import ChunkKey
 from kvcore.ports import Direction, int_tuple
 
-__all__ = ["BlockOp", "OpReport", "StepPlan"]
+__all__ = ["BlockOp", "OpReport", "RemoteChunk", "StepPlan"]
+
+
+@frozen
+class RemoteChunk:
+    """A chunk of an op that also crosses the remote tier: fetched into its host slot before a load's
+    copy, or published from it after a save's copy.
+
+    ``keys[rank]`` is that rank's shard key (``None``: the rank holds a replica another rank writes).
+    The chunk's blocks are ``engine_blocks[first : first + count]`` of the op.
+    """
+
+    slot: int = field(validator=ge(0))
+    keys: tuple[ChunkKey | None, ...]
+    first: int = field(validator=ge(0))
+    count: int = field(validator=ge(1))
 
 
 @frozen
@@ -18,7 +35,8 @@ class BlockOp:
     """One copy job for every worker: engine block ``engine_blocks[i]`` <-> host block ``host_blocks[i]``.
 
     ``request_id`` names the request whose blocks are copied, so a worker can fence a preempted request's
-    copies and tell when a finished request's last copy is done.
+    copies and tell when a finished request's last copy is done. ``remote`` lists the op's chunks that
+    also cross a remote tier (empty for the CPU tier alone).
     """
 
     op_id: int
@@ -26,6 +44,7 @@ class BlockOp:
     engine_blocks: tuple[int, ...] = field(converter=int_tuple)
     host_blocks: tuple[int, ...] = field(converter=int_tuple)
     request_id: str = ""
+    remote: tuple[RemoteChunk, ...] = ()
 
 
 @frozen

@@ -34,13 +34,13 @@ from kvcore.errors import ConfigError, InvalidSpecError
 from kvcore.eviction import make_policy
 from kvcore.hashing import NO_EXTRA, ChunkHasher, ExtraKeys, regroup_block_hashes
 from kvcore.ids import ChunkKey, JobId, RequestId
-from kvcore.keys import Keyspace, Namespace, Shard
+from kvcore.keys import Keyspace, Namespace, Shard, writes
 from kvcore.lifecycle import JobRole, Phase, RequestTable, RequestTracker
-from kvcore.load_spec import LoadSpec, hit_tokens, plan_load
+from kvcore.load_spec import ChunkPiece, LoadSpec, hit_tokens, plan_load
 from kvcore.lookup import PendingLookup, PrefixLookup
-from kvcore.plan import BlockOp, OpReport, StepPlan
+from kvcore.plan import BlockOp, OpReport, RemoteChunk, StepPlan
 from kvcore.pool_index import PoolIndex
-from kvcore.ports import Direction
+from kvcore.ports import ChunkIndex, Direction
 
 __all__ = ["CacheScheduler", "SchedulerStats"]
 
@@ -75,18 +75,22 @@ class _Request:
         "load",
         "load_errors",
         "loaded",
+        "local_hits",
         "lost_blocks",
         "pending",
+        "rank_keys",
         "saved_chunks",
     )
 
     def __init__(self, extra: ExtraKeys) -> None:
         self.extra = extra
         self.hashes: tuple[bytes, ...] = ()
-        self.keys: tuple[ChunkKey, ...] = ()
+        self.keys: tuple[ChunkKey, ...] = ()  # the local pool's key of each chunk
+        self.rank_keys: tuple[tuple[ChunkKey, ...], ...] = ()  # with a remote tier: each rank's shard key
         self.counts: tuple[int, ...] = ()
-        self.pending: PendingLookup | None = None
-        self.answer: int | None = None  # leading chunks the tier holds
+        self.pending: PendingLookup | None = None  # a remote lookup in flight
+        self.local_hits = 0  # leading chunks the local pool held when looked up
+        self.answer: int | None = None  # leading chunks the tiers hold
         self.load: LoadSpec | None = None
         self.loaded: LoadSpec | None = None  # the load started, kept for extra_cached_tokens
         self.failed_blocks: set[int] = set()  # request block indices whose load failed
@@ -96,18 +100,31 @@ class _Request:
 
 
 class _InFlight:
-    __slots__ = ("failed", "keys", "op", "ranks", "request_id")
+    __slots__ = ("failed", "fetched", "keys", "op", "ranks", "request_id")
 
-    def __init__(self, request_id: RequestId, op: BlockOp, keys: tuple[ChunkKey, ...]) -> None:
+    def __init__(
+        self,
+        request_id: RequestId,
+        op: BlockOp,
+        keys: tuple[ChunkKey, ...],
+        fetched: frozenset[ChunkKey] = frozenset(),
+    ) -> None:
         self.request_id = request_id
         self.op = op
         self.keys = keys
+        self.fetched = fetched  # a load's chunks fetched from the remote tier (the others are pinned)
         self.ranks: set[int] = set()
         self.failed: set[int] = set()
 
 
 class CacheScheduler:
-    """Scheduler side over a host-slot pool (the CPU tier): one instance per engine."""
+    """Scheduler side over a host-slot pool, optionally in front of a remote tier: one per engine.
+
+    Alone, the pool is the CPU tier. With ``remote`` (the index of a shared store such as Mooncake), the
+    pool is the local tier in front of it: lookups ask the pool first and the remote index for the rest;
+    a chunk only the remote tier holds is fetched into a free slot and then loaded (staying in the pool
+    for later hits); every save also publishes each rank's shard to the remote tier.
+    """
 
     def __init__(
         self,
@@ -117,10 +134,12 @@ class CacheScheduler:
         *,
         world_size: int = 1,
         hash_identity: str | None = None,
+        remote: ChunkIndex | None = None,
     ) -> None:
         """``hash_identity`` names the chain of engine-provided block hashes (e.g. vLLM's algorithm and
         seed) when lookups pass ``block_hashes``; it replaces kvcore's own seed digest in the namespace,
-        so that engines whose chains differ can never share keys."""
+        so that engines whose chains differ can never share keys. ``remote`` is a shared tier's index,
+        keyed by each rank's shard."""
         block_tokens = engine.layout.block_tokens
         if config.chunk_tokens % block_tokens:
             raise ConfigError(
@@ -155,12 +174,12 @@ class CacheScheduler:
             ),
             secret=config.secret.encode() if config.secret is not None else None,
         )
-        # One pool serves every rank of this engine (same slot ids on each), so its keys name the whole
-        # engine's shard; shared tiers key each rank's shard instead.
-        shard = Shard(0, engine.num_layers, 0, engine.total_kv_heads)
-        self.keyspace = Keyspace(namespace, shard)
+        self._writers = tuple(writes(r, world_size, engine.total_kv_heads) for r in range(world_size))
+        self._resets = 0
+        self._use_namespace(namespace)
         self.pool = BlockPool(num_slots, make_policy(config.eviction, num_slots))
-        self._lookup = PrefixLookup(PoolIndex(self.pool), config.lookup_timeout_s)
+        self._index = PoolIndex(self.pool)
+        self._remote = PrefixLookup(remote, config.lookup_timeout_s) if remote is not None else None
         self._table = RequestTable()
         self._requests: dict[RequestId, _Request] = {}
         self._op_ids = itertools.count(1)
@@ -215,18 +234,9 @@ class CacheScheduler:
         if total is None:
             raise InvalidSpecError("lookup needs tokens, or block_hashes with num_tokens")
         if req.answer is None:
-            answer: int | PendingLookup | None = (
-                self._lookup.begin([(k,) for k in req.keys])
-                if req.pending is None
-                else self._lookup.resume(req.pending)
-            )
-            if isinstance(answer, PendingLookup):
-                req.pending = answer
-                return None
-            if answer is None:
-                return None  # still pending: ask again next step
-            req.pending = None
-            req.answer = answer
+            req.answer = self._answer(req)
+            if req.answer is None:
+                return None  # a remote lookup is pending: ask again next step
         external = hit_tokens(req.answer, req.counts)
         req.load = plan_load(
             prompt_tokens=total,
@@ -254,13 +264,38 @@ class CacheScheduler:
                 f"request {request_id}: {len(block_ids)} blocks given, the load needs "
                 f"{spec.first_block + spec.num_blocks}"
             )
-        pieces = spec.pieces(self.config.chunk_tokens)
-        keys = tuple(req.keys[p.chunk] for p in pieces)
-        ready = self.pool.lookup(keys)
-        slots = self.pool.pin(keys[:ready])
         engine_blocks: list[int] = []
         host_blocks: list[int] = []
-        for piece, slot in zip(pieces, slots, strict=False):
+        keys: list[ChunkKey] = []
+        fetched: list[RemoteChunk] = []
+        fetched_keys: set[ChunkKey] = set()
+        # Which pieces come from the pool and which from the remote tier; the pool's are pinned before
+        # any fetch reserves a slot, so that no fetch evicts a chunk this very load needs.
+        sources: list[tuple[ChunkPiece, ChunkKey, bool]] = []
+        for piece in spec.pieces(self.config.chunk_tokens):
+            key = req.keys[piece.chunk]
+            if self.pool.lookup((key,)):
+                sources.append((piece, key, True))
+            elif self._remote is not None and piece.chunk < (req.answer or 0):
+                sources.append((piece, key, False))
+            else:
+                break  # the chunk left the pool since the lookup
+        pinned = [key for _, key, local in sources if local]
+        self.pool.pin(pinned)
+        for n, (piece, key, local) in enumerate(sources):
+            if local:
+                slot = self.pool.slots_of((key,))[0]
+            else:
+                reserved = self.pool.prepare_store((key,)).slots
+                if not reserved:  # no free slot, or the chunk is being saved right now: recompute from here
+                    self.pool.unpin([k for _, k, loc in sources[n:] if loc])
+                    break
+                slot = reserved[0][1]
+                fetched.append(
+                    RemoteChunk(slot, req.rank_keys[piece.chunk], len(engine_blocks), piece.num_blocks)
+                )
+                fetched_keys.add(key)
+            keys.append(key)
             first = piece.chunk * self.blocks_per_chunk + piece.first_block
             engine_blocks.extend(block_ids[first : first + piece.num_blocks])
             base = slot * self.blocks_per_chunk + piece.first_block
@@ -274,7 +309,16 @@ class CacheScheduler:
             req.lost_blocks.extend(block_ids[lost_from : spec.first_block + spec.num_blocks])
         if not engine_blocks:
             return 0
-        self._submit(request_id, Direction.LOAD, engine_blocks, host_blocks, keys[:ready], JobRole.LOAD)
+        self._submit(
+            request_id,
+            Direction.LOAD,
+            engine_blocks,
+            host_blocks,
+            tuple(keys),
+            JobRole.LOAD,
+            fetched,
+            frozenset(fetched_keys),
+        )
         self._counters["hit_tokens"] += len(engine_blocks) * self.block_tokens
         return len(engine_blocks) * self.block_tokens
 
@@ -343,12 +387,19 @@ class CacheScheduler:
             return 0
         engine_blocks: list[int] = []
         host_blocks: list[int] = []
+        published: list[RemoteChunk] = []
         for key, slot in plan.slots:
-            first = chunk_of[key] * self.blocks_per_chunk
+            chunk = chunk_of[key]
+            if self._remote is not None:
+                owned = tuple(
+                    k if w else None for k, w in zip(req.rank_keys[chunk], self._writers, strict=True)
+                )
+                published.append(RemoteChunk(slot, owned, len(engine_blocks), self.blocks_per_chunk))
+            first = chunk * self.blocks_per_chunk
             engine_blocks.extend(block_ids[first : first + self.blocks_per_chunk])
             host_blocks.extend(range(slot * self.blocks_per_chunk, (slot + 1) * self.blocks_per_chunk))
         keys = tuple(key for key, _ in plan.slots)
-        self._submit(request_id, Direction.SAVE, engine_blocks, host_blocks, keys, JobRole.SAVE)
+        self._submit(request_id, Direction.SAVE, engine_blocks, host_blocks, keys, JobRole.SAVE, published)
         return len(keys)
 
     # -- steps, completions and request ends -------------------------------------------------------------
@@ -387,8 +438,7 @@ class CacheScheduler:
         tracker = self._table.get(request_id)
         if req is None or tracker is None or tracker.ended:
             return
-        if req.pending is not None:
-            self._lookup.abandon(req.pending)
+        self._abandon(req)
         req.pending = req.answer = req.load = None
         req.load_errors.clear()  # block ids the request no longer owns
         req.lost_blocks.clear()
@@ -408,8 +458,17 @@ class CacheScheduler:
         return done
 
     def reset(self) -> None:
-        """Forget every stored chunk, correct with copies in flight (nothing lost, nothing resurrected)."""
+        """Forget every stored chunk, correct with copies in flight (nothing lost, nothing resurrected).
+
+        A remote tier is shared with other engines and is not wiped: this engine moves to a new namespace
+        epoch instead, so its old keys become unreachable (to it) and age out of the store.
+        """
         self.pool.reset()
+        if self._remote is not None:
+            self._resets += 1
+            self._use_namespace(
+                self.keyspace.namespace.with_epoch(f"{self.config.epoch}~reset{self._resets}")
+            )
         for req in self._requests.values():
             req.answer = None
             req.saved_chunks = len(req.keys)  # chunks computed before the reset are not saved again
@@ -429,6 +488,47 @@ class CacheScheduler:
         )
 
     # -- internals ---------------------------------------------------------------------------------------
+
+    def _answer(self, req: _Request) -> int | None:
+        """Leading chunks the tiers hold, or ``None`` while the remote lookup is pending."""
+        if req.pending is None:
+            req.local_hits = self._index.lookup([(k,) for k in req.keys])
+            if self._remote is None or req.local_hits == len(req.keys):
+                return req.local_hits
+            begun: int | PendingLookup | None = self._remote.begin(
+                [tuple(dict.fromkeys(keys)) for keys in req.rank_keys[req.local_hits :]]
+            )
+        else:
+            begun = self._remote.resume(req.pending) if self._remote is not None else 0
+        if isinstance(begun, PendingLookup):
+            req.pending = begun
+            return None
+        if begun is None:
+            return None
+        req.pending = None
+        return req.local_hits + begun
+
+    def _abandon(self, req: _Request) -> None:
+        if self._remote is not None and req.pending is not None:
+            self._remote.abandon(req.pending)
+
+    def _use_namespace(self, namespace: Namespace) -> None:
+        """Key chunks under ``namespace``: the pool by the whole engine's shard (one pool serves every
+        rank, same slot ids on each), a remote tier by each rank's shard."""
+        engine = self.engine
+        self.keyspace = Keyspace(namespace, Shard(0, engine.num_layers, 0, engine.total_kv_heads))
+        self._rank_keyspaces = tuple(
+            Keyspace(
+                namespace, Shard.for_tp_rank(engine.num_layers, engine.total_kv_heads, self.world_size, r)
+            )
+            for r in range(self.world_size)
+        )
+
+    def _shard_keys(self, hashes: Sequence[bytes]) -> tuple[tuple[ChunkKey, ...], ...]:
+        if self._remote is None:
+            return ()
+        per_rank = [ks.keys(hashes) for ks in self._rank_keyspaces]
+        return tuple(zip(*per_rank, strict=True))
 
     def _key(
         self,
@@ -450,6 +550,7 @@ class CacheScheduler:
         else:
             raise InvalidSpecError("lookup needs tokens or block_hashes")
         req.keys = self.keyspace.keys(req.hashes)
+        req.rank_keys = self._shard_keys(req.hashes)
 
     def _extend(self, req: _Request, tokens: Sequence[int]) -> None:
         known = sum(req.counts)
@@ -460,6 +561,7 @@ class CacheScheduler:
         req.hashes += more
         req.counts += self.hasher.chunk_token_counts(len(tokens) - known)
         req.keys += self.keyspace.keys(more)
+        req.rank_keys += self._shard_keys(more)
 
     def _submit(
         self,
@@ -469,18 +571,24 @@ class CacheScheduler:
         host_blocks: list[int],
         keys: tuple[ChunkKey, ...],
         role: JobRole,
+        remote: Sequence[RemoteChunk] = (),
+        fetched: frozenset[ChunkKey] = frozenset(),
     ) -> None:
-        op = BlockOp(next(self._op_ids), direction, engine_blocks, host_blocks, request_id)
+        op = BlockOp(next(self._op_ids), direction, engine_blocks, host_blocks, request_id, tuple(remote))
         self._table.add_job(request_id, JobId(op.op_id), role, keys)
-        self._inflight[op.op_id] = _InFlight(request_id, op, keys)
+        self._inflight[op.op_id] = _InFlight(request_id, op, keys, fetched)
         self._plan.append(op)
 
     def _finish_op(self, entry: _InFlight) -> None:
         op = entry.op
         if op.direction is Direction.LOAD:
-            self.pool.unpin(entry.keys)
-            if entry.failed:  # a chunk that failed to load is suspect: never serve it again
-                self.pool.remove(self._failed_chunks(entry))
+            suspect = set(self._failed_chunks(entry)) if entry.failed else set()
+            self.pool.unpin([k for k in entry.keys if k not in entry.fetched])
+            fetched = [k for k in entry.keys if k in entry.fetched]
+            self.pool.complete_store([k for k in fetched if k not in suspect], success=True)
+            self.pool.complete_store([k for k in fetched if k in suspect], success=False)
+            if suspect:  # a chunk that failed to load is suspect: never serve it again
+                self.pool.remove([k for k in suspect if k not in entry.fetched])
             self._counters["loaded_blocks"] += len(op.engine_blocks) - len(entry.failed)
             if entry.failed:
                 self._counters["failed_load_blocks"] += len(entry.failed)
@@ -529,8 +637,8 @@ class CacheScheduler:
 
     def _end(self, request_id: RequestId, phase: Phase) -> bool:
         req = self._requests.get(request_id)
-        if req is not None and req.pending is not None:
-            self._lookup.abandon(req.pending)
+        if req is not None:
+            self._abandon(req)
             req.pending = None
         delayed = self._table.end(request_id, phase)
         if not delayed:

@@ -1,52 +1,87 @@
-"""The worker side for any engine: executes the scheduler's block ops through a ``BlockMover``.
+"""The worker side for any engine: executes the scheduler's block ops through a ``BlockMover``, and through
+a remote tier when one is attached.
 
-Workers own memory and execute; they decide nothing (DESIGN §3). Every op becomes one mover job, and every
-op is reported exactly once — a copy the mover refused is reported as failed at once, so the scheduler
-never waits for an op that will not come.
+Workers own memory and execute; they decide nothing (DESIGN §3). An op is one mover job, preceded by a
+fetch (a load of chunks the remote tier holds) or followed by a publish (a save to the remote tier). Every
+op is reported exactly once, failures included — a copy the mover refused is reported as failed at once —
+so the scheduler never waits for an op that will not come.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
-from collections.abc import Collection
+import time
+from collections.abc import Collection, Iterable
 
-from kvcore.errors import TransferTimeout, UsageError
+from kvcore.errors import BackendError, TransferTimeout, UsageError
 from kvcore.ids import JobId
 from kvcore.jobs import JobResult
-from kvcore.plan import OpReport, StepPlan
-from kvcore.ports import BlockMover, BlockTransfer
+from kvcore.plan import BlockOp, OpReport, RemoteChunk, StepPlan
+from kvcore.ports import BlockMover, BlockTransfer, Direction, JobQueue, StoreItem
+from kvcore.remote import RemoteTier
 
 __all__ = ["BlockWorker"]
 
 log = logging.getLogger(__name__)
 
 
-class BlockWorker:
-    """One rank's executor of ``StepPlan``s."""
+class _Stage(enum.Enum):
+    FETCH = "fetch"
+    COPY = "copy"
+    PUBLISH = "publish"
 
-    def __init__(self, mover: BlockMover, rank: int = 0) -> None:
+
+class _Run:
+    """One op on its way through its stages."""
+
+    __slots__ = ("error", "failed", "op", "stage", "staged")
+
+    def __init__(self, op: BlockOp) -> None:
+        self.op = op
+        self.stage = _Stage.COPY
+        self.failed: set[int] = set()
+        self.error: str | None = None
+        self.staged: tuple[RemoteChunk, ...] = ()  # the chunks of the current remote job, in item order
+
+
+class BlockWorker:
+    """One rank's executor of ``StepPlan``s.
+
+    ``remote`` attaches a remote tier whose values are one host slot (``slot_bytes``) of this rank each;
+    ops without remote chunks never touch it.
+    """
+
+    def __init__(
+        self, mover: BlockMover, rank: int = 0, remote: RemoteTier | None = None, slot_bytes: int = 0
+    ) -> None:
+        if remote is not None and slot_bytes <= 0:
+            raise UsageError("a remote tier needs the host slot size (slot_bytes > 0)")
         self._mover = mover
         self._rank = rank
-        self._ops: dict[JobId, tuple[int, int]] = {}  # job -> (op id, number of blocks)
-        self._jobs: dict[int, JobId] = {}
-        self._refused: list[OpReport] = []
+        self._remote = remote
+        self._slot_bytes = slot_bytes
+        self._runs: dict[int, _Run] = {}  # op id -> run, until reported
+        self._jobs: dict[tuple[int, JobId], int] = {}  # (queue, job) -> op id
+        self._current: dict[int, tuple[int, JobId]] = {}  # op id -> its job in flight
+        self._ready: list[OpReport] = []
 
     def execute(self, plan: StepPlan) -> None:
-        """Submit every op of the plan; returns at once."""
+        """Start every op of the plan; returns at once."""
         for op in plan.ops:
-            try:
-                job = self._mover.submit(BlockTransfer(op.direction, op.engine_blocks, op.host_blocks))
-            except UsageError as exc:
-                log.warning("kvcore: op %d refused by the mover: %s", op.op_id, exc)
-                failed = tuple(range(len(op.engine_blocks)))
-                self._refused.append(OpReport(op.op_id, self._rank, failed, str(exc)))
-                continue
-            self._ops[job] = (op.op_id, len(op.engine_blocks))
-            self._jobs[op.op_id] = job
+            run = _Run(op)
+            self._runs[op.op_id] = run
+            if op.direction is Direction.LOAD and op.remote and self._remote is not None:
+                self._start_remote(run, _Stage.FETCH, op.remote)
+            else:
+                self._start_copy(run)
 
     def reports(self) -> tuple[OpReport, ...]:
         """Ops finished since the last call (never blocks)."""
-        return self._report(self._mover.poll())
+        self._advance(self._mover.poll(), self._MOVER)
+        if self._remote is not None:
+            self._advance(self._remote.poll(), self._REMOTE)
+        return self._take()
 
     def wait(self, op_ids: Collection[int], timeout: float) -> tuple[OpReport, ...]:
         """Block until the given ops finished (e.g. a synchronous load before the forward pass).
@@ -55,22 +90,112 @@ class BlockWorker:
         simply absent: they stay in flight (a copy may still touch their blocks, so their host slots stay
         reserved) and are reported by a later call; the caller treats their blocks as not loaded.
         """
-        jobs = [self._jobs[o] for o in op_ids if o in self._jobs]
-        try:
-            results = self._mover.wait(jobs, timeout)
-        except TransferTimeout as exc:
-            log.warning("kvcore: %s", exc)
-            results = ()
-        return self._report(results + self._mover.poll())
+        deadline = time.monotonic() + timeout
+        while True:
+            waiting = [self._current[o] for o in op_ids if o in self._current]
+            if not waiting:
+                break
+            queue_id, _ = waiting[0]
+            jobs = [job for q, job in waiting if q == queue_id]
+            try:
+                results = self._queue(queue_id).wait(jobs, max(0.0, deadline - time.monotonic()))
+            except TransferTimeout as exc:
+                log.warning("kvcore: %s", exc)
+                break
+            self._advance(results, queue_id)
+        return self.reports()
 
-    def _report(self, results: tuple[JobResult, ...]) -> tuple[OpReport, ...]:
-        out, self._refused = self._refused, []
+    # -- stages ------------------------------------------------------------------------------------------
+
+    _MOVER = 0
+    _REMOTE = 1
+
+    def _queue(self, queue_id: int) -> JobQueue:
+        queue: JobQueue | None = self._mover if queue_id == self._MOVER else self._remote
+        if queue is None:
+            raise UsageError("no remote tier attached")
+        return queue
+
+    def _start_copy(self, run: _Run) -> None:
+        op = run.op
+        run.stage = _Stage.COPY
+        try:
+            job = self._mover.submit(BlockTransfer(op.direction, op.engine_blocks, op.host_blocks))
+        except UsageError as exc:
+            log.warning("kvcore: op %d refused by the mover: %s", op.op_id, exc)
+            run.failed.update(range(len(op.engine_blocks)))
+            run.error = str(exc)
+            self._done(run)
+            return
+        self._track(run, self._MOVER, job)
+
+    def _start_remote(self, run: _Run, stage: _Stage, chunks: Iterable[RemoteChunk]) -> None:
+        """Fetch or publish ``chunks`` (those this rank has a key for); a refused job fails them."""
+        if self._remote is None:
+            raise UsageError("no remote tier attached")
+        run.stage = stage
+        run.staged = tuple(c for c in chunks if c.keys[self._rank] is not None)
+        if not run.staged:
+            self._next(run)
+            return
+        items = [
+            StoreItem(key, c.slot * self._slot_bytes, self._slot_bytes)
+            for c in run.staged
+            if (key := c.keys[self._rank]) is not None
+        ]
+        submit = self._remote.submit_fetch if stage is _Stage.FETCH else self._remote.submit_publish
+        try:
+            job = submit(run.op.request_id, items)
+        except BackendError as exc:
+            log.warning("kvcore: op %d: remote %s refused: %s", run.op.op_id, stage.value, exc)
+            self._fail_chunks(run, run.staged)
+            self._next(run)
+            return
+        self._track(run, self._REMOTE, job)
+
+    def _track(self, run: _Run, queue_id: int, job: JobId) -> None:
+        self._jobs[(queue_id, job)] = run.op.op_id
+        self._current[run.op.op_id] = (queue_id, job)
+
+    def _advance(self, results: tuple[JobResult, ...], queue_id: int) -> None:
         for result in results:
-            entry = self._ops.pop(result.job_id, None)
-            if entry is None:
+            op_id = self._jobs.pop((queue_id, result.job_id), None)
+            if op_id is None:
                 continue  # not one of this worker's jobs
-            op_id, n = entry
-            del self._jobs[op_id]
-            failed = result.failed if result.error is None else tuple(range(n))
-            out.append(OpReport(op_id, self._rank, failed, result.error))
-        return tuple(out)
+            del self._current[op_id]
+            run = self._runs[op_id]
+            if run.stage is _Stage.COPY:
+                if result.error is not None:
+                    run.failed.update(range(len(run.op.engine_blocks)))
+                    run.error = result.error
+                else:
+                    run.failed.update(result.failed)
+            else:
+                bad = range(len(run.staged)) if result.error is not None else result.failed
+                self._fail_chunks(run, [run.staged[i] for i in bad])
+                if result.error is not None:
+                    log.warning("kvcore: op %d: remote %s failed: %s", op_id, run.stage.value, result.error)
+            self._next(run)
+
+    def _next(self, run: _Run) -> None:
+        """Move a run whose current stage ended to its next stage, or report it."""
+        op = run.op
+        if run.stage is _Stage.FETCH:
+            self._start_copy(run)
+        elif run.stage is _Stage.COPY and op.direction is Direction.SAVE and op.remote and self._remote:
+            intact = [c for c in op.remote if not run.failed.intersection(range(c.first, c.first + c.count))]
+            self._start_remote(run, _Stage.PUBLISH, intact)
+        else:
+            self._done(run)
+
+    def _fail_chunks(self, run: _Run, chunks: Iterable[RemoteChunk]) -> None:
+        for chunk in chunks:
+            run.failed.update(range(chunk.first, chunk.first + chunk.count))
+
+    def _done(self, run: _Run) -> None:
+        del self._runs[run.op.op_id]
+        self._ready.append(OpReport(run.op.op_id, self._rank, tuple(sorted(run.failed)), run.error))
+
+    def _take(self) -> tuple[OpReport, ...]:
+        out, self._ready = tuple(self._ready), []
+        return out

@@ -296,6 +296,11 @@ class InMemoryBlockMover(_Jobs):
         self._engine = tuple(bytearray(num_engine_blocks * layer_block_bytes) for _ in range(num_layers))
         self._host = bytearray(num_host_blocks * self.host_block_bytes)
 
+    @property
+    def host(self) -> bytearray:
+        """The host memory itself, to register with a store that fills and drains it."""
+        return self._host
+
     def submit(self, transfer: BlockTransfer) -> JobId:
         for name, blocks, bound in [
             ("engine_blocks", transfer.engine_blocks, self.num_engine_blocks),
@@ -387,6 +392,11 @@ class InMemoryChunkStore(_Jobs):
     @property
     def capacity(self) -> int | None:
         return self._values.capacity
+
+    def __len__(self) -> int:
+        """Values held."""
+        with self._cond:
+            return len(self._values.data)
 
     def exists(self, keys: Sequence[ChunkKey]) -> tuple[bool, ...]:
         with self._cond:

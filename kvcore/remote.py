@@ -1,0 +1,67 @@
+"""The worker's view of a remote tier: fetch chunks into host slots, publish them from host slots.
+
+Both kinds of remote tier fit it: a ``ChunkStore`` (Mooncake store: content-addressed, no sessions) and a
+``ManagedTier`` (LMCache server: sessions that hold read locks). ``BlockWorker`` chains these jobs with
+its ``BlockMover`` copies, so a load is fetch-then-copy and a save copy-then-publish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+from kvcore.ids import JobId, RequestId
+from kvcore.jobs import JobResult
+from kvcore.ports import ChunkStore, JobQueue, ManagedTier, StoreItem
+
+__all__ = ["ManagedRemote", "RemoteTier", "StoreRemote"]
+
+
+class RemoteTier(JobQueue, Protocol):
+    """Moves chunk values between the remote tier and this rank's host slots."""
+
+    def submit_fetch(self, session: str, items: Sequence[StoreItem]) -> JobId:
+        """Copy each key's value into its host bytes; a missing or odd-sized value is a failed item."""
+        ...
+
+    def submit_publish(self, session: str, items: Sequence[StoreItem]) -> JobId:
+        """Store each item's host bytes under its key; a failed item is simply not stored."""
+        ...
+
+
+class StoreRemote:
+    """A ``ChunkStore`` as a remote tier (sessions mean nothing to it)."""
+
+    def __init__(self, store: ChunkStore) -> None:
+        self.store = store
+
+    def submit_fetch(self, session: str, items: Sequence[StoreItem]) -> JobId:
+        return self.store.submit_get(items)
+
+    def submit_publish(self, session: str, items: Sequence[StoreItem]) -> JobId:
+        return self.store.submit_put(items)
+
+    def poll(self) -> tuple[JobResult, ...]:
+        return self.store.poll()
+
+    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
+        return self.store.wait(job_ids, timeout)
+
+
+class ManagedRemote:
+    """A ``ManagedTier`` as a remote tier: a request is a session."""
+
+    def __init__(self, tier: ManagedTier) -> None:
+        self.tier = tier
+
+    def submit_fetch(self, session: str, items: Sequence[StoreItem]) -> JobId:
+        return self.tier.submit_retrieve(RequestId(session), items)
+
+    def submit_publish(self, session: str, items: Sequence[StoreItem]) -> JobId:
+        return self.tier.submit_store(RequestId(session), items)
+
+    def poll(self) -> tuple[JobResult, ...]:
+        return self.tier.poll()
+
+    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
+        return self.tier.wait(job_ids, timeout)

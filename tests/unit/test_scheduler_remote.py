@@ -1,0 +1,221 @@
+"""The scheduler and worker with a remote tier behind the local pool (in-memory store and index):
+fetch after local eviction, publish per rank shard, misses and failures, epoch bump on reset."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from kvcore.config import load_config
+from kvcore.engine import EngineSpec
+from kvcore.errors import BackendUnavailable
+from kvcore.ids import ChunkKey, LookupId, RequestId
+from kvcore.layout import KVLayout, LayoutKind
+from kvcore.lookup import leading_complete
+from kvcore.plan import StepPlan
+from kvcore.ports import Direction
+from kvcore.remote import StoreRemote
+from kvcore.scheduler import CacheScheduler
+from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkIndex, InMemoryChunkStore
+from kvcore.worker import BlockWorker
+
+LAYOUT = KVLayout(
+    kind=LayoutKind.VLLM_CPU, num_blocks=64, block_tokens=4, num_kv_heads=2, head_size=2, dtype_size=1
+)
+ENGINE = EngineSpec(model_id="tiny", kv_dtype="int8", num_layers=2, total_kv_heads=2, layout=LAYOUT)
+TOKENS = list(range(100, 130))  # 30 tokens: 3 full chunks of 8, then 6 tokens
+OTHER = list(range(1000, 1030))
+CONFIG = load_config({"backend": {"kind": "cpu", "size": 1 << 20}, "chunk_tokens": 8})
+
+
+class StoreIndex:
+    """The remote index answering from the store itself (as a Mooncake client's ``batch_is_exist``)."""
+
+    def __init__(self, store: InMemoryChunkStore) -> None:
+        self.store = store
+        self.down = False
+
+    def submit_lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> LookupId:
+        if self.down:
+            raise BackendUnavailable("store is down")
+        self.answer = leading_complete(self.store.exists([k for c in chunks for k in c]), len(chunks[0]))
+        return LookupId(1)
+
+    def poll_lookup(self, lookup_id: LookupId) -> int | None:
+        return self.answer
+
+    def cancel_lookup(self, lookup_id: LookupId) -> None:
+        pass
+
+
+def answer(sched: CacheScheduler, rid: str, tokens: Sequence[int]) -> int:
+    for _ in range(100):
+        if (hits := sched.lookup(RequestId(rid), tokens=tokens)) is not None:
+            return hits
+    raise AssertionError("the lookup never answered")
+
+
+class Rig:
+    def __init__(self, slots: int = 3) -> None:
+        self.mover = InMemoryBlockMover(
+            num_engine_blocks=64,
+            num_host_blocks=slots * 2,
+            layer_block_bytes=LAYOUT.block_bytes,
+            num_layers=2,
+        )
+        self.store = InMemoryChunkStore(self.mover.host)
+        self.index = StoreIndex(self.store)
+        self.sched = CacheScheduler(CONFIG, ENGINE, slots, remote=self.index)
+        slot_bytes = 2 * self.mover.host_block_bytes
+        self.worker = BlockWorker(self.mover, remote=StoreRemote(self.store), slot_bytes=slot_bytes)
+
+    def step(self) -> StepPlan:
+        plan = self.sched.take_plan()
+        self.worker.execute(plan)
+        self.sched.complete(self.worker.wait(plan.op_ids(), 5.0))
+        return plan
+
+    def lookup(self, rid: str, tokens: Sequence[int]) -> int:
+        """Ask until the answer is in (a remote lookup answers on a later ask)."""
+        return answer(self.sched, rid, tokens)
+
+    def serve_and_save(self, rid: str, tokens: Sequence[int], blocks: Sequence[int]) -> dict[int, bytes]:
+        assert self.lookup(rid, tokens) == 0
+        data = {}
+        for b in blocks:
+            data[b] = os.urandom(self.mover.host_block_bytes)
+            self.mover.write_engine_block(b, data[b])
+        self.sched.save(RequestId(rid), blocks, num_tokens=len(tokens))
+        self.step()
+        self.sched.finish(RequestId(rid))
+        return data
+
+
+def test_a_chunk_evicted_locally_is_fetched_from_the_remote_tier_byte_exact() -> None:
+    rig = Rig(slots=3)
+    saved = rig.serve_and_save("a", TOKENS, range(8))  # 3 chunks, published to the store too
+    rig.serve_and_save("b", OTHER, range(8, 16))  # evicts a's chunks from the 3-slot pool
+    assert rig.sched.stats().pool.evictions == 3
+    c = RequestId("c")
+    assert rig.lookup(c, TOKENS) == 24  # all from the remote tier
+    rig.sched.start_load(c, range(20, 28))
+    plan = rig.step()
+    assert [len(op.remote) for op in plan.ops] == [3]
+    assert [rig.mover.read_engine_block(20 + i) for i in range(6)] == [saved[i] for i in range(6)]
+    assert rig.sched.take_load_errors() == {}
+    assert rig.sched.extra_cached_tokens(c) == 24
+    # the fetched chunks stay in the local pool: the next lookup needs no remote answer
+    rig.index.down = True
+    assert rig.lookup("d", TOKENS) == 24
+    assert rig.sched.stats().pool.pinned == 0
+
+
+def test_the_local_hit_is_loaded_locally_and_the_rest_fetched() -> None:
+    # pool of 4 slots: a's 3 chunks, then b's 3 chunks evict a's first two (LRU) -> a: chunk 2 local
+    rig = Rig(slots=4)
+    saved = rig.serve_and_save("a", TOKENS, range(8))
+    rig.serve_and_save("b", OTHER, range(8, 16))
+    c = RequestId("c")
+    assert rig.lookup(c, TOKENS) == 24
+    rig.sched.start_load(c, range(20, 28))
+    plan = rig.step()
+    assert [len(op.remote) for op in plan.ops] == [2]  # chunks 0 and 1 fetched; chunk 2 was still local
+    assert [rig.mover.read_engine_block(20 + i) for i in range(6)] == [saved[i] for i in range(6)]
+
+
+def test_a_value_gone_from_the_store_before_the_fetch_is_recomputed() -> None:
+    rig = Rig(slots=3)
+    rig.serve_and_save("a", TOKENS, range(8))
+    rig.serve_and_save("b", OTHER, range(8, 16))
+    c = RequestId("c")
+    assert rig.lookup(c, TOKENS) == 24
+    rig.store.clear()  # the store lost everything between the lookup and the load
+    rig.sched.start_load(c, range(20, 28))
+    rig.step()
+    assert set(rig.sched.take_load_errors()[c]) == set(range(20, 26))
+    assert rig.sched.extra_cached_tokens(c) == 0
+    usage = rig.sched.stats().pool
+    # the fetches evicted b's chunks for their slots, then gave the slots back: nothing pinned or held
+    assert (usage.pinned, usage.used) == (0, 0)
+
+
+def test_a_remote_index_that_is_down_leaves_the_local_hit() -> None:
+    rig = Rig(slots=4)
+    rig.serve_and_save("a", TOKENS, range(8))
+    rig.serve_and_save("b", OTHER, range(8, 16))  # a keeps only chunk 2 locally: no leading local hit
+    rig.index.down = True
+    assert rig.lookup("c", OTHER) == 24  # b is wholly local: no remote call
+    assert rig.lookup("d", TOKENS) == 0  # remote down: a miss, not an error
+
+
+class Deferred:
+    """An index that only answers through submit and poll, as a remote one does."""
+
+    def __init__(self, index: InMemoryChunkIndex) -> None:
+        self.submit_lookup = index.submit_lookup
+        self.poll_lookup = index.poll_lookup
+        self.cancel_lookup = index.cancel_lookup
+
+
+def test_a_pending_remote_lookup_is_asked_again() -> None:
+    index = InMemoryChunkIndex()
+    sched = CacheScheduler(CONFIG, ENGINE, 3, remote=Deferred(index))
+    a = RequestId("a")
+    answer(sched, a, TOKENS)
+    sched.save(a, range(8), num_tokens=30)
+    index.add(k for op in sched.take_plan().ops for c in op.remote for k in c.keys if k is not None)
+    r = RequestId("r")
+    with index.stall():
+        assert sched.lookup(r, tokens=TOKENS) is None  # the remote answer is not in yet: ask again
+        assert sched.lookup(r, tokens=TOKENS) is None
+    assert answer(sched, r, TOKENS) == 24
+
+
+def test_saves_publish_each_ranks_shard_and_replicas_write_once() -> None:
+    # one KV head on two ranks: both hold the same shard, so one key per chunk, written by rank 0 only
+    engine = EngineSpec(
+        model_id="tiny", kv_dtype="int8", num_layers=2, total_kv_heads=1, layout=LAYOUT, tp_size=2
+    )
+    sched = CacheScheduler(CONFIG, engine, 4, world_size=2, remote=InMemoryChunkIndex())
+    a = RequestId("a")
+    answer(sched, a, TOKENS)
+    sched.save(a, range(8), num_tokens=30)
+    (op,) = sched.take_plan().ops
+    assert op.direction is Direction.SAVE
+    assert [c.keys[1] for c in op.remote] == [None] * 3
+    assert len({c.keys[0] for c in op.remote}) == 3
+    # two KV heads on two ranks: distinct shards, both write
+    engine2 = EngineSpec(
+        model_id="tiny", kv_dtype="int8", num_layers=2, total_kv_heads=2, layout=LAYOUT, tp_size=2
+    )
+    sched2 = CacheScheduler(CONFIG, engine2, 4, world_size=2, remote=InMemoryChunkIndex())
+    answer(sched2, a, TOKENS)
+    sched2.save(a, range(8), num_tokens=30)
+    (op2,) = sched2.take_plan().ops
+    assert all(None not in c.keys and c.keys[0] != c.keys[1] for c in op2.remote)
+
+
+def test_reset_moves_to_a_new_epoch_and_leaves_the_shared_store_alone() -> None:
+    rig = Rig(slots=3)
+    rig.serve_and_save("a", TOKENS, range(8))
+    assert len(rig.store) == 3
+    rig.sched.reset()
+    assert rig.lookup("b", TOKENS) == 0  # old keys unreachable to this engine
+    assert len(rig.store) == 3  # other engines still reach them
+    rig.serve_and_save("c", TOKENS, range(8))  # saved again, under the new epoch
+    assert len(rig.store) == 6
+
+
+def test_a_failed_publish_drops_the_chunk_everywhere() -> None:
+    # the store refuses the first of 3 puts -> that chunk is neither remote nor local (a failed save),
+    # so no engine is told of a chunk the shared tier does not hold
+    rig = Rig(slots=3)
+    a = RequestId("a")
+    assert rig.lookup("a", TOKENS) == 0
+    rig.sched.save(a, range(8), num_tokens=30)
+    rig.store.fail_next(1)
+    rig.step()
+    assert len(rig.store) == 2
+    assert rig.sched.stats().failed_save_chunks == 1
+    assert rig.sched.stats().pool.used == 2
+    assert rig.lookup("b", TOKENS) == 0  # chunk 0 is gone: no leading hit anywhere
