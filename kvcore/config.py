@@ -105,7 +105,13 @@ class CPUBackendConfig:
     """
 
     KIND: ClassVar[str] = "cpu"
+    HOST_FIELD: ClassVar[str] = "size"
     size: ByteSize
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory for the local pool, total across ranks."""
+        return self.size
 
 
 def _one_of(*choices: str) -> Callable[[object, Attribute[Any], str], None]:
@@ -131,6 +137,7 @@ class MooncakeStoreConfig:
     """
 
     KIND: ClassVar[str] = "mooncake_store"
+    HOST_FIELD: ClassVar[str] = "local_size"
     master: str = "127.0.0.1:50051"
     metadata: str = "P2PHANDSHAKE"
     protocol: str = field(default="tcp", validator=_one_of("tcp", "rdma"))
@@ -142,16 +149,28 @@ class MooncakeStoreConfig:
     replicas: int = field(default=1, validator=_positive)
     setup_timeout_s: float = field(default=10.0, validator=_positive)
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory for the local pool (and staging), total across ranks."""
+        return self.local_size
+
 
 @frozen
 class LMCacheMPConfig:
     """A standalone LMCache multiprocess server, driven by the engine through shared-memory slots."""
 
     KIND: ClassVar[str] = "lmcache_mp"
+    HOST_FIELD: ClassVar[str] = "local_size"
     url: str = "tcp://localhost:5555"
     transfer_mode: str = field(default="engine_driven", validator=_one_of("engine_driven"))
     request_timeout_s: float = field(default=5.0, validator=_positive)
     heartbeat_s: float = field(default=30.0, validator=_positive)
+    local_size: ByteSize = ByteSize(2**30)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory for the local pool (and staging), total across ranks."""
+        return self.local_size
 
 
 BackendConfig: TypeAlias = CPUBackendConfig | MooncakeStoreConfig | LMCacheMPConfig

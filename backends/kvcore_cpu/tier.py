@@ -7,36 +7,44 @@ ranks of one engine, so each rank gets ``size / world_size`` bytes, in whole slo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from kvcore.config import CPUBackendConfig, KVCoreConfig
+from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError
+from kvcore.remote import RemoteTier
 from kvcore.worker import BlockWorker
 from kvcore_cpu.checksums import ChecksummedMover
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_cpu.host_memory import HostMemory
 from kvcore_cpu.mover import TorchBlockMover
 
-__all__ = ["CPUWorker", "open_worker", "pool_slots"]
+__all__ = ["CPUWorker", "RemoteFactory", "open_worker", "pool_slots", "slot_bytes"]
+
+
+RemoteFactory = Callable[[HostMemory], RemoteTier]
+"""Opens a rank's remote tier over its host memory (registered once, the staging of every transfer)."""
+
+
+def slot_bytes(config: KVCoreConfig, engine: EngineSpec) -> int:
+    """Bytes of one host slot: one chunk of one rank's shard, every layer."""
+    return config.chunk_tokens // engine.layout.block_tokens * engine.host_block_bytes
 
 
 def pool_slots(config: KVCoreConfig, engine: EngineSpec, world_size: int = 1) -> int:
-    """Host slots (one chunk of one rank's shard each) that ``config.backend.size`` buys per rank."""
+    """Host slots (one chunk of one rank's shard each) that the backend's host memory buys per rank
+    (``size`` for the CPU tier, ``local_size`` in front of a remote tier)."""
     backend = config.backend
-    if not isinstance(backend, CPUBackendConfig):
-        raise ConfigError("backend.kind", getattr(backend, "KIND", backend), "'cpu'")
-    blocks_per_chunk = config.chunk_tokens // engine.layout.block_tokens
-    slot_bytes = blocks_per_chunk * engine.host_block_bytes
-    slots = backend.size // world_size // slot_bytes
+    one = slot_bytes(config, engine)
+    slots = backend.host_bytes // world_size // one
     if slots < 1:
         raise ConfigError(
-            "backend.size",
-            backend.size,
-            f"at least {slot_bytes * world_size} bytes: one chunk of {config.chunk_tokens} tokens "
-            f"({slot_bytes} bytes) on each of {world_size} rank(s)",
+            f"backend.{backend.HOST_FIELD}",
+            backend.host_bytes,
+            f"at least {one * world_size} bytes: one chunk of {config.chunk_tokens} tokens "
+            f"({one} bytes) on each of {world_size} rank(s)",
         )
     return slots
 
@@ -54,9 +62,12 @@ class CPUWorker(BlockWorker):
         host: HostMemory,
         rank: int,
         checksums: bool = False,
+        remote: RemoteTier | None = None,
+        slot_bytes: int = 0,
     ) -> None:
         self.checksums = ChecksummedMover(mover, self.host_block_bytes) if checksums else None
-        super().__init__(self.checksums or mover, rank)
+        super().__init__(self.checksums or mover, rank, remote, slot_bytes)
+        self.remote = remote
         self.mover = mover
         self.engine_kv = engine_kv
         self.host = host
@@ -80,12 +91,21 @@ def open_worker(
     *,
     rank: int = 0,
     world_size: int = 1,
+    remote: RemoteFactory | None = None,
 ) -> CPUWorker:
-    """Register the rank's KV tensors, allocate its host slots and start its mover."""
+    """Register the rank's KV tensors, allocate its host slots and start its mover; with ``remote``, open
+    the rank's remote tier over those slots."""
     if len(tensors) != engine.num_layers:
         raise InvalidSpecError(f"{len(tensors)} KV tensors given, the engine has {engine.num_layers} layers")
     slots = pool_slots(config, engine, world_size)
     kv = EngineKV.register(tensors, engine.layout)
     blocks_per_chunk = config.chunk_tokens // engine.layout.block_tokens
     host = HostMemory.allocate(slots * blocks_per_chunk, kv.host_block_bytes, kv.device)
-    return CPUWorker(TorchBlockMover(kv, host), kv, host, rank, checksums=config.checksums)
+    mover = TorchBlockMover(kv, host)
+    try:
+        tier = remote(host) if remote is not None else None
+    except BaseException:
+        mover.close()
+        host.close()
+        raise
+    return CPUWorker(mover, kv, host, rank, config.checksums, tier, slot_bytes(config, engine) if tier is not None else 0)
