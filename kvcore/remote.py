@@ -7,14 +7,33 @@ its ``BlockMover`` copies, so a load is fetch-then-copy and a save copy-then-pub
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvcore.ids import JobId, RequestId
 from kvcore.jobs import JobResult
 from kvcore.ports import ChunkStore, JobQueue, ManagedTier, StoreItem
 
-__all__ = ["ManagedRemote", "RemoteTier", "StoreRemote"]
+__all__ = ["Closeable", "ManagedRemote", "RemoteTier", "StoreRemote", "close_quietly"]
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Closeable(Protocol):
+    """A backend object holding threads, sockets or registered memory until closed."""
+
+    def close(self) -> None: ...
+
+
+def close_quietly(resource: object) -> None:
+    """Close ``resource`` if it can be closed; a failure is logged, never raised (shutdown paths)."""
+    if isinstance(resource, Closeable):
+        try:
+            resource.close()
+        except Exception as exc:  # shutdown must go on whatever one backend does
+            log.warning("kvcore: closing %s failed: %s", type(resource).__name__, exc)
 
 
 class RemoteTier(JobQueue, Protocol):
@@ -47,6 +66,9 @@ class StoreRemote:
     def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
         return self.store.wait(job_ids, timeout)
 
+    def close(self) -> None:
+        close_quietly(self.store)
+
 
 class ManagedRemote:
     """A ``ManagedTier`` as a remote tier: a request is a session."""
@@ -65,3 +87,6 @@ class ManagedRemote:
 
     def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
         return self.tier.wait(job_ids, timeout)
+
+    def close(self) -> None:
+        close_quietly(self.tier)

@@ -41,6 +41,7 @@ from kvcore.lookup import PendingLookup, PrefixLookup
 from kvcore.plan import BlockOp, OpReport, RemoteChunk, StepPlan
 from kvcore.pool_index import PoolIndex
 from kvcore.ports import ChunkIndex, Direction
+from kvcore.remote import close_quietly
 
 __all__ = ["CacheScheduler", "SchedulerStats"]
 
@@ -180,6 +181,7 @@ class CacheScheduler:
         self.pool = BlockPool(num_slots, make_policy(config.eviction, num_slots))
         self._index = PoolIndex(self.pool)
         self._remote = PrefixLookup(remote, config.lookup_timeout_s) if remote is not None else None
+        self._remote_index = remote
         self._table = RequestTable()
         self._requests: dict[RequestId, _Request] = {}
         self._op_ids = itertools.count(1)
@@ -475,6 +477,12 @@ class CacheScheduler:
 
     def take_events(self) -> tuple[PoolEvent, ...]:
         return self.pool.take_events()
+
+    def close(self) -> None:
+        """Release the remote index (its threads and connections); the scheduler answers misses after."""
+        if self._remote_index is not None:
+            close_quietly(self._remote_index)
+            self._remote = self._remote_index = None
 
     def in_flight(self) -> int:
         return len(self._inflight)

@@ -14,7 +14,7 @@ import torch
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError
-from kvcore.remote import RemoteTier
+from kvcore.remote import RemoteTier, close_quietly
 from kvcore.worker import BlockWorker
 from kvcore_cpu.checksums import ChecksummedMover
 from kvcore_cpu.engine_kv import EngineKV
@@ -80,6 +80,9 @@ class CPUWorker(BlockWorker):
         return bytes(self.host.blocks[block].numpy().tobytes())
 
     def close(self) -> None:
+        """Stop the remote tier, then the mover, then free the memory both use."""
+        if self.remote is not None:
+            close_quietly(self.remote)
         self.mover.close()
         self.host.close()
 
@@ -108,4 +111,6 @@ def open_worker(
         mover.close()
         host.close()
         raise
-    return CPUWorker(mover, kv, host, rank, config.checksums, tier, slot_bytes(config, engine) if tier is not None else 0)
+    return CPUWorker(
+        mover, kv, host, rank, config.checksums, tier, slot_bytes(config, engine) if tier is not None else 0
+    )
