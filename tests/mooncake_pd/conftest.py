@@ -1,0 +1,158 @@
+"""Fixtures for the P/D tests: real transfer engines, and simulated ranks holding KV in real layouts.
+
+Every test here needs a loopback-only network namespace (Mooncake listens on every interface).
+
+Simulated ranks live in the test process, each with its own real ``TransferEngine`` (its own RPC port and
+TCP connections, bytes moving through loopback sockets) and its own side channel: that exercises
+everything a rank process does, and one process hosts a whole (P, D) pairing in milliseconds instead of
+the seconds a process per rank costs to start. The fault tests that kill a side run it in a subprocess.
+Engines are shared by the whole session and handed out by ``EnginePool``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+import pytest
+import torch
+from attrs import frozen
+
+from kvcore.config import PDConfig
+from kvcore.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore_mooncake.pd import MooncakePeerTransport, RankSpec
+from tests.netns import require_loopback_namespace
+
+T = TypeVar("T")
+
+BLOCK_TOKENS, HEAD_SIZE, LAYERS = 16, 32, 2
+PRODUCER_BLOCKS, CONSUMER_BLOCKS = 12, 10
+SENTINEL = -7  # consumer bytes no write may touch
+
+FAST = PDConfig(handshake_timeout_s=0.5, handshake_retries=1, abort_timeout_s=3.0)
+"""Short timeouts, so that fault tests end in seconds."""
+
+
+@pytest.fixture(autouse=True)
+def _loopback_only() -> None:
+    require_loopback_namespace()
+
+
+class EnginePool:
+    """Real transfer engines, reused across tests: ``take(n)`` hands out ``n`` distinct ones."""
+
+    def __init__(self) -> None:
+        self._engines: list[MooncakePeerTransport] = []
+
+    def take(self, count: int) -> list[MooncakePeerTransport]:
+        while len(self._engines) < count:
+            self._engines.append(MooncakePeerTransport.open(PDConfig()))
+        return self._engines[:count]
+
+    def close(self) -> None:
+        for transport in self._engines:
+            transport.close()
+
+
+@pytest.fixture(scope="session")
+def engines() -> Iterator[EnginePool]:
+    require_loopback_namespace()
+    pool = EnginePool()
+    yield pool
+    pool.close()
+
+
+def heads_of(rank: int, tp: int, total: int) -> range:
+    """vLLM's rule, written out independently of ``kvcore``: an even split or one replicated head."""
+    if total >= tp:
+        return range(rank * total // tp, (rank + 1) * total // tp)
+    return range(rank // (tp // total), rank // (tp // total) + 1)
+
+
+def blocks_heads(tensor: torch.Tensor, kind: LayoutKind) -> torch.Tensor:
+    """A view of one layer's tensor (physical HND shape) as ``[blocks, segments, heads, ...]``."""
+    if kind is LayoutKind.VLLM_CPU:  # [blocks, heads, tokens, 2*head]
+        return tensor.unsqueeze(1)
+    if kind is LayoutKind.FLASH_ATTN:  # [2, blocks, heads, tokens, head]
+        return tensor.movedim(1, 0)
+    return tensor  # FlashInfer [blocks, 2, heads, tokens, head]
+
+
+@frozen(eq=False)
+class SimRank:
+    """One simulated rank: its KV (all layers in one storage, as vLLM allocates) and its spec."""
+
+    spec: RankSpec
+    storage: torch.Tensor  # [layers, *physical_shape], int16 standing in for a 2-byte dtype
+
+    def layer(self, index: int) -> torch.Tensor:
+        return blocks_heads(self.storage[index], self.spec.layout.kind)
+
+
+def make_rank(
+    *,
+    engine_id: str,
+    kind: LayoutKind,
+    total_heads: int,
+    tp: int,
+    rank: int,
+    blocks: int,
+    model: str = "tiny",
+    order: HeadOrder = HeadOrder.HND,
+) -> SimRank:
+    layout = KVLayout(kind, blocks, BLOCK_TOKENS, len(heads_of(rank, tp, total_heads)), HEAD_SIZE, 2, order)
+    storage = torch.full((LAYERS, *layout.physical_shape), SENTINEL, dtype=torch.int16)
+    bases = [storage[i].data_ptr() for i in range(LAYERS)]
+    spec = RankSpec(engine_id, model, "bfloat16", tp, rank, total_heads, layout, bases)
+    return SimRank(spec, storage)
+
+
+def global_kv(kind: LayoutKind, total_heads: int, request_blocks: int, seed: int) -> list[torch.Tensor]:
+    """Per layer, the request's KV over every head, as ``[request blocks, segments, heads, ...]``."""
+    layout = KVLayout(kind, request_blocks, BLOCK_TOKENS, total_heads, HEAD_SIZE, 2)
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        blocks_heads(
+            torch.randint(-30000, 30000, layout.physical_shape, dtype=torch.int16, generator=generator), kind
+        )
+        for _ in range(LAYERS)
+    ]
+
+
+def fill_producer(sim: SimRank, kv: Sequence[torch.Tensor], src_blocks: Sequence[int]) -> None:
+    """Producer rank: its heads of the request's KV at ``src_blocks``, other blocks random."""
+    heads = heads_of(sim.spec.tp_rank, sim.spec.tp_size, sim.spec.total_kv_heads)
+    sim.storage.random_(-30000, 30000)
+    for layer, full in enumerate(kv):
+        mine = sim.layer(layer)
+        for request_block, block in enumerate(src_blocks):
+            mine[block] = full[request_block, :, heads.start : heads.stop]
+
+
+def expected_consumer(sim: SimRank, kv: Sequence[torch.Tensor], dst_blocks: Sequence[int]) -> torch.Tensor:
+    """What a consumer rank must hold after the transfer: its heads at ``dst_blocks``, sentinel elsewhere."""
+    heads = heads_of(sim.spec.tp_rank, sim.spec.tp_size, sim.spec.total_kv_heads)
+    expected = torch.full_like(sim.storage, SENTINEL)
+    for layer, full in enumerate(kv):
+        view = blocks_heads(expected[layer], sim.spec.layout.kind)
+        for request_block, block in enumerate(dst_blocks):
+            view[block] = full[request_block, :, heads.start : heads.stop]
+    return expected
+
+
+def new_transfer_id() -> str:
+    return f"xfer-{uuid.uuid4().hex[:12]}"
+
+
+def wait_for(what: str, collect: Callable[[], Sequence[T]], count: int, timeout: float = 10.0) -> list[T]:
+    """Call ``collect`` until it has returned ``count`` items in all; fail after ``timeout`` seconds."""
+    got: list[T] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: {len(got)} of {count} after {timeout}s: {got}")
+        got.extend(collect())
+        time.sleep(0.002)
+    return got

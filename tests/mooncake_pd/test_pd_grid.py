@@ -1,0 +1,104 @@
+"""Every (P, D) pairing and KV head count, through real transfer engines: consumer ranks must hold
+exactly their heads of the producer's KV, byte for byte, and every producer rank must free its blocks."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvcore.config import PDConfig
+from kvcore.layout import HeadOrder, LayoutKind
+from kvcore_mooncake.pd import FreeReason, PDConsumer, PDProducer
+from tests.mooncake_pd.conftest import (
+    CONSUMER_BLOCKS,
+    PRODUCER_BLOCKS,
+    EnginePool,
+    SimRank,
+    expected_consumer,
+    fill_producer,
+    global_kv,
+    make_rank,
+    new_transfer_id,
+    wait_for,
+)
+
+PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
+HEADS = [1, 2, 8]
+KINDS = [LayoutKind.VLLM_CPU, LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER]
+SRC_BLOCKS = (7, 2, 3, 4, 11)  # a run of three in the middle: merged copies and single ones
+DST_BLOCKS = (0, 5, 6, 7, 9)
+
+
+@contextlib.contextmanager
+def started(
+    engines: EnginePool, producers: list[SimRank], consumers: list[SimRank], config: PDConfig
+) -> Iterator[tuple[list[PDProducer], list[PDConsumer]]]:
+    transports = engines.take(len(producers) + len(consumers))
+    ps = [PDProducer(sim.spec, t, config) for sim, t in zip(producers, transports, strict=False)]
+    cs = [PDConsumer(sim.spec, t, config) for sim, t in zip(consumers, transports[len(ps) :], strict=True)]
+    try:
+        for producer in ps:
+            producer.start()
+        for consumer in cs:
+            consumer.start()
+        yield ps, cs
+    finally:
+        for consumer in cs:
+            consumer.close()
+        for producer in ps:
+            producer.close()
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
+@pytest.mark.parametrize(("p", "d"), PAIRS, ids=str)
+def test_consumer_ranks_hold_their_head_slices(engines: EnginePool, kind: LayoutKind, p: int, d: int) -> None:
+    for heads in HEADS:
+        producers = [
+            make_rank(engine_id="prefill", kind=kind, total_heads=heads, tp=p, rank=r, blocks=PRODUCER_BLOCKS)
+            for r in range(p)
+        ]
+        consumers = [
+            make_rank(engine_id="decode", kind=kind, total_heads=heads, tp=d, rank=r, blocks=CONSUMER_BLOCKS)
+            for r in range(d)
+        ]
+        kv = global_kv(kind, heads, len(SRC_BLOCKS), seed=heads * 100 + p * 10 + d)
+        for sim in producers:
+            fill_producer(sim, kv, SRC_BLOCKS)
+        transfer = new_transfer_id()
+        with started(engines, producers, consumers, PDConfig(abort_timeout_s=10.0)) as (ps, cs):
+            addresses = [producer.address for producer in ps]
+            for producer in ps:
+                producer.offer(transfer, SRC_BLOCKS)
+            for consumer in cs:
+                consumer.receive(transfer, addresses, SRC_BLOCKS, DST_BLOCKS)
+            received = [wait_for("received", consumer.poll, 1)[0] for consumer in cs]
+            freed = [wait_for("freed", producer.poll_freed, 1)[0] for producer in ps]
+        assert [(r.transfer_id, r.ok, r.error) for r in received] == [(transfer, True, None)] * d
+        assert {(f.transfer_id, f.reason) for f in freed} == {(transfer, FreeReason.DELIVERED)}
+        for sim in consumers:
+            expected = expected_consumer(sim, kv, DST_BLOCKS)
+            assert torch.equal(sim.storage, expected), f"heads={heads} consumer rank {sim.spec.tp_rank}"
+
+
+def test_nhd_layout_with_heterogeneous_tp_is_refused_at_handshake(engines: EnginePool) -> None:
+    # NHD: a consumer rank's heads would be one small run per token: the plan refuses, before any byte
+    producer = make_rank(
+        engine_id="prefill", kind=LayoutKind.FLASH_ATTN, total_heads=8, tp=1, rank=0,
+        blocks=PRODUCER_BLOCKS, order=HeadOrder.NHD,
+    )  # fmt: skip
+    consumer = make_rank(
+        engine_id="decode", kind=LayoutKind.FLASH_ATTN, total_heads=8, tp=2, rank=0,
+        blocks=CONSUMER_BLOCKS, order=HeadOrder.NHD,
+    )  # fmt: skip
+    before = consumer.storage.clone()
+    with started(engines, [producer], [consumer], PDConfig()) as (ps, cs):
+        ps[0].offer("t", SRC_BLOCKS)
+        cs[0].receive("t", [ps[0].address], SRC_BLOCKS, DST_BLOCKS)
+        (result,) = wait_for("received", cs[0].poll, 1)
+    assert not result.ok
+    assert result.failed_blocks == DST_BLOCKS
+    assert "heterogeneous TP needs the HND layout" in (result.error or "")
+    assert torch.equal(consumer.storage, before)
