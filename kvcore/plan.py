@@ -49,9 +49,11 @@ class BlockOp:
 
 @frozen
 class StepPlan:
-    """The copies the scheduler decided in one step, in submission order."""
+    """The copies the scheduler decided in one step, in submission order, and the requests that ended
+    since the previous plan (a managed tier ends their sessions once their last op is done)."""
 
     ops: tuple[BlockOp, ...] = ()
+    ended: tuple[str, ...] = ()
 
     def op_ids(self, direction: Direction | None = None) -> tuple[int, ...]:
         return tuple(op.op_id for op in self.ops if direction is None or op.direction is direction)

@@ -47,6 +47,10 @@ class RemoteTier(JobQueue, Protocol):
         """Store each item's host bytes under its key; a failed item is simply not stored."""
         ...
 
+    def end_session(self, session: str) -> None:
+        """The request is over and none of its jobs is in flight: release what the tier holds for it."""
+        ...
+
 
 class StoreRemote:
     """A ``ChunkStore`` as a remote tier (sessions mean nothing to it)."""
@@ -59,6 +63,9 @@ class StoreRemote:
 
     def submit_publish(self, session: str, items: Sequence[StoreItem]) -> JobId:
         return self.store.submit_put(items)
+
+    def end_session(self, session: str) -> None:
+        """A store keeps no sessions."""
 
     def poll(self) -> tuple[JobResult, ...]:
         return self.store.poll()
@@ -81,6 +88,9 @@ class ManagedRemote:
 
     def submit_publish(self, session: str, items: Sequence[StoreItem]) -> JobId:
         return self.tier.submit_store(RequestId(session), items)
+
+    def end_session(self, session: str) -> None:
+        self.tier.end_session(RequestId(session))
 
     def poll(self) -> tuple[JobResult, ...]:
         return self.tier.poll()

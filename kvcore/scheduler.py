@@ -186,6 +186,7 @@ class CacheScheduler:
         self._requests: dict[RequestId, _Request] = {}
         self._op_ids = itertools.count(1)
         self._plan: list[BlockOp] = []
+        self._ended: list[RequestId] = []  # with a remote tier: requests whose sessions may end
         self._inflight: dict[int, _InFlight] = {}
         self._finished: list[RequestId] = []
         # How often each chunk was looked up (bounded, oldest forgotten first): with
@@ -408,7 +409,8 @@ class CacheScheduler:
 
     def take_plan(self) -> StepPlan:
         """The ops decided since the last call, for every worker."""
-        plan, self._plan = StepPlan(tuple(self._plan)), []
+        plan = StepPlan(tuple(self._plan), tuple(self._ended))
+        self._plan, self._ended = [], []
         return plan
 
     def complete(self, reports: Iterable[OpReport]) -> None:
@@ -648,6 +650,8 @@ class CacheScheduler:
         if req is not None:
             self._abandon(req)
             req.pending = None
+            if self._remote_index is not None:
+                self._ended.append(request_id)
         delayed = self._table.end(request_id, phase)
         if not delayed:
             self._requests.pop(request_id, None)

@@ -65,6 +65,7 @@ class BlockWorker:
         self._jobs: dict[tuple[int, JobId], int] = {}  # (queue, job) -> op id
         self._current: dict[int, tuple[int, JobId]] = {}  # op id -> its job in flight
         self._ready: list[OpReport] = []
+        self._ending: set[str] = set()  # ended requests whose sessions end after their last op
 
     def execute(self, plan: StepPlan) -> None:
         """Start every op of the plan; returns at once."""
@@ -75,6 +76,9 @@ class BlockWorker:
                 self._start_remote(run, _Stage.FETCH, op.remote)
             else:
                 self._start_copy(run)
+        for request_id in plan.ended:
+            self._ending.add(request_id)
+            self._end_session(request_id)
 
     def reports(self) -> tuple[OpReport, ...]:
         """Ops finished since the last call (never blocks)."""
@@ -195,6 +199,19 @@ class BlockWorker:
     def _done(self, run: _Run) -> None:
         del self._runs[run.op.op_id]
         self._ready.append(OpReport(run.op.op_id, self._rank, tuple(sorted(run.failed)), run.error))
+        if run.op.request_id in self._ending:
+            self._end_session(run.op.request_id)
+
+    def _end_session(self, request_id: str) -> None:
+        """End an ended request's session on the remote tier once none of its ops is in flight."""
+        if any(r.op.request_id == request_id for r in self._runs.values()):
+            return
+        self._ending.discard(request_id)
+        if self._remote is not None:
+            try:
+                self._remote.end_session(request_id)
+            except BackendError as exc:
+                log.warning("kvcore: ending the session of %s failed: %s", request_id, exc)
 
     def _take(self) -> tuple[OpReport, ...]:
         out, self._ready = tuple(self._ready), []

@@ -219,3 +219,34 @@ def test_a_failed_publish_drops_the_chunk_everywhere() -> None:
     assert rig.sched.stats().failed_save_chunks == 1
     assert rig.sched.stats().pool.used == 2
     assert rig.lookup("b", TOKENS) == 0  # chunk 0 is gone: no leading hit anywhere
+
+
+class Sessions(StoreRemote):
+    """Records the sessions the worker ends."""
+
+    def __init__(self, store: InMemoryChunkStore) -> None:
+        super().__init__(store)
+        self.ended: list[str] = []
+
+    def end_session(self, session: str) -> None:
+        self.ended.append(session)
+
+
+def test_a_session_ends_after_the_last_op_of_its_request() -> None:
+    rig = Rig(slots=3)
+    remote = Sessions(rig.store)
+    rig.worker = BlockWorker(rig.mover, remote=remote, slot_bytes=2 * rig.mover.host_block_bytes)
+    a = RequestId("a")
+    assert rig.lookup("a", TOKENS) == 0
+    rig.sched.save(a, range(8), num_tokens=30)
+    assert rig.sched.finish(a) is True  # its save is in flight: the free is delayed
+    plan = rig.sched.take_plan()
+    assert plan.ended == (a,)
+    with rig.store.stall():
+        rig.worker.execute(plan)
+        assert remote.ended == []  # the publish is still running
+    rig.sched.complete(rig.worker.wait(plan.op_ids(), 5.0))
+    assert remote.ended == [a]
+    assert rig.sched.take_finished() == (a,)
+    rig.worker.execute(rig.sched.take_plan())
+    assert remote.ended == [a]  # once

@@ -1,0 +1,92 @@
+"""``LMCacheChunkIndex``: the scheduler's view of an LMCache server, as kvcore's ``ChunkIndex`` port.
+
+It runs in the scheduler process (vLLM's engine core), apart from the workers, and only asks which
+leading chunks the server holds: every lookup's read locks are released as soon as it is answered, so
+the index never pins anything (the worker's ``LMCacheManagedTier`` locks what it is about to load).
+A lookup never blocks: submit, then poll; an absent server raises ``BackendUnavailable`` at once and a
+silent one ``TransferTimeout`` at the request timeout, which ``kvcore.lookup.PrefixLookup`` turns into
+a miss and its circuit breaker.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+
+from kvcore.config import LMCacheMPConfig
+from kvcore.errors import UsageError
+from kvcore.ids import ChunkKey, LookupId, RequestId
+from kvcore.lookup import leading_complete
+from kvcore_lmcache.link import ServerLink, SlotLayout
+from kvcore_lmcache.lookups import LookupBook
+
+__all__ = ["LMCacheChunkIndex"]
+
+
+class LMCacheChunkIndex:
+    """Which leading chunks (every shard's key present) an LMCache server holds.
+
+    ``value_bytes`` must be the workers' (it is part of the server-side model name their layout is
+    registered under); the index itself registers nothing.
+    """
+
+    def __init__(
+        self,
+        config: LMCacheMPConfig,
+        *,
+        value_bytes: int,
+        chunk_tokens: int,
+        model_name: str,
+        connect_timeout_s: float = 1.0,
+    ) -> None:
+        self.link = ServerLink(
+            config,
+            chunk_tokens,
+            model_name,
+            SlotLayout(value_bytes),
+            connect_timeout_s=connect_timeout_s,
+            register=False,
+        )
+        self._lookups = LookupBook(self.link)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._shards: dict[LookupId, int] = {}
+
+    def submit_lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> LookupId:
+        shards = {len(chunk) for chunk in chunks}
+        if len(shards) > 1 or 0 in shards:
+            raise UsageError(f"every chunk needs the same, non-zero number of shard keys, got {shards}")
+        session = RequestId(f"index-{next(self._ids)}")
+        lookup_id = self._lookups.submit(session, [key for chunk in chunks for key in chunk])
+        with self._lock:
+            self._shards[lookup_id] = shards.pop() if shards else 1
+        return lookup_id
+
+    def poll_lookup(self, lookup_id: LookupId) -> int | None:
+        with self._lock:
+            shards = self._shards.get(lookup_id)
+        if shards is None:
+            raise UsageError(f"lookup {lookup_id} is unknown, cancelled or already answered")
+        try:
+            answer = self._lookups.poll(lookup_id)
+        except BaseException:
+            with self._lock:
+                self._shards.pop(lookup_id, None)
+            raise
+        if answer is None:
+            return None
+        with self._lock:
+            self._shards.pop(lookup_id, None)
+        state, flags = answer
+        for key, hit in zip(state.keys, flags, strict=True):
+            self.link.release(state.session, key, locked=hit)
+        return leading_complete(flags, shards)
+
+    def cancel_lookup(self, lookup_id: LookupId) -> None:
+        with self._lock:
+            self._shards.pop(lookup_id, None)
+        self._lookups.cancel(lookup_id)
+
+    def close(self) -> None:
+        self.link.close()

@@ -1,0 +1,275 @@
+"""One client's connection to an LMCache server: chunk size agreement, layout registration, the shared-
+memory slots, liveness, and the health of it all.
+
+The server may be absent at start, answer a bad request with silence, or restart with an empty cache
+and a new shared-memory segment. The link turns each of these into "unavailable for now" (callers then
+miss at once) and a background heartbeat brings it back: it pings (so the server does not reap this
+worker), re-registers the layout (a restarted server has forgotten it) and re-maps the segment when the
+server created a new one. Every wait on the server is bounded by the configured request timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from typing import TypeVar
+
+from attrs import frozen
+from lmcache.v1.multiprocess.custom_types import RegisterEngineDrivenContextPayload
+from lmcache.v1.multiprocess.futures import MessagingFuture
+from lmcache.v1.multiprocess.transport.base import RequestClient
+from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+from kvcore.config import LMCacheMPConfig
+from kvcore.errors import BackendError, BackendUnavailable, ConfigError, TransferTimeout
+from kvcore.health import CircuitBreaker
+from kvcore.ids import ChunkKey, RequestId
+from kvcore_lmcache.wire import HEADER_BYTES, KeyCodec
+
+__all__ = ["ServerLink", "SlotLayout"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_MIN_CHUNK_TOKENS = 8  # a key is rendered as eight token ids
+_SHM_DIR = "/dev/shm"
+
+
+@frozen
+class SlotLayout:
+    """What a worker registers: one slot of ``value_bytes`` (plus a header) per chunk, as opaque bytes."""
+
+    value_bytes: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.value_bytes + HEADER_BYTES
+
+
+class _Segment:
+    """The server's shared-memory pool, mapped here. Stale once the server re-created it."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.path = os.path.join(_SHM_DIR, name.lstrip("/"))
+        self.size = size
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            self._inode = os.fstat(fd).st_ino
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.view = memoryview(self._map)
+
+    def stale(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino != self._inode
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        self.view.release()
+        self._map.close()
+
+
+class ServerLink:
+    """A request client, its registration and its health, for one server URL.
+
+    ``register`` is false on the scheduler side (lookups only; the workers register the layout, whose
+    slot size is part of the server-side model name either way). The
+    constructor never waits more than ``connect_timeout_s``: an absent server is a warning, and the
+    heartbeat connects when it appears. A chunk size that differs from ``chunk_tokens`` raises
+    ``ConfigError`` at construction, or, found later, keeps the link down with a logged error.
+    """
+
+    def __init__(
+        self,
+        config: LMCacheMPConfig,
+        chunk_tokens: int,
+        model_name: str,
+        layout: SlotLayout,
+        *,
+        register: bool = True,
+        connect_timeout_s: float = 1.0,
+        breaker: CircuitBreaker | None = None,
+        client_factory: Callable[[str], RequestClient] = RequestClientFactory.create,
+    ) -> None:
+        if chunk_tokens < _MIN_CHUNK_TOKENS:
+            raise ConfigError("chunk_tokens", chunk_tokens, f"an integer >= {_MIN_CHUNK_TOKENS}")
+        self.config = config
+        self.chunk_tokens = chunk_tokens
+        self.layout = layout
+        self._registers = register
+        # The slot size is part of the model name: the server keeps one layout per (model, world size).
+        self.codec = KeyCodec(f"{model_name}#{layout.slot_bytes}", chunk_tokens)
+        # uuid-derived like LMCache's own worker adapter: pids collide across containers.
+        self.instance_id = uuid.uuid4().int & ((1 << 63) - 1)
+        self._timeout = config.request_timeout_s
+        self._breaker = breaker if breaker is not None else CircuitBreaker(2, config.heartbeat_s)
+        # ZMQ's process-wide context, as LMCache's own adapters use: terminating a private one blocks
+        # while requests to an unreachable server are queued.
+        self.client = client_factory(config.url)
+        self._lock = threading.Lock()
+        self._up = False
+        self.segment: _Segment | None = None
+        self.segment_lock = threading.Lock()
+        self._stop = threading.Event()
+        if not self._connect(connect_timeout_s, raise_mismatch=True):
+            log.warning(
+                "kvcore: LMCache server %s did not answer within %.1fs; serving misses until it does "
+                "(start it with `lmcache server --host 127.0.0.1 --port ... --supported-transfer-mode auto"
+                " --shm-name ...`)",
+                config.url,
+                connect_timeout_s,
+            )
+        self._heartbeat = threading.Thread(target=self._beat, name="kvcore-lmcache-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    # -- health ------------------------------------------------------------------------------------
+
+    def available(self) -> bool:
+        """Whether calls may go to the server now (connected, breaker closed or probing)."""
+        with self._lock:
+            up = self._up
+        return up and self._breaker.allow()
+
+    @property
+    def connected(self) -> bool:
+        with self._lock:
+            return self._up
+
+    def result(self, future: MessagingFuture[T], what: str, timeout: float | None = None) -> T:
+        """The reply to one request, waited for at most the request timeout.
+
+        Raises ``TransferTimeout`` on silence (and counts a failure), ``BackendError`` on an error reply.
+        """
+        try:
+            value = future.result(timeout=self._timeout if timeout is None else timeout)
+        except TimeoutError:
+            self.failed(f"{what}: no reply within {self._timeout:.3f}s")
+            raise TransferTimeout(f"LMCache {what}: no reply within {self._timeout:.3f}s") from None
+        except Exception as exc:  # the client re-raises whatever the transport hit
+            self.failed(f"{what}: {exc!r}")
+            raise BackendError(f"LMCache {what} failed: {exc!r}") from exc
+        self._breaker.record_success()
+        return value
+
+    def failed(self, why: str) -> None:
+        """Count a failure; the link is down until the heartbeat sees the server again."""
+        self._breaker.record_failure()
+        if self._breaker.is_open:
+            with self._lock:
+                was_up, self._up = self._up, False
+            if was_up:
+                log.warning("kvcore: LMCache server %s marked down (%s)", self.config.url, why)
+
+    def require(self) -> None:
+        """Raise ``BackendUnavailable`` unless calls may go to the server now."""
+        if not self.available():
+            raise BackendUnavailable(f"LMCache server {self.config.url} is unavailable")
+
+    # -- fire-and-forget clean-up ------------------------------------------------------------------
+
+    def release(self, session: RequestId, key: ChunkKey, *, locked: bool) -> None:
+        """Drop the server session of one key, first releasing its lookup lock when it holds one.
+
+        Not waited for: the server handles requests of one client in order, and a lost release only
+        leaves a lock to the server's read-lock TTL.
+        """
+        if locked:
+            self.client.free_lookup_locks(self.codec.ipc_key(session, key, None), 1)
+        self.client.end_session(self.codec.server_session(session, key))
+
+    # -- connecting --------------------------------------------------------------------------------
+
+    def _connect(self, timeout: float, *, raise_mismatch: bool) -> bool:
+        try:
+            size = self.client.get_chunk_size().result(timeout=timeout)
+            if size != self.chunk_tokens:
+                raise ConfigError("chunk_tokens", self.chunk_tokens, f"the server's chunk size ({size})")
+            if self._registers:
+                self._register(timeout)
+        except ConfigError:
+            if raise_mismatch:
+                self.close()
+                raise
+            log.error("kvcore: LMCache server %s has a different chunk size; staying down", self.config.url)
+            return False
+        except Exception as exc:  # silence or a transport error: not connected yet
+            log.debug("kvcore: connecting to %s failed: %r", self.config.url, exc)
+            return False
+        with self._lock:
+            self._up = True
+        self._breaker.record_success()
+        return True
+
+    def _register(self, timeout: float) -> None:
+        layout = self.layout
+        payload = RegisterEngineDrivenContextPayload(
+            instance_id=self.instance_id,
+            model_name=self.codec.model_name,
+            world_size=1,
+            block_size=self.chunk_tokens,
+            num_layers=1,
+            hidden_dim_size=layout.slot_bytes,
+            dtype_str="uint8",
+            use_mla=True,
+            num_physical_slots=1,
+        )
+        reply = self.client.register_kv_cache_engine_driven_context(payload).result(timeout=timeout)
+        if not reply.shm_name or reply.pool_size <= 0:
+            raise BackendUnavailable(
+                f"LMCache server {self.config.url} has no shared-memory pool: start it with --shm-name"
+            )
+        with self.segment_lock:
+            if self.segment is None or self.segment.stale():
+                if self.segment is not None:
+                    self.segment.close()
+                self.segment = _Segment(reply.shm_name, reply.pool_size)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_s):
+            if self.connected:
+                self._refresh()
+            elif self._connect(self._timeout, raise_mismatch=False):
+                log.warning("kvcore: LMCache server %s is reachable again", self.config.url)
+
+    def _refresh(self) -> None:
+        try:
+            self.client.ping(self.instance_id).result(timeout=self._timeout)
+            # Idempotent for a known worker; a restarted server learns the layout (and a new segment).
+            if self._registers:
+                self._register(self._timeout)
+        except Exception as exc:  # silence or an error reply: the server is gone or hung
+            self.failed(f"heartbeat: {exc!r}")
+            with self._lock:
+                self._up = False
+            return
+        self._breaker.record_success()
+
+    def close(self) -> None:
+        """Stop the heartbeat, unregister, unmap and close the socket. Idempotent."""
+        self._stop.set()
+        if (
+            getattr(self, "_heartbeat", None) is not None
+            and self._heartbeat is not threading.current_thread()
+        ):
+            self._heartbeat.join(self._timeout + self.config.heartbeat_s)
+        if self._registers and self.connected:
+            try:  # waited for briefly, so that the socket is not closed under it
+                self.client.unregister_kv_cache_engine_driven_context(self.instance_id).result(
+                    timeout=min(self._timeout, 1.0)
+                )
+            except Exception as exc:  # the server reaps a silent worker anyway
+                log.debug("kvcore: unregistering from %s failed: %r", self.config.url, exc)
+        with self.segment_lock:
+            if self.segment is not None:
+                self.segment.close()
+                self.segment = None
+        with self._lock:
+            self._up = False
+        self.client.close()

@@ -1,0 +1,90 @@
+"""Out-of-band access to the server's entries for kvcore keys, through LMCache's raw request client.
+
+The conformance harness peeks and pokes with this, bypassing ``LMCacheManagedTier``: its own
+registration, its own mapping of the shared-memory pool, its own requests.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+import uuid
+
+from lmcache.v1.multiprocess.custom_types import RegisterEngineDrivenContextPayload
+from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+from kvcore.ids import ChunkKey, RequestId
+from kvcore_lmcache.wire import HEADER_BYTES, KeyCodec, check_header, header
+
+TIMEOUT_S = 5.0
+
+
+class RawClient:
+    """Stores and reads kvcore-shaped entries (header + value) the way the backend lays them out."""
+
+    def __init__(self, url: str, model_name: str, value_bytes: int, chunk_tokens: int) -> None:
+        self.slot_bytes = value_bytes + HEADER_BYTES
+        self.codec = KeyCodec(f"{model_name}#{self.slot_bytes}", chunk_tokens)
+        self.client = RequestClientFactory.create(url)
+        self.instance_id = uuid.uuid4().int & ((1 << 62) - 1)
+        reply = self.client.register_kv_cache_engine_driven_context(
+            RegisterEngineDrivenContextPayload(
+                instance_id=self.instance_id,
+                model_name=self.codec.model_name,
+                world_size=1,
+                block_size=chunk_tokens,
+                num_layers=1,
+                hidden_dim_size=self.slot_bytes,
+                dtype_str="uint8",
+                use_mla=True,
+                num_physical_slots=1,
+            )
+        ).result(timeout=TIMEOUT_S)
+        fd = os.open(f"/dev/shm/{reply.shm_name}", os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, reply.pool_size)
+        finally:
+            os.close(fd)
+
+    def _session(self) -> RequestId:
+        return RequestId(f"raw-{uuid.uuid4().hex[:12]}")
+
+    def poke(self, key: ChunkKey, value: bytes) -> None:
+        session = self._session()
+        ipc_key = self.codec.ipc_key(session, key, 0)
+        reply = self.client.prepare_store(ipc_key, self.instance_id).result(timeout=TIMEOUT_S)
+        slots = reply.context.get("slots")
+        if slots:
+            offset = int(slots[0]["offset"])
+            self._map[offset + HEADER_BYTES : offset + HEADER_BYTES + len(value)] = value
+            self._map[offset : offset + HEADER_BYTES] = header(key, len(value))
+            assert self.client.commit_store(ipc_key, self.instance_id, b"").result(timeout=TIMEOUT_S)
+        self.client.end_session(self.codec.server_session(session, key)).result(timeout=TIMEOUT_S)
+
+    def peek(self, key: ChunkKey) -> bytes | None:
+        session = self._session()
+        sub = self.codec.server_session(session, key)
+        self.client.lookup(self.codec.ipc_key(session, key, None), 1).result(timeout=TIMEOUT_S)
+        deadline = time.monotonic() + TIMEOUT_S
+        while (hits := self.client.query_prefetch_status(sub).result(timeout=TIMEOUT_S)) is None:
+            assert time.monotonic() < deadline, "prefetch never finished"
+        value = None
+        if hits:
+            ipc_key = self.codec.ipc_key(session, key, 0)
+            reply = self.client.prepare_retrieve(ipc_key, self.instance_id).result(timeout=TIMEOUT_S)
+            slots = reply.context.get("slots") if reply.success else None
+            if slots:
+                offset = int(slots[0]["offset"])
+                raw = self._map[offset : offset + self.slot_bytes]
+                length = int.from_bytes(raw[4:8], "little")
+                if check_header(key, length, raw[:HEADER_BYTES]):
+                    value = raw[HEADER_BYTES : HEADER_BYTES + length]
+            self.client.commit_retrieve(ipc_key, self.instance_id).result(timeout=TIMEOUT_S)
+        self.client.end_session(sub).result(timeout=TIMEOUT_S)
+        return value
+
+    def close(self) -> None:
+        self.client.unregister_kv_cache_engine_driven_context(self.instance_id).result(timeout=TIMEOUT_S)
+        self._map.close()
+        self.client.close()

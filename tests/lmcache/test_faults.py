@@ -1,0 +1,173 @@
+"""Faults of a real LMCache server and what the backend does about each, with a time bound.
+
+Server absent at start, frozen (silence), killed and restarted, a different chunk size, an address
+nothing listens on: lookups miss (quickly), nothing hangs, and the backend rejoins by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvcore.config import LMCacheMPConfig
+from kvcore.errors import BackendError, BackendUnavailable, ConfigError
+from kvcore.ids import ChunkKey, RequestId
+from kvcore.lookup import PendingLookup, PrefixLookup
+from kvcore.ports import StoreItem
+from kvcore_lmcache import LMCacheChunkIndex, LMCacheManagedTier
+from tests.lmcache.conftest import CHUNK_TOKENS, LMCacheServer
+
+VALUE = 1024
+TIMEOUT_S = 0.5
+BEAT_S = 0.2
+REJOIN_S = 5.0
+
+Factory = Callable[[int], LMCacheServer]
+
+
+def _config(url: str) -> LMCacheMPConfig:
+    return LMCacheMPConfig(url=url, request_timeout_s=TIMEOUT_S, heartbeat_s=BEAT_S)
+
+
+@contextlib.contextmanager
+def _tier(url: str, model: str) -> Iterator[tuple[LMCacheManagedTier, bytearray]]:
+    host = bytearray(8 * VALUE)
+    tier = LMCacheManagedTier(
+        _config(url), host, value_bytes=VALUE, chunk_tokens=CHUNK_TOKENS, model_name=model
+    )
+    try:
+        yield tier, host
+    finally:
+        tier.close()
+
+
+def _lookup(tier: LMCacheManagedTier, keys: list[ChunkKey]) -> int:
+    """Hits through the core's ``PrefixLookup``-style loop: bounded, failures are 0."""
+    session = RequestId(f"s-{uuid.uuid4().hex[:8]}")
+    try:
+        lookup_id = tier.submit_lookup(session, keys)
+        deadline = time.monotonic() + 4 * TIMEOUT_S
+        while (hits := tier.poll_lookup(lookup_id)) is None:
+            assert time.monotonic() < deadline, "a lookup outlived its timeout"
+            time.sleep(0.002)
+    except BackendError:
+        return 0
+    finally:
+        tier.end_session(session)
+    return hits
+
+
+def _store(tier: LMCacheManagedTier, host: bytearray, keys: list[ChunkKey]) -> bool:
+    for i, key in enumerate(keys):
+        host[i * VALUE : (i + 1) * VALUE] = key.encode().ljust(VALUE, b".")
+    items = [StoreItem(key, i * VALUE, VALUE) for i, key in enumerate(keys)]
+    (result,) = tier.wait([tier.submit_store(RequestId("store"), items)], 4 * TIMEOUT_S)
+    return result.ok
+
+
+def _keys(n: int) -> list[ChunkKey]:
+    run = uuid.uuid4().hex[:8]
+    return [ChunkKey(f"faults/{run}/{i}") for i in range(n)]
+
+
+def _eventually(check: Callable[[], bool], within: float) -> float:
+    start = time.monotonic()
+    while not check():
+        assert time.monotonic() - start < within, f"not within {within}s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_server_absent_at_start_misses_then_joins_when_it_appears(server_factory: Factory) -> None:
+    server = server_factory(CHUNK_TOKENS)
+    started = time.monotonic()
+    with _tier(server.url, "absent") as (tier, host):
+        assert time.monotonic() - started < 2.0  # no long timeout at engine start
+        assert not tier.link.connected
+        with pytest.raises(BackendUnavailable):
+            tier.submit_lookup(RequestId("r"), _keys(1))
+        keys = _keys(2)
+        assert not _store(tier, host, keys)  # a store while down fails its items, at once
+        server.start()
+        _eventually(lambda: tier.link.connected, REJOIN_S)
+        assert _store(tier, host, keys)
+        assert _lookup(tier, keys) == 2
+
+
+def test_silent_server_times_out_opens_the_breaker_and_rejoins(server_factory: Factory) -> None:
+    server = server_factory(CHUNK_TOKENS)
+    server.start()
+    with _tier(server.url, "silent") as (tier, host):
+        keys = _keys(2)
+        assert _store(tier, host, keys)
+        server.pause()
+        try:
+            started = time.monotonic()
+            assert _lookup(tier, keys) == 0
+            assert time.monotonic() - started < 4 * TIMEOUT_S
+            _eventually(lambda: not tier.link.available(), 4 * TIMEOUT_S)
+            started = time.monotonic()
+            assert _lookup(tier, keys) == 0  # breaker open: answered at once
+            assert time.monotonic() - started < 0.05
+        finally:
+            server.resume()
+        _eventually(lambda: _lookup(tier, keys) == 2, REJOIN_S)
+
+
+def test_restarted_server_is_rejoined_and_hits_resume(server_factory: Factory) -> None:
+    server = server_factory(CHUNK_TOKENS)
+    server.start()
+    with _tier(server.url, "restart") as (tier, host):
+        before = _keys(2)
+        assert _store(tier, host, before)
+        assert _lookup(tier, before) == 2
+        server.restart()  # a new process: empty cache, a new shared-memory segment
+        after = _keys(2)
+        _eventually(lambda: _store(tier, host, after), REJOIN_S)
+        assert _lookup(tier, after) == 2
+        assert _lookup(tier, before) == 0  # the restart lost them; never garbage
+
+
+def test_chunk_size_mismatch_is_a_config_error(lmcache_server: LMCacheServer) -> None:
+    with pytest.raises(ConfigError, match=r"chunk_tokens.*server.s chunk size"):
+        LMCacheManagedTier(
+            _config(lmcache_server.url), bytearray(VALUE), value_bytes=VALUE, chunk_tokens=32, model_name="m"
+        )
+
+
+def test_unreachable_url_is_a_miss_through_the_core_lookup() -> None:
+    index = LMCacheChunkIndex(
+        _config("tcp://127.0.0.1:9"), value_bytes=VALUE, chunk_tokens=CHUNK_TOKENS, model_name="m"
+    )
+    try:
+        started = time.monotonic()
+        answer = PrefixLookup(index, timeout_s=TIMEOUT_S).begin([[key] for key in _keys(3)])
+        assert not isinstance(answer, PendingLookup)
+        assert answer == 0
+        assert time.monotonic() - started < 0.1
+    finally:
+        index.close()
+
+
+def test_index_counts_leading_chunks_and_holds_no_lock(lmcache_server: LMCacheServer) -> None:
+    with _tier(lmcache_server.url, "index") as (tier, host):
+        keys = _keys(3)
+        assert _store(tier, host, [keys[0], keys[2]])
+        index = LMCacheChunkIndex(
+            _config(lmcache_server.url), value_bytes=VALUE, chunk_tokens=CHUNK_TOKENS, model_name="index"
+        )
+        try:
+            lookup = PrefixLookup(index, timeout_s=2.0)
+            pending = lookup.begin([[key] for key in keys])
+            assert isinstance(pending, PendingLookup)
+            deadline = time.monotonic() + 2.0
+            while (hits := lookup.resume(pending)) is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.002)
+            assert hits == 1
+        finally:
+            index.close()

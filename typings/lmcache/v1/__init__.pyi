@@ -1,0 +1,1 @@
+"""Stub: only what kvcore uses."""
