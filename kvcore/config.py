@@ -165,6 +165,7 @@ class LMCacheMPConfig:
     transfer_mode: str = field(default="engine_driven", validator=_one_of("engine_driven"))
     request_timeout_s: float = field(default=5.0, validator=_positive)
     heartbeat_s: float = field(default=30.0, validator=_positive)
+    connect_timeout_s: float = field(default=1.0, validator=_positive)
     local_size: ByteSize = ByteSize(2**30)
 
     @property
