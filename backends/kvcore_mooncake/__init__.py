@@ -1,0 +1,16 @@
+"""The Mooncake store backend: a distributed KV pool shared by engine instances.
+
+``MooncakeChunkStore`` (worker side, the ``ChunkStore`` port) moves chunks between a registered host
+buffer and the pool; ``MooncakeChunkIndex`` (scheduler side, the ``ChunkIndex`` port) asks the master
+which chunks exist, from a pure client that holds no data. ``MooncakeClient`` is the guarded native
+client both use; ``python -m kvcore_mooncake.holder`` runs a segment holder so that a pool outlives
+engine restarts. See ``docs/mooncake-store.md``.
+"""
+
+from __future__ import annotations
+
+from kvcore_mooncake.client import MooncakeClient
+from kvcore_mooncake.index import MooncakeChunkIndex
+from kvcore_mooncake.store import MooncakeChunkStore
+
+__all__ = ["MooncakeChunkIndex", "MooncakeChunkStore", "MooncakeClient"]

@@ -1,0 +1,316 @@
+"""``MooncakeChunkStore``: the ``ChunkStore`` port on a Mooncake distributed store.
+
+One host buffer is registered with the client once, at construction; every ``StoreItem`` names bytes of
+it, and puts and gets move those bytes zero-copy (``batch_put_from`` / ``batch_get_into``) on one worker
+thread, so ``submit_*`` return at once. Gets run before queued puts: a request waits on a get, while a
+put only has to finish before its host slot is reused.
+
+Semantics chosen, and why:
+
+- **Re-put keeps the stored value.** Keys are content addresses (namespace + shard + chunk hash), so an
+  equal key means equal bytes; Mooncake's ``put`` on a present key returns success and keeps the old
+  value, which is the port's idempotence and costs no transfer. ``upsert`` is never used: nothing in
+  kvcore replaces a value in place (a new weights epoch gives new keys).
+- **Reads take leases.** Each get leases its objects on the master (``--default_kv_lease_ttl``, 10 s by
+  default) so that no one frees them mid-read. ``remove`` never forces past a lease (a reader in another
+  process would read recycled memory): it retries leased keys until ``remove_timeout_s`` and then raises.
+- **A dead master costs little.** Calls fail with -900 after about 4 s each; three such failures in a row
+  open a circuit breaker, and while it is open jobs fail at once (gets miss, puts are dropped) until a
+  probe goes through. A restarted master is rejoined by the native client on its own (its keys are gone).
+- **clear** (tests, operators) removes every object of the pool, leased or not, and dooms the jobs
+  queued before it, so that no put in flight resurrects a cleared value.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Collection, Sequence
+
+from attrs import frozen
+
+from kvcore.config import MooncakeStoreConfig
+from kvcore.errors import BackendError, BackendUnavailable, InvalidSpecError, UsageError
+from kvcore.health import CircuitBreaker
+from kvcore.ids import ChunkKey, JobId
+from kvcore.jobs import JobBoard, JobResult
+from kvcore.ports import StoreItem
+from kvcore_mooncake.client import Code, MooncakeClient, describe
+
+__all__ = ["MooncakeChunkStore"]
+
+log = logging.getLogger(__name__)
+
+_GET, _PUT, _STOP = 0, 1, 2  # queue priorities: gets first, the stop marker last
+_REMOVE_RETRY_S = 0.02
+_QUIET = frozenset({Code.NOT_FOUND, Code.NO_SPACE})
+"""Codes that are ordinary outcomes (a miss, a full pool): no warning. Anything else is logged."""
+
+
+@frozen(eq=False)
+class _Job:
+    job_id: JobId
+    put: bool
+    items: tuple[StoreItem, ...]
+    generation: int
+
+
+class MooncakeChunkStore:
+    """The ``ChunkStore`` port (and ``SupportsClear``) over one registered host buffer.
+
+    Build it from a set-up ``MooncakeClient`` and the buffer (``buffer_address``, ``buffer_length``),
+    which the caller owns and keeps alive until ``close``; or with ``open``, which also sets up (and
+    then owns) the client. The registration lives as long as the client.
+    """
+
+    def __init__(
+        self,
+        client: MooncakeClient,
+        buffer_address: int,
+        buffer_length: int,
+        *,
+        owns_client: bool = False,
+        remove_timeout_s: float = 12.0,
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
+        if buffer_length < 1:
+            raise InvalidSpecError(f"buffer_length: got {buffer_length}, expected at least 1 byte")
+        client.register_buffer(buffer_address, buffer_length)
+        self._client = client
+        self._owns_client = owns_client
+        self._base = buffer_address
+        self._length = buffer_length
+        self._remove_timeout = remove_timeout_s
+        self._breaker = breaker if breaker is not None else CircuitBreaker(threshold=3, backoff_s=2.0)
+        self._board = JobBoard()
+        self._queue: queue.PriorityQueue[tuple[int, int, _Job | None]] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._state = threading.Lock()  # closed flag, generation
+        self._io = threading.Lock()  # held by the worker around one batch, and by clear
+        self._closed = False
+        self._generation = 0
+        self._thread = threading.Thread(target=self._serve, name="kvcore-mooncake-store", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def open(cls, config: MooncakeStoreConfig, buffer_address: int, buffer_length: int) -> MooncakeChunkStore:
+        """Set up a client from ``config`` (contributing ``config.segment_size``) and register the buffer.
+
+        Raises ``BackendUnavailable`` when the master cannot be reached within ``setup_timeout_s``.
+        """
+        client = MooncakeClient.connect(config)
+        try:
+            return cls(client, buffer_address, buffer_length, owns_client=True)
+        except BaseException:
+            client.close()
+            raise
+
+    # -- the port ------------------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[ChunkKey]) -> tuple[bool, ...]:
+        """Which keys are present. Raises ``BackendError`` (nothing changed) when the master fails.
+
+        While the breaker is open this raises ``BackendUnavailable`` at once; otherwise a dead master
+        holds the call for Mooncake's RPC timeout (about 4 s).
+        """
+        if not keys:
+            return ()
+        if not self._breaker.allow():
+            raise BackendUnavailable(f"Mooncake master {self._client.master} is marked unhealthy")
+        try:
+            codes = self._client.exist(list(keys))
+        except BackendError:
+            self._breaker.record_failure()
+            raise
+        if len(codes) != len(keys) or any(c not in (0, 1) for c in codes):
+            self._breaker.record_failure()
+            raise BackendError(f"exists of {len(keys)} keys answered {_summary(codes)}")
+        self._breaker.record_success()
+        return tuple(c == 1 for c in codes)
+
+    def submit_put(self, items: Sequence[StoreItem]) -> JobId:
+        """Store the items' host bytes under their keys. A present key keeps its value.
+
+        Raises ``InvalidSpecError`` (nothing queued) for bytes outside the buffer, ``UsageError`` once
+        closed. Failed items (no space, master down, transfer error) are absent or keep their earlier
+        value: Mooncake makes an object visible only once all of its bytes arrived.
+        """
+        return self._submit(True, items)
+
+    def submit_get(self, items: Sequence[StoreItem]) -> JobId:
+        """Copy the keys' values into the items' host bytes. A missing key, or a value of another length
+        than the item's, is a failed item (a miss): its host bytes are undefined."""
+        return self._submit(False, items)
+
+    def remove(self, keys: Sequence[ChunkKey]) -> None:
+        """Drop keys; missing ones are ignored. A key a reader leased is retried until its lease ends.
+
+        Raises ``BackendError`` when the master fails, or when keys are still leased after
+        ``remove_timeout_s``; the keys not yet removed remain.
+        """
+        pending: list[str] = list(dict.fromkeys(keys))
+        deadline = time.monotonic() + self._remove_timeout
+        while pending:
+            codes = self._client.remove(pending)
+            if len(codes) != len(pending):
+                raise BackendError(f"remove of {len(pending)} keys answered {len(codes)} codes")
+            leased = [k for k, c in zip(pending, codes, strict=True) if c == Code.LEASED]
+            failed = [c for c in codes if c not in (Code.OK, Code.NOT_FOUND, Code.LEASED)]
+            if failed:
+                raise BackendError(f"remove of {len(pending)} keys failed: {_summary(failed)}")
+            if leased and time.monotonic() >= deadline:
+                raise BackendError(
+                    f"{len(leased)} keys still leased by readers after {self._remove_timeout:.1f}s, "
+                    f"e.g. {leased[0]!r}"
+                )
+            pending = leased
+            if pending:
+                time.sleep(_REMOVE_RETRY_S)
+
+    def clear(self) -> None:
+        """Drop every object of the pool (every instance's, leased or not) and fail the jobs queued
+        before the call. A job already running finishes first. Raises ``BackendError`` on failure."""
+        with self._io:
+            with self._state:
+                self._generation += 1
+            removed = self._client.remove_all()
+        if removed < 0:
+            raise BackendError(f"remove_all failed: {describe(removed)}")
+
+    def poll(self) -> tuple[JobResult, ...]:
+        return self._board.poll()
+
+    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
+        return self._board.wait(job_ids, timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop taking jobs, fail those not started, join the worker, close an owned client; each step
+        bounded by ``timeout``. Idempotent; every submitted job still gets a result."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+        while True:
+            try:
+                _, _, job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._board.finish(_failed(job, "the store closed before the job ran"))
+        self._queue.put((_STOP, next(self._order), None))
+        self._thread.join(timeout)
+        if self._owns_client:
+            self._client.close(timeout)
+
+    # -- the worker ----------------------------------------------------------------------------------
+
+    def _transfer(self, put: bool, keys: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+        """Run one batch on the worker thread and return the native code of each item.
+
+        The extension point for tests and instrumentation: an override may stall, or answer failure
+        codes for some items without transferring them.
+        """
+        if put:
+            return self._client.put_from(keys, addresses, sizes)
+        return self._client.get_into(keys, addresses, sizes)
+
+    def _submit(self, put: bool, items: Sequence[StoreItem]) -> JobId:
+        for item in items:
+            if item.offset < 0 or item.length < 1 or item.offset + item.length > self._length:
+                raise InvalidSpecError(
+                    f"item {item.key!r}: bytes [{item.offset}, {item.offset + item.length}) are not a "
+                    f"non-empty range of the {self._length}-byte host buffer"
+                )
+        with self._state:
+            if self._closed:
+                raise UsageError("the Mooncake store is closed")
+            job_id = self._board.new()
+            job = _Job(job_id, put, tuple(items), self._generation)
+        if not items:
+            self._board.finish(JobResult(job_id))
+        else:
+            self._queue.put((_PUT if put else _GET, next(self._order), job))
+        return job_id
+
+    def _serve(self) -> None:
+        while True:
+            _, _, job = self._queue.get()
+            if job is None:
+                return
+            try:
+                result = self._run(job)
+            # Whatever goes wrong in one job is that job's failure, reported, never raised here.
+            except Exception as exc:
+                result = _failed(job, f"{type(exc).__name__}: {exc}")
+            self._board.finish(result)
+
+    def _run(self, job: _Job) -> JobResult:
+        with self._io:
+            with self._state:
+                cleared = job.generation != self._generation
+            if cleared:
+                return _failed(job, "the store was cleared while the job was queued")
+            if not self._breaker.allow():
+                return _failed(job, f"Mooncake master {self._client.master} is marked unhealthy")
+            codes = [int(Code.ERROR)] * len(job.items)
+            # Mooncake answers a key twice in one batch but copies it once: repeats go in later rounds.
+            for round_ in _rounds(job.items):
+                keys: list[str] = [job.items[i].key for i in round_]
+                addresses = [self._base + job.items[i].offset for i in round_]
+                sizes = [job.items[i].length for i in round_]
+                try:
+                    answered = self._transfer(job.put, keys, addresses, sizes)
+                except BackendError as exc:
+                    self._breaker.record_failure()
+                    return _failed(job, str(exc))
+                if len(answered) != len(round_):
+                    self._breaker.record_failure()
+                    return _failed(job, f"{len(round_)} items answered {len(answered)} codes")
+                for i, code in zip(round_, answered, strict=True):
+                    codes[i] = code
+        if Code.RPC_FAILED in codes:
+            self._breaker.record_failure()
+        else:
+            self._breaker.record_success()
+        if job.put:
+            failed = tuple(i for i, c in enumerate(codes) if c not in (Code.OK, Code.EXISTS))
+        else:
+            failed = tuple(
+                i for i, (c, it) in enumerate(zip(codes, job.items, strict=True)) if c != it.length
+            )
+        if not failed:
+            return JobResult(job.job_id)
+        bad = [codes[i] for i in failed]
+        why = f"{len(failed)} of {len(codes)} {'puts' if job.put else 'gets'} failed: {_summary(bad)}"
+        if any(c not in _QUIET for c in bad):
+            log.warning("kvcore: Mooncake %s", why)
+        return JobResult(job.job_id, failed, why)
+
+
+def _rounds(items: Sequence[StoreItem]) -> list[list[int]]:
+    """Item indices split into batches without a repeated key, in order (one batch when none repeats)."""
+    rounds: list[list[int]] = []
+    seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        n = seen[item.key] = seen.get(item.key, -1) + 1
+        if n == len(rounds):
+            rounds.append([])
+        rounds[n].append(i)
+    return rounds
+
+
+def _failed(job: _Job, why: str) -> JobResult:
+    return JobResult(job.job_id, tuple(range(len(job.items))), why)
+
+
+def _summary(codes: Sequence[int]) -> str:
+    """``-704 (not found) x2, 12 (12 bytes)``: each distinct answer once, with its count."""
+    parts = []
+    for code, count in collections.Counter(codes).most_common():
+        text = describe(code) if code < 0 else f"{code} ({code} bytes)"
+        parts.append(text if count == 1 else f"{text} x{count}")
+    return ", ".join(parts)

@@ -1,0 +1,254 @@
+"""The conformance suite run against the Mooncake store and index, on a real ``mooncake_master``.
+
+Two clients per store test: the store under test, and a raw client that reads and writes values out of
+band (``peek``/``poke``) so that the store itself is what is tested. ``TestStoreOnHolder`` runs the store
+as a pure client whose values live in the raw client's segment (an engine worker next to a segment
+holder); ``TestStoreOwnSegment`` lets the store's own client hold the segment. Failures and stalls are
+injected through the documented hooks ``MooncakeChunkStore._transfer`` and ``MooncakeChunkIndex._check``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
+
+import attrs
+import pytest
+from mooncake.store import MooncakeDistributedStore
+
+from kvcore.errors import BackendError, UsageError
+from kvcore.ids import ChunkKey
+from kvcore.testing.index import ChunkIndexTests, chunk_index_state_machine
+from kvcore.testing.store import ChunkStoreTests, chunk_store_state_machine
+from kvcore.testing.support import SETTLE_S
+from kvcore_mooncake import MooncakeChunkIndex, MooncakeChunkStore, MooncakeClient
+from kvcore_mooncake.client import Code
+from tests.mooncake.conftest import Master, MiB, config_for
+
+HOST_BYTES = 64 << 10
+
+
+class _Hooks:
+    """Failure injection and stalls for a worker-thread hook (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._to_fail = 0
+        self._released = threading.Event()
+        self._released.set()
+
+    def fail_next(self, count: int) -> None:
+        if count < 0:
+            raise UsageError(f"fail_next needs a count >= 0, got {count}")
+        with self._lock:
+            self._to_fail += count
+
+    @contextlib.contextmanager
+    def stall(self) -> Iterator[None]:
+        self._released.clear()
+        try:
+            yield
+        finally:
+            self._released.set()
+
+    def take(self, count: int) -> int:
+        """Wait while stalled (bounded), then how many of ``count`` items must fail."""
+        self._released.wait(SETTLE_S)
+        with self._lock:
+            failed = min(self._to_fail, count)
+            self._to_fail -= failed
+            return failed
+
+
+class InstrumentedStore(MooncakeChunkStore):
+    def __init__(self, client: MooncakeClient, buffer: HostBuffer, hooks: _Hooks) -> None:
+        self.hooks = hooks
+        super().__init__(client, buffer.address, buffer.length, remove_timeout_s=2.0)
+
+    def _transfer(self, put: bool, keys: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+        failed = self.hooks.take(len(keys))
+        rest = (
+            super()._transfer(put, keys[failed:], addresses[failed:], sizes[failed:]) if keys[failed:] else []
+        )
+        return [int(Code.TRANSFER_FAILED)] * failed + rest
+
+
+def raw_client(master: Master, segment_size: int) -> MooncakeDistributedStore:
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    native = MooncakeDistributedStore()
+    code = native.setup("127.0.0.1", "P2PHANDSHAKE", segment_size, 16 * MiB, "tcp", "", master.address)
+    assert code == 0, f"raw client setup failed with {code}"
+    return native
+
+
+class HostBuffer:
+    """Host memory for a store, by address (ctypes): what a worker's host tier would hand over."""
+
+    def __init__(self, length: int) -> None:
+        self._memory = ctypes.create_string_buffer(length)
+        self.address = ctypes.addressof(self._memory)
+        self.length = length
+
+    def read(self, offset: int, length: int) -> bytes:
+        return ctypes.string_at(self.address + offset, length)
+
+    def write(self, offset: int, data: bytes) -> None:
+        ctypes.memmove(self.address + offset, data, len(data))
+
+
+@attrs.frozen
+class Pool:
+    """What outlives one test: the master, a raw client for peek/poke, the store's client and buffer.
+
+    Clients are shared because closing one takes Mooncake 1-2 s; each test still gets a fresh store.
+    """
+
+    master: Master
+    raw: MooncakeDistributedStore
+    client: MooncakeClient
+    buffer: HostBuffer
+
+
+@contextlib.contextmanager
+def open_pool(master: Master, store_segment: int) -> Iterator[Pool]:
+    raw = raw_client(master, 0 if store_segment else 64 * MiB)
+    client = MooncakeClient.connect(config_for(master.address, store_segment))
+    try:
+        yield Pool(master, raw, client, HostBuffer(HOST_BYTES))
+    finally:
+        client.close()
+        raw.close()
+
+
+class MooncakeStoreHarness:
+    """A fresh store on the pool's client, with peek/poke through the pool's raw client."""
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+        self.hooks = _Hooks()
+        self.backend = InstrumentedStore(pool.client, pool.buffer, self.hooks)
+        self.host_size = pool.buffer.length
+        self.read_host = pool.buffer.read
+        self.write_host = pool.buffer.write
+        self.fail_next = self.hooks.fail_next
+        self.stall = self.hooks.stall
+
+    def peek(self, key: ChunkKey) -> bytes | None:
+        # every conformance value has at least one byte: an empty answer is a missing key
+        return self._pool.raw.get(key) or None
+
+    def poke(self, key: ChunkKey, value: bytes) -> None:
+        assert self._pool.raw.upsert(key, value) == 0
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+class _StoreSuite(ChunkStoreTests[MooncakeChunkStore]):
+    own_segment: ClassVar[bool]
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def pool(cls, master: Master) -> Iterator[Pool]:
+        with open_pool(master, 64 * MiB if cls.own_segment else 0) as pool:
+            yield pool
+
+    @pytest.fixture
+    def harness(self, pool: Pool) -> Iterator[MooncakeStoreHarness]:
+        with contextlib.closing(MooncakeStoreHarness(pool)) as harness:
+            yield harness
+
+
+class TestStoreOnHolder(_StoreSuite):
+    """The store is a pure client; values live in another client's segment."""
+
+    own_segment = False
+
+
+class TestStoreOwnSegment(_StoreSuite):
+    """The store's client holds the segment itself."""
+
+    own_segment = True
+
+
+# -- the index -----------------------------------------------------------------------------------------
+
+
+class InstrumentedIndex(MooncakeChunkIndex):
+    def __init__(self, client: MooncakeClient, hooks: _Hooks) -> None:
+        self.hooks = hooks
+        super().__init__(client, timeout_s=2.0)
+
+    def _check(self, keys: list[str]) -> list[int]:
+        if self.hooks.take(1):
+            raise BackendError("injected lookup failure")
+        return super()._check(keys)
+
+
+class MooncakeIndexHarness:
+    """An index on a pure client; presence changed through a raw client that holds the segment."""
+
+    def __init__(self, pool: Pool) -> None:
+        self._raw = pool.raw
+        self.hooks = _Hooks()
+        self.backend = InstrumentedIndex(pool.client, self.hooks)
+        self.fail_next = self.hooks.fail_next
+        self.stall = self.hooks.stall
+
+    def make_present(self, keys: Sequence[ChunkKey]) -> None:
+        for key in keys:
+            assert self._raw.upsert(key, b"x") == 0
+
+    def make_absent(self, keys: Sequence[ChunkKey]) -> None:
+        codes = self._raw.batch_remove(list(keys), True)
+        assert all(c in (0, Code.NOT_FOUND) for c in codes), codes
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+@pytest.fixture(scope="module")
+def shared_pool(master: Master) -> Iterator[Pool]:
+    """A pool whose raw client holds the segment, for the index tests and the state machines."""
+    with open_pool(master, 0) as pool:
+        yield pool
+
+
+class TestIndex(ChunkIndexTests[MooncakeChunkIndex]):
+    @pytest.fixture
+    def harness(self, shared_pool: Pool) -> Iterator[MooncakeIndexHarness]:
+        with contextlib.closing(MooncakeIndexHarness(shared_pool)) as harness:
+            yield harness
+
+
+# -- state machines: fixtures cannot reach a unittest-style case, so an autouse fixture hands them the pool
+
+
+_POOL: list[Pool] = []
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _pool_for_machines(shared_pool: Pool) -> Iterator[None]:
+    _POOL.append(shared_pool)
+    yield
+    _POOL.clear()
+
+
+@contextlib.contextmanager
+def _machine_store() -> Iterator[MooncakeStoreHarness]:
+    with contextlib.closing(MooncakeStoreHarness(_POOL[0])) as harness:
+        yield harness
+
+
+@contextlib.contextmanager
+def _machine_index() -> Iterator[MooncakeIndexHarness]:
+    with contextlib.closing(MooncakeIndexHarness(_POOL[0])) as harness:
+        yield harness
+
+
+TestStoreMachine = chunk_store_state_machine(_machine_store, max_examples=8, steps=20).TestCase
+TestIndexMachine = chunk_index_state_machine(_machine_index, max_examples=8, steps=20).TestCase
