@@ -29,10 +29,14 @@ from kvcore_vllm.stats import KVCorePromMetrics, KVCoreStats, StatsDelta
 from kvcore_vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -53,7 +57,8 @@ class KVCoreConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        config = read_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        settings = read_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        config = settings.core
         engine = engine_spec(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -73,9 +78,11 @@ class KVCoreConnector(KVConnectorBase_V1):
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
             hash_block = kv_cache_config.hash_block_size or engine.layout.block_tokens
-            self._scheduler = SchedulerSide(config, engine, hash_block, identity)
+            self._scheduler = SchedulerSide(settings, engine, hash_block, identity)
             log.info(
-                "kvcore: scheduler side ready: %s", asdict(config, filter=lambda a, _: a.name != "secret")
+                "kvcore: scheduler side ready (store policy %s): %s",
+                settings.store_policy.value,
+                asdict(config, filter=lambda a, _: a.name != "secret"),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -164,6 +171,12 @@ class KVCoreConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool | None:
         return self.scheduler_side.reset_cache()
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        self.scheduler_side.bind_gpu_block_pool(gpu_block_pool)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.scheduler_side.take_events()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._scheduler is None:

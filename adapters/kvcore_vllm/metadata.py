@@ -6,7 +6,7 @@ to every worker, and aggregates worker metadata across ranks).
 
 from __future__ import annotations
 
-from attrs import frozen
+from attrs import field, frozen
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvcore.plan import OpReport, StepPlan
@@ -21,12 +21,15 @@ class KVCoreMetadata(KVConnectorMetadata):
     ``delayed``: finished requests whose blocks vLLM keeps until each worker reports them done.
     ``preempted``: requests whose in-flight saves must be fenced before their blocks are reused.
     ``failed_blocks``: engine blocks the scheduler could not load (chunks gone since the lookup).
+    ``evictions``: saves of blocks vLLM evicted in this step (lazy store policy): they must be done
+    before the forward pass or any load writes those blocks.
     """
 
     plan: StepPlan
     delayed: tuple[str, ...] = ()
     preempted: tuple[str, ...] = ()
     failed_blocks: tuple[int, ...] = ()
+    evictions: StepPlan = field(factory=lambda: StepPlan(()))
 
 
 @frozen

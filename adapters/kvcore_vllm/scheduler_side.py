@@ -2,27 +2,46 @@
 
 Chunk keys come from ``request.block_hashes`` (nothing is re-hashed); lookups, load specs, slot
 bookkeeping and the step's copies are ``kvcore.scheduler.CacheScheduler``'s. This module only keeps what
-vLLM does not hand back each step: each request's block table and the live ``Request`` objects.
+vLLM does not hand back each step: each request's block table and the live ``Request`` objects, and
+for the two things vLLM-specific around the core, the names of chunks in vLLM's hashes (KV events) and,
+under the lazy store policy, what freed blocks hold (``EvictionWatch``).
+
+Lazy saves reuse the core's request API: each evicted chain is looked up, saved and finished under a
+request id of its own (``kvcore-evicted-N``), so the core's slot bookkeeping, reports and failure
+handling are the same as for any request.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 from typing import TYPE_CHECKING, Any
 
-from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
+from kvcore.errors import UnsupportedConfiguration
 from kvcore.ids import RequestId
+from kvcore.plan import StepPlan
 from kvcore.scheduler import SchedulerStats
 from kvcore_vllm.compose import scheduler_core
+from kvcore_vllm.events import ChunkNames
+from kvcore_vllm.evictions import EvictedChain, EvictionWatch
 from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata
+from kvcore_vllm.settings import StorePolicy, VLLMSettings
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["EXTRA_CACHED_KEYS", "SchedulerSide"]
+__all__ = ["EVICTED_PREFIX", "EXTRA_CACHED_KEYS", "SchedulerSide"]
+
+log = logging.getLogger(__name__)
+
+EVICTED_PREFIX = "kvcore-evicted-"  # request ids of lazy saves
+_UNUSED_BLOCK = -1  # stands for blocks of chunks the pool already holds: never copied (a mover refuses it)
 
 # kv_transfer_params keys a request sets to get the tokens served from kvcore back (the second for
 # drop-in compatibility with LMCache's connector).
@@ -31,13 +50,32 @@ EXTRA_CACHED_KEYS = ("num_extra_cached_tokens", "num_lmcache_extra_cached_tokens
 
 class SchedulerSide:
     def __init__(
-        self, config: KVCoreConfig, engine: EngineSpec, hash_block_tokens: int, hash_identity: str
+        self, settings: VLLMSettings, engine: EngineSpec, hash_block_tokens: int, hash_identity: str
     ) -> None:
+        config = settings.core
         self.core = scheduler_core(config, engine, hash_identity)
+        self.lazy = settings.store_policy is StorePolicy.LAZY
+        if self.lazy and hash_block_tokens != engine.layout.block_tokens:
+            raise UnsupportedConfiguration(
+                f"store_policy 'lazy' needs vLLM's hash block size ({hash_block_tokens}) equal to its "
+                f"block size ({engine.layout.block_tokens})"
+            )
         self._hash_block_tokens = hash_block_tokens
+        self._chunk_tokens = config.chunk_tokens
+        self._blocks_per_chunk = config.chunk_tokens // engine.layout.block_tokens
         self._requests: dict[str, Request] = {}
         self._blocks: dict[str, list[int]] = {}
         self._delayed: list[str] = []
+        self._named: dict[str, int] = {}  # chunks of each request named for KV events
+        capacity = self.core.stats().pool.capacity
+        self._names = ChunkNames(self.core.keyspace, config.chunk_tokens, hash_block_tokens, 2 * capacity)
+        self.evictions = EvictionWatch()
+        self._eviction_ids = itertools.count(1)
+        self._unbound_warned = False
+
+    def bind_gpu_block_pool(self, pool: BlockPool) -> None:
+        if self.lazy:
+            self.evictions.bind(pool)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -61,12 +99,16 @@ class SchedulerSide:
             self.core.start_load(RequestId(request.request_id), blocks.get_block_ids()[0])
 
     def build_connector_meta(self, out: SchedulerOutput) -> KVCoreMetadata:
+        allocated: list[int] = []  # every block handed to a scheduled request in this step
         for new in out.scheduled_new_reqs:
             self._blocks[new.req_id] = list(new.block_ids[0])
+            allocated.extend(new.block_ids[0])
             self._save(new.req_id, new.num_computed_tokens + out.num_scheduled_tokens.get(new.req_id, 0))
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                allocated.extend(new_ids[0])
             if rid in cached.resumed_req_ids:
                 self._blocks[rid] = list(new_ids[0]) if new_ids is not None else []
             elif new_ids is not None:
@@ -75,20 +117,26 @@ class SchedulerSide:
         preempted = tuple(out.preempted_req_ids or ())
         for rid in preempted:
             self.core.preempt(RequestId(rid))
-            self._blocks.pop(rid, None)
+            request, blocks = self._requests.get(rid), self._blocks.pop(rid, None)
+            if request is not None and blocks is not None:
+                self.evictions.freed(request.block_hashes, blocks)
         # workers report their own failed copies in the step that detects them; only the blocks the
         # scheduler gave up on before any copy travel to them
         lost = self.core.take_lost_blocks()
-        meta = KVCoreMetadata(self.core.take_plan(), tuple(self._delayed), preempted, lost)
+        plan = self.core.take_plan()
+        evictions = self._save_evicted(allocated) if self.lazy else StepPlan(())
+        meta = KVCoreMetadata(plan, tuple(self._delayed), preempted, lost, evictions)
         self._delayed.clear()
         return meta
 
     def _save(self, rid: str, computed_tokens: int) -> None:
         request = self._requests.get(rid)
         blocks = self._blocks.get(rid)
-        if request is None or not blocks:
+        if self.lazy or request is None or not blocks:
             return
         real = min(computed_tokens, request.num_tokens) - request.num_output_placeholders
+        named = self._named.get(rid, 0)
+        self._named[rid] = self._names.name(request.block_hashes, named, real // self._chunk_tokens)
         self.core.save(
             RequestId(rid),
             blocks,
@@ -96,6 +144,44 @@ class SchedulerSide:
             block_hashes=request.block_hashes,
             hash_block_tokens=self._hash_block_tokens,
         )
+
+    def _save_evicted(self, allocated: list[int]) -> StepPlan:
+        """Saves of the chunks vLLM evicted in this step, for the workers to run before the forward pass."""
+        if not self.evictions.bound:
+            if not self._unbound_warned:
+                self._unbound_warned = True
+                log.warning(
+                    "kvcore: vLLM bound no block pool to the connector; store_policy 'lazy' saves nothing"
+                )
+            return StepPlan(())
+        for chain in self.evictions.evicted(allocated):
+            self._save_chain(chain)
+        return self.core.take_plan()
+
+    def _save_chain(self, chain: EvictedChain) -> None:
+        per, chunk = self._blocks_per_chunk, self._chunk_tokens
+        full = len(chain.hashes) // per
+        if not full:
+            return
+        rid = RequestId(f"{EVICTED_PREFIX}{next(self._eviction_ids)}")
+        hashes = chain.hashes[: full * per]
+        # one token past the chain, so that the answer can cover all of it (a load never covers a whole
+        # prompt); it counts the leading chunks the pool holds already
+        held = self.core.lookup(
+            rid,
+            block_hashes=hashes,
+            hash_block_tokens=self._hash_block_tokens,
+            num_tokens=full * chunk + 1,
+        )
+        start = (held or 0) // chunk
+        stop = start
+        while held is not None and stop < full and None not in chain.block_ids[stop * per : (stop + 1) * per]:
+            stop += 1
+        if stop > start:
+            blocks = [_UNUSED_BLOCK if b is None else b for b in chain.block_ids[: stop * per]]
+            self._names.name(hashes, start, stop)
+            self.core.save(rid, blocks, num_tokens=stop * chunk)
+        self.core.finish(rid)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
@@ -116,10 +202,16 @@ class SchedulerSide:
             self._delayed.append(request.request_id)
         self._requests.pop(request.request_id, None)
         self._blocks.pop(request.request_id, None)
+        self._named.pop(request.request_id, None)
+        self.evictions.freed(request.block_hashes, block_ids)
         return delay, params
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._names.events(self.core.take_events())
 
     def reset_cache(self) -> bool:
         self.core.reset()
+        self.evictions.clear()
         return True
 
     def stats(self) -> SchedulerStats:

@@ -2,9 +2,11 @@
 
 Loads run in ``start_load_kv``, which vLLM calls before the forward pass whenever a request of the step
 has a synchronous hit, and are awaited there (bounded by ``transfer_timeout_s``); saves are submitted in
-``wait_for_save``, after the forward pass wrote the blocks, and never block the step. A finished request
-whose saves are in flight is reported in ``get_finished`` only when this rank's copies of it are done;
-a preempted request's saves are fenced before vLLM reuses its blocks.
+``wait_for_save``, after the forward pass wrote the blocks, and never block the step. Saves of blocks
+vLLM evicted in this step (lazy store policy) run in ``handle_preemptions``, which vLLM calls before the
+forward pass and the loads, and are awaited there: the new owner of the block overwrites it next. A
+finished request whose saves are in flight is reported in ``get_finished`` only when this rank's copies
+of it are done; a preempted request's saves are fenced before vLLM reuses its blocks.
 """
 
 from __future__ import annotations
@@ -80,6 +82,14 @@ class WorkerSide:
         self._run(meta.plan, Direction.SAVE)
 
     def handle_preemptions(self, meta: KVCoreMetadata) -> None:
+        evicting = self._run(meta.evictions, Direction.SAVE)
+        if evicting:
+            self._collect(self.worker.wait([op.op_id for op in evicting], self._timeout))
+            late = [op for op in evicting if op.op_id in self._inflight]
+            if late:
+                # the forward pass overwrites these blocks now: what a late copy reads is not their KV
+                log.warning("kvcore: %d saves of evicted blocks not done in time; dropped", len(late))
+                self._abandon(late)
         preempted = set(meta.preempted)
         fenced = [op for op in self._inflight.values() if op.request_id in preempted]
         if fenced and self._worker is not None:

@@ -11,11 +11,11 @@ import pytest
 from kvcore.config import ByteSize, CPUBackendConfig
 from kvcore.errors import ConfigError, UnsupportedConfiguration
 from kvcore_vllm.compat import check_vllm
-from kvcore_vllm.settings import read_extra_config, transfer_config
+from kvcore_vllm.settings import StorePolicy, read_extra_config, transfer_config
 
 
 def test_extra_config_is_the_core_config() -> None:
-    config = read_extra_config({"backend": {"kind": "cpu", "size": "4GiB"}, "chunk_tokens": 512})
+    config = read_extra_config({"backend": {"kind": "cpu", "size": "4GiB"}, "chunk_tokens": 512}).core
     assert isinstance(config.backend, CPUBackendConfig)
     assert config.backend.size == 4 << 30
     assert config.chunk_tokens == 512
@@ -30,11 +30,24 @@ def test_bad_extra_config_names_the_field() -> None:
 def test_config_file_json_and_yaml(tmp_path: Path) -> None:
     as_json = tmp_path / "kvcore.json"
     as_json.write_text(json.dumps({"backend": {"kind": "cpu", "size": "1GiB"}, "eviction": "arc"}))
-    assert read_extra_config({"config_file": str(as_json)}).eviction == "arc"
+    assert read_extra_config({"config_file": str(as_json)}).core.eviction == "arc"
     pytest.importorskip("yaml", reason="PyYAML comes with vLLM")
     as_yaml = tmp_path / "kvcore.yaml"
     as_yaml.write_text("backend:\n  kind: cpu\n  size: 2GiB\nchunk_tokens: 128\n")
-    assert read_extra_config({"config_file": str(as_yaml)}).chunk_tokens == 128
+    assert read_extra_config({"config_file": str(as_yaml)}).core.chunk_tokens == 128
+
+
+def test_store_policy_is_the_adapters_key() -> None:
+    backend = {"kind": "cpu", "size": "1GiB"}
+    assert read_extra_config({"backend": backend}).store_policy is StorePolicy.EAGER
+    lazy = read_extra_config({"backend": backend, "store_policy": "lazy"})
+    assert lazy.store_policy is StorePolicy.LAZY
+    assert lazy.core.backend == CPUBackendConfig(ByteSize(1 << 30))
+    with pytest.raises(ConfigError) as info:
+        read_extra_config({"backend": backend, "store_policy": "sometimes"})
+    assert info.value.field == "store_policy"
+    with pytest.raises(ConfigError, match="save_after_sightings"):
+        read_extra_config({"backend": backend, "store_policy": "lazy", "save_after_sightings": 2})
 
 
 def test_config_file_problems(tmp_path: Path) -> None:
@@ -52,7 +65,7 @@ def test_one_knob_transfer_config() -> None:
     config = transfer_config(backend="cpu", size="8GiB")
     assert config["kv_connector"] == "KVCoreConnector"
     assert config["kv_load_failure_policy"] == "recompute"
-    assert read_extra_config(config["kv_connector_extra_config"]).backend == CPUBackendConfig(
+    assert read_extra_config(config["kv_connector_extra_config"]).core.backend == CPUBackendConfig(
         ByteSize(8 << 30)
     )
     with pytest.raises(ConfigError, match="backend"):

@@ -55,7 +55,7 @@ def kvcore_transfer_config(**extra: Any) -> dict[str, Any]:
     }
 
 
-def start_engine(model: Path, kv_transfer_config: dict[str, Any] | None) -> Any:
+def start_engine(model: Path, kv_transfer_config: dict[str, Any] | None, **engine_args: Any) -> Any:
     from vllm import LLM
 
     return LLM(
@@ -66,6 +66,7 @@ def start_engine(model: Path, kv_transfer_config: dict[str, Any] | None) -> Any:
         kv_transfer_config=kv_transfer_config,
         disable_log_stats=False,
         seed=0,
+        **engine_args,
     )
 
 

@@ -1,0 +1,108 @@
+"""kvcore's pool events as vLLM KV cache events, for vLLM's event publisher (``take_events``).
+
+kvcore knows a stored chunk by its chunk key; vLLM's event consumers (KV-aware routers) know blocks by
+vLLM's own block hashes. The scheduler side names each chunk before offering it to the pool: the
+``chunk_tokens / hash block size`` entries of ``request.block_hashes`` that the chunk covers (without
+vLLM's 4-byte KV-cache-group suffix) and the hash of the block before the chunk. A chunk that becomes
+ready in the pool is published as one ``BlockStored`` of those block hashes (``block_size`` = vLLM's
+hash block size, ``parent_block_hash`` = the block before, medium ``"CPU"``, no token ids: kvcore keeps
+none); a chunk that leaves the pool as a ``BlockRemoved`` of the same hashes. Hashes are converted as
+vLLM converts its own (64-bit ints under ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, its default). A
+chunk's last block hash is also its kvcore chunk hash: the key's chunk part is its hex form unless a
+deployment ``secret`` is set.
+
+Names of chunks not (yet) in the pool are bounded, oldest dropped first; a chunk whose name was dropped
+before it was stored publishes nothing (a missed event, never a wrong one).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from kvcore.block_pool import PoolEvent, PoolEventKind
+from kvcore.hashing import regroup_block_hashes
+from kvcore.ids import ChunkKey
+from kvcore.keys import Keyspace
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
+
+__all__ = ["MEDIUM", "ChunkNames"]
+
+MEDIUM = "CPU"  # vllm.distributed.kv_events.MEDIUM_CPU: where kvcore's CPU tier keeps the chunks
+
+_Name = tuple[tuple[bytes, ...], bytes | None]  # the chunk's block hashes, the hash before them
+
+
+class ChunkNames:
+    """Chunk keys to vLLM block hashes, for the chunks offered to the pool and those it holds."""
+
+    def __init__(self, keyspace: Keyspace, chunk_tokens: int, hash_block_tokens: int, bound: int) -> None:
+        self._keyspace = keyspace
+        self._chunk_tokens = chunk_tokens
+        self._hash_block_tokens = hash_block_tokens
+        self._per_chunk = chunk_tokens // hash_block_tokens
+        self._bound = bound
+        self._offered: OrderedDict[ChunkKey, _Name] = OrderedDict()
+        self._stored: dict[ChunkKey, _Name] = {}  # at most the pool's capacity: each leaves by an event
+
+    def name(self, block_hashes: Sequence[bytes], first_chunk: int, stop_chunk: int) -> int:
+        """Remember chunks ``[first_chunk, stop_chunk)`` of a request whose vLLM hashes are given; returns
+        the chunk named last plus one (``stop_chunk``, or fewer if the hashes end sooner)."""
+        per = self._per_chunk
+        stop_chunk = min(stop_chunk, len(block_hashes) // per)
+        if stop_chunk <= first_chunk:
+            return first_chunk
+        covered = block_hashes[first_chunk * per : stop_chunk * per]
+        chunk_hashes = regroup_block_hashes(covered, self._hash_block_tokens, self._chunk_tokens)
+        offered = self._offered
+        for i, key in enumerate(self._keyspace.keys(chunk_hashes), start=first_chunk):
+            if key in self._stored:
+                continue
+            start = i * per
+            parent = block_hashes[start - 1] if start else None
+            offered[key] = (tuple(block_hashes[start : start + per]), parent)
+            offered.move_to_end(key)
+        while len(offered) > self._bound:
+            offered.popitem(last=False)
+        return stop_chunk
+
+    def events(self, pool_events: Iterable[PoolEvent]) -> list[KVCacheEvent]:
+        """vLLM's events for the pool's, oldest first."""
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+        from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_convert_block_hash
+
+        out: list[KVCacheEvent] = []
+        for event in pool_events:
+            if event.kind is PoolEventKind.STORED:
+                for key in event.keys:
+                    name = self._offered.pop(key, None)
+                    if name is None:
+                        continue
+                    self._stored[key] = name
+                    hashes, parent = name
+                    out.append(
+                        BlockStored(
+                            block_hashes=[maybe_convert_block_hash(BlockHash(h)) for h in hashes],
+                            parent_block_hash=None
+                            if parent is None
+                            else maybe_convert_block_hash(BlockHash(parent)),
+                            token_ids=[],
+                            block_size=self._hash_block_tokens,
+                            lora_id=None,
+                            medium=MEDIUM,
+                            lora_name=None,
+                            group_idx=0,
+                        )
+                    )
+            else:
+                removed: list[ExternalBlockHash] = []
+                for key in event.keys:
+                    gone = self._stored.pop(key, None)
+                    if gone is not None:
+                        removed.extend(maybe_convert_block_hash(BlockHash(h)) for h in gone[0])
+                if removed:
+                    out.append(BlockRemoved(block_hashes=removed, medium=MEDIUM, group_idx=0))
+        return out
