@@ -147,6 +147,8 @@ class KVCoreConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.core.close()
 
     # -- scheduler side ----------------------------------------------------------------------------------
 

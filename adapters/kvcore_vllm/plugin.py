@@ -1,4 +1,4 @@
-"""The ``vllm.general_plugins`` entry point: registers ``KVCoreConnector`` once per vLLM process.
+"""The ``vllm.general_plugins`` entry point: registers kvcore's connectors once per vLLM process.
 
 vLLM resolves the connector class in its main, engine-core and worker processes and calls every general
 plugin in each of them, so registration must be idempotent: the factory raises on a second registration
@@ -7,14 +7,15 @@ of the same name.
 
 from __future__ import annotations
 
-from kvcore_vllm import CONNECTOR_MODULE, CONNECTOR_NAME
+from kvcore_vllm import CONNECTORS
 
 __all__ = ["register"]
 
 
 def register() -> None:
-    """Make ``kv_connector="KVCoreConnector"`` resolvable without a module path."""
+    """Make ``kv_connector`` "KVCoreConnector" and "KVCorePDConnector" resolvable without a module path."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+    for name, module in CONNECTORS.items():
+        if name not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(name, module, name)

@@ -1,0 +1,142 @@
+"""``KVCorePDConnector``: disaggregated prefill/decode over Mooncake's transfer engine, as a vLLM connector.
+
+The producer (prefill engine) pushes a finished prompt's KV into the consumer's (decode engine's) blocks;
+``kv_transfer_params`` carry what the decode engine needs (``pd_params``, ``docs/pd.md``). One class
+serves both of vLLM's connector roles: it builds the scheduler side (``pd_scheduler``) or a rank's worker
+side (``pd_worker``) and delegates every hook. Configuration comes from ``kv_connector_extra_config``
+(kvcore's config, whose ``pd`` section is required); ``kv_role`` picks producer, consumer or both.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvcore.errors import ConfigError, InvalidSpecError
+from kvcore_vllm.compat import check_vllm
+from kvcore_vllm.engine_spec import engine_spec, layer_names
+from kvcore_vllm.pd_metadata import PDMetadata
+from kvcore_vllm.pd_scheduler import PDRole, PDScheduler
+from kvcore_vllm.pd_worker import PDWorker
+from kvcore_vllm.settings import read_extra_config
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVCorePDConnector"]
+
+check_vllm(vllm.__version__, KVConnectorBase_V1)
+
+
+class KVCorePDConnector(KVConnectorBase_V1):
+    """kvcore's P/D connector. Configure it through ``kv_connector_extra_config`` (see ``docs/pd.md``)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        pd = read_extra_config(transfer.kv_connector_extra_config).core.pd
+        if pd is None:
+            raise ConfigError("pd", None, "a 'pd' section in kv_connector_extra_config for KVCorePDConnector")
+        choices = [r.value for r in PDRole]
+        if transfer.kv_role not in choices:
+            raise ConfigError("kv_role", transfer.kv_role, f"one of {', '.join(map(repr, choices))}")
+        pd_role = PDRole(transfer.kv_role)
+        engine_id = transfer.engine_id or "kvcore"
+        engine = engine_spec(vllm_config, kv_cache_config)
+        self._scheduler: PDScheduler | None = None
+        self._worker: PDWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = PDScheduler(pd_role, engine_id, engine.layout.block_tokens, engine.tp_size, pd)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank() if engine.tp_size > 1 else 0
+            self._worker = PDWorker(pd_role, engine, pd, engine_id, layer_names(kv_cache_config), rank)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """HND (heads outside tokens): a head slice is then one run per block, so TP sizes may differ."""
+        if vllm_config.model_config.use_mla:
+            return None  # one latent head: every layout moves whole blocks
+        return "HND"
+
+    @property
+    def scheduler_side(self) -> PDScheduler:
+        if self._scheduler is None:
+            raise InvalidSpecError("scheduler-side hook called on a worker-side connector")
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> PDWorker:
+        if self._worker is None:
+            raise InvalidSpecError("worker-side hook called on a scheduler-side connector")
+        return self._worker
+
+    # -- worker side -------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, PDMetadata):
+            raise InvalidSpecError(f"unexpected connector metadata {type(meta).__name__}")
+        self.worker_side.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: requests wait in WAITING_FOR_REMOTE_KVS, not per layer
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return  # the producer sends whole blocks after the request finished, not layer by layer
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker_side.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # -- scheduler side ----------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler_side.build_connector_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, block_ids)

@@ -1,0 +1,51 @@
+"""What the P/D connector's scheduler side tells its workers each step (picklable frozen attrs values).
+
+vLLM sends ``KVConnectorMetadata`` from the engine-core process to every worker rank; each rank does its
+part: a producer rank holds its blocks of each offer, a consumer rank receives its head slice of each
+receive. Completions come back through ``get_finished`` (request ids), not through metadata.
+"""
+
+from __future__ import annotations
+
+from attrs import field, frozen
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvcore.ports import int_tuple
+
+__all__ = ["Offer", "PDMetadata", "Receive"]
+
+
+@frozen
+class Offer:
+    """Producer: hold ``blocks`` of the finished prefill ``request_id`` under ``transfer_id``."""
+
+    request_id: str
+    transfer_id: str
+    blocks: tuple[int, ...] = field(converter=int_tuple)
+
+
+@frozen
+class Receive:
+    """Consumer: pull producer blocks ``src_blocks[i]`` into ``dst_blocks[i]`` for ``request_id``.
+
+    Empty block lists release the producer's blocks without pulling anything (the request was aborted
+    before allocation, or the local prefix cache held everything): no completion is reported to vLLM.
+    """
+
+    request_id: str
+    transfer_id: str
+    addresses: tuple[str, ...]
+    src_blocks: tuple[int, ...] = field(converter=int_tuple)
+    dst_blocks: tuple[int, ...] = field(converter=int_tuple)
+
+    @property
+    def is_release(self) -> bool:
+        return not self.dst_blocks
+
+
+@frozen
+class PDMetadata(KVConnectorMetadata):
+    """One step's new transfers, for every rank."""
+
+    offers: tuple[Offer, ...] = ()
+    receives: tuple[Receive, ...] = ()

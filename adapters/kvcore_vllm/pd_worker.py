@@ -1,0 +1,174 @@
+"""The P/D connector's worker side (one per TP rank): Mooncake's producer and consumer on this rank's KV.
+
+The composition root of P/D on a worker: it checks vLLM's KV tensors against the declared layout, builds
+the rank's ``RankSpec`` and starts a ``PDProducer`` and/or a ``PDConsumer``, each on its own transfer
+engine (a ``kv_both`` rank registers its KV once per engine). Each step it hands the scheduler's offers
+and receives to them and turns their completions into vLLM's request ids: freed offers are "finished
+sending", ended receives "finished receiving", failed receives' blocks are load errors (recomputed).
+A transfer the backend refuses ends at once the same way; nothing here raises into vLLM after start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import attrs
+import torch
+
+from kvcore.config import PDConfig
+from kvcore.engine import EngineSpec
+from kvcore.errors import InvalidSpecError, KVCoreError
+from kvcore_cpu.engine_kv import EngineKV
+from kvcore_mooncake.pd import MooncakePeerTransport, PDConsumer, PDProducer, RankSpec
+from kvcore_vllm.pd_metadata import Offer, PDMetadata, Receive
+from kvcore_vllm.pd_scheduler import PDRole
+
+__all__ = ["PDWorker"]
+
+log = logging.getLogger(__name__)
+
+
+def _claim_amx() -> None:
+    """Ask Linux for AMX tile state now, before Mooncake starts its threads.
+
+    vLLM's CPU attention uses AMX on CPUs that have it, and the permission is requested lazily at the first
+    such kernel; Linux refuses it once a thread with a small signal stack exists (Mooncake's threads), and
+    the kernel then dies with SIGILL. Claiming it up front keeps decode working next to a transfer engine.
+    """
+    if torch.cpu._is_amx_tile_supported():
+        torch._C._cpu._init_amx()
+
+
+class PDWorker:
+    def __init__(
+        self,
+        role: PDRole,
+        engine: EngineSpec,
+        config: PDConfig,
+        engine_id: str,
+        layer_names: Sequence[str],
+        rank: int,
+    ) -> None:
+        self.role = role
+        self._engine = engine
+        self._config = config
+        self._engine_id = engine_id
+        self._layers = tuple(layer_names)
+        self._rank = rank
+        self._transports: list[MooncakePeerTransport] = []
+        self.producer: PDProducer | None = None
+        self.consumer: PDConsumer | None = None
+        self._sending: dict[str, str] = {}  # transfer id -> request id, offered and not yet freed
+        self._receiving: dict[str, str | None] = {}  # transfer id -> request id (None: a release)
+        self._sent_now: set[str] = set()
+        self._received_now: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Start this rank's producer and/or consumer on vLLM's KV tensors.
+
+        Raises ``InvalidSpecError`` for tensors that do not match the layout, ``BackendError`` when a
+        transfer engine or side channel does not start (what was started is closed again).
+        """
+        missing = [name for name in self._layers if name not in kv_caches]
+        if missing:
+            raise InvalidSpecError(f"KV caches missing for layers {missing}")
+        tensors = [kv_caches[name] for name in self._layers]
+        EngineKV.register(tensors, self._engine.layout)  # refuses tensors that differ from the layout
+        engine = self._engine
+        spec = RankSpec(
+            engine_id=self._engine_id,
+            model=engine.model_id,
+            dtype=engine.kv_dtype,
+            tp_size=engine.tp_size,
+            tp_rank=self._rank,
+            total_kv_heads=engine.total_kv_heads,
+            layout=engine.layout,
+            layer_bases=tuple(t.data_ptr() for t in tensors),
+        )
+        _claim_amx()
+        try:
+            if self.role.produces:
+                self.producer = PDProducer(spec, self._transport(), self._config)
+                log.info("kvcore P/D: producer rank %d listens on %s", self._rank, self.producer.start())
+            if self.role.consumes:
+                # A consumer announces its address in the handshake: on a kv_both rank it leaves the
+                # configured port to the producer.
+                config = attrs.evolve(self._config, port=0) if self.role.produces else self._config
+                self.consumer = PDConsumer(spec, self._transport(), config)
+                log.info("kvcore P/D: consumer rank %d listens on %s", self._rank, self.consumer.start())
+        except KVCoreError:
+            self.shutdown()
+            raise
+
+    def _transport(self) -> MooncakePeerTransport:
+        transport = MooncakePeerTransport.open(self._config)
+        self._transports.append(transport)
+        return transport
+
+    def start_load_kv(self, meta: PDMetadata) -> None:
+        for offer in meta.offers:
+            self._offer(offer)
+        for receive in meta.receives:
+            self._receive(receive)
+
+    def _offer(self, offer: Offer) -> None:
+        if self.producer is None:
+            raise InvalidSpecError("an offer reached a rank without a producer")
+        try:
+            self.producer.offer(offer.transfer_id, offer.blocks)
+        except InvalidSpecError as exc:
+            log.warning("kvcore P/D: request %s cannot be offered, freeing it: %s", offer.request_id, exc)
+            self._sent_now.add(offer.request_id)
+            return
+        self._sending[offer.transfer_id] = offer.request_id
+
+    def _receive(self, receive: Receive) -> None:
+        if self.consumer is None:
+            raise InvalidSpecError("a receive reached a rank without a consumer")
+        try:
+            self.consumer.receive(
+                receive.transfer_id, receive.addresses, receive.src_blocks, receive.dst_blocks
+            )
+        except InvalidSpecError as exc:
+            log.warning("kvcore P/D: request %s cannot be received: %s", receive.request_id, exc)
+            if not receive.is_release:
+                self._received_now.add(receive.request_id)
+                self._load_errors.update(receive.dst_blocks)
+            return
+        self._receiving[receive.transfer_id] = None if receive.is_release else receive.request_id
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose blocks this rank no longer reads (sent) and whose receive ended (received)."""
+        sent, self._sent_now = self._sent_now, set()
+        received, self._received_now = self._received_now, set()
+        if self.producer is not None:
+            for freed in self.producer.poll_freed():
+                request_id = self._sending.pop(freed.transfer_id, None)
+                if request_id is not None:
+                    sent.add(request_id)
+        if self.consumer is not None:
+            for result in self.consumer.poll():
+                if result.transfer_id not in self._receiving:
+                    continue
+                receiver = self._receiving.pop(result.transfer_id)
+                if receiver is None:
+                    continue  # a release: vLLM waits for nothing
+                received.add(receiver)
+                self._load_errors.update(result.failed_blocks)
+        return sent or None, received or None
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks whose receive failed since the last call: vLLM recomputes them."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        """Stop the producer, the consumer and their transfer engines. Idempotent."""
+        for side in (self.producer, self.consumer):
+            if side is not None:
+                side.close()
+        for transport in self._transports:
+            transport.close()
+        self._transports.clear()
