@@ -13,7 +13,7 @@ import json
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, NewType, TypeAlias
+from typing import Any, ClassVar, NewType, TypeAlias, TypeVar
 
 import cattrs
 from attrs import Attribute, field, frozen
@@ -35,6 +35,7 @@ __all__ = [
     "config_to_dict",
     "load_config",
     "load_config_file",
+    "load_pd_config",
     "parse_size",
 ]
 
@@ -287,6 +288,7 @@ def _make_converter() -> cattrs.Converter:
 
 
 _CONVERTER = _make_converter()
+_Loaded = TypeVar("_Loaded", KVCoreConfig, PDConfig)
 
 
 def _problems(exc: BaseException, path: str) -> Iterator[tuple[str, object, str]]:
@@ -318,12 +320,27 @@ def load_config(data: Mapping[str, object]) -> KVCoreConfig:
 
     Raises ``ConfigError`` naming the first bad field; its message lists every problem found.
     """
+    return _load(data, KVCoreConfig, "")
+
+
+def load_pd_config(data: Mapping[str, object]) -> PDConfig:
+    """Validate the ``pd`` section of a mapping alone (a P/D connector needs no tier backend); a missing
+    section gives the defaults. Errors name ``pd.<field>``."""
     if not isinstance(data, Mapping):
         raise ConfigError("config", data, "a mapping")
+    section = data.get("pd", {})
+    if not isinstance(section, Mapping):
+        raise ConfigError("pd", section, "a mapping")
+    return _load(section, PDConfig, "pd")
+
+
+def _load(data: Mapping[str, object], cls: type[_Loaded], path: str) -> _Loaded:
+    if not isinstance(data, Mapping):
+        raise ConfigError(path or "config", data, "a mapping")
     try:
-        return _CONVERTER.structure(dict(data), KVCoreConfig)
+        return _CONVERTER.structure(dict(data), cls)
     except (ClassValidationError, _BadValue) as exc:
-        problems = list(_problems(exc, ""))
+        problems = list(_problems(exc, path))
         first = problems[0]
         error = ConfigError(*first)
         if len(problems) > 1:

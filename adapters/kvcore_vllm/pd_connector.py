@@ -19,13 +19,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvcore.config import load_pd_config
 from kvcore.errors import ConfigError, InvalidSpecError
 from kvcore_vllm.compat import check_vllm
 from kvcore_vllm.engine_spec import engine_spec, layer_names
 from kvcore_vllm.pd_metadata import PDMetadata
 from kvcore_vllm.pd_scheduler import PDRole, PDScheduler
 from kvcore_vllm.pd_worker import PDWorker
-from kvcore_vllm.settings import read_extra_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,9 +50,10 @@ class KVCorePDConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
-        pd = read_extra_config(transfer.kv_connector_extra_config).core.pd
-        if pd is None:
+        extra = transfer.kv_connector_extra_config
+        if "pd" not in extra:
             raise ConfigError("pd", None, "a 'pd' section in kv_connector_extra_config for KVCorePDConnector")
+        pd = load_pd_config(extra)  # the P/D section alone: this connector needs no tier backend
         choices = [r.value for r in PDRole]
         if transfer.kv_role not in choices:
             raise ConfigError("kv_role", transfer.kv_role, f"one of {', '.join(map(repr, choices))}")

@@ -49,7 +49,7 @@ def pd_transfer_config(role: str, engine_id: str, port: int) -> dict[str, Any]:
         "kv_role": role,
         "engine_id": engine_id,
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"backend": {"kind": "cpu", "size": "16MiB"}, "pd": pd},
+        "kv_connector_extra_config": {"pd": pd},
     }
 
 

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.config import CPUBackendConfig, config_to_dict, load_config, load_config_file, parse_size
+from kvcore.config import (
+    CPUBackendConfig,
+    PDConfig,
+    config_to_dict,
+    load_config,
+    load_config_file,
+    load_pd_config,
+    parse_size,
+)
 from kvcore.errors import ConfigError
 from kvcore.hashing import HashAlgorithm, PartialChunkPolicy
 
@@ -103,3 +111,14 @@ def test_unreadable_or_invalid_file(tmp_path: Path) -> None:
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="valid JSON"):
         load_config_file(bad)
+
+
+def test_the_pd_section_loads_alone() -> None:
+    assert load_pd_config({"pd": {"port": 5600}}).port == 5600
+    assert load_pd_config({"other": 1}) == PDConfig()  # no section: the defaults; other keys are not its own
+    with pytest.raises(ConfigError, match=r"pd\.port"):
+        load_pd_config({"pd": {"port": -1}})
+    with pytest.raises(ConfigError, match=r"pd\.bogus"):
+        load_pd_config({"pd": {"bogus": 1}})
+    with pytest.raises(ConfigError, match="pd"):
+        load_pd_config({"pd": 3})
