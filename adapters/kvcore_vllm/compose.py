@@ -17,6 +17,7 @@ from kvcore.engine import EngineSpec
 from kvcore.ports import ChunkIndex
 from kvcore.remote import ManagedRemote, StoreRemote
 from kvcore.scheduler import CacheScheduler
+from kvcore_cpu.amx import claim_amx
 from kvcore_cpu.host_memory import HostMemory
 from kvcore_cpu.tier import CPUWorker, RemoteFactory, open_worker, pool_slots, slot_bytes
 
@@ -70,6 +71,7 @@ def _remote_factory(config: KVCoreConfig, engine: EngineSpec) -> RemoteFactory |
         from kvcore_mooncake.store import MooncakeChunkStore  # only when configured
 
         def open_store(host: HostMemory) -> StoreRemote:
+            claim_amx()  # before the Mooncake client starts its threads
             return StoreRemote(MooncakeChunkStore.open(backend, host.buffer.data_ptr(), host.nbytes))
 
         return open_store

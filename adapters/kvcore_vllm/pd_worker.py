@@ -19,6 +19,7 @@ import torch
 from kvcore.config import PDConfig
 from kvcore.engine import EngineSpec
 from kvcore.errors import InvalidSpecError, KVCoreError
+from kvcore_cpu.amx import claim_amx
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_mooncake.pd import MooncakePeerTransport, PDConsumer, PDProducer, RankSpec
 from kvcore_vllm.pd_metadata import Offer, PDMetadata, Receive
@@ -27,17 +28,6 @@ from kvcore_vllm.pd_scheduler import PDRole
 __all__ = ["PDWorker"]
 
 log = logging.getLogger(__name__)
-
-
-def _claim_amx() -> None:
-    """Ask Linux for AMX tile state now, before Mooncake starts its threads.
-
-    vLLM's CPU attention uses AMX on CPUs that have it, and the permission is requested lazily at the first
-    such kernel; Linux refuses it once a thread with a small signal stack exists (Mooncake's threads), and
-    the kernel then dies with SIGILL. Claiming it up front keeps decode working next to a transfer engine.
-    """
-    if torch.cpu._is_amx_tile_supported():
-        torch._C._cpu._init_amx()
 
 
 class PDWorker:
@@ -87,7 +77,7 @@ class PDWorker:
             layout=engine.layout,
             layer_bases=tuple(t.data_ptr() for t in tensors),
         )
-        _claim_amx()
+        claim_amx()  # before the transfer engines start their threads
         try:
             if self.role.produces:
                 self.producer = PDProducer(spec, self._transport(), self._config)
