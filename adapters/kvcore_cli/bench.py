@@ -16,6 +16,9 @@ BENCHMARKS = {
     "copy": "benchmarks.bench_copy",
     "plan": "benchmarks.bench_plan",
     "ttft": "benchmarks.bench_ttft",
+    "mooncake-store": "benchmarks.bench_mooncake_store",
+    "pd-transfer": "benchmarks.bench_pd_transfer",
+    "lmcache": "benchmarks.bench_lmcache",
 }
 
 

@@ -38,14 +38,12 @@ class LMCacheChunkIndex:
         value_bytes: int,
         chunk_tokens: int,
         model_name: str,
-        connect_timeout_s: float = 1.0,
     ) -> None:
         self.link = ServerLink(
             config,
             chunk_tokens,
             model_name,
             SlotLayout(value_bytes),
-            connect_timeout_s=connect_timeout_s,
             register=False,
         )
         self._lookups = LookupBook(self.link)

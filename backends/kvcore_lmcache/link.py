@@ -28,7 +28,7 @@ from kvcore.config import LMCacheMPConfig
 from kvcore.errors import BackendError, BackendUnavailable, ConfigError, TransferTimeout
 from kvcore.health import CircuitBreaker
 from kvcore.ids import ChunkKey, RequestId
-from kvcore_lmcache.wire import HEADER_BYTES, KeyCodec
+from kvcore_lmcache.wire import HEADER_BYTES, KeyCodec, server_model_name
 
 __all__ = ["ServerLink", "SlotLayout"]
 
@@ -80,10 +80,10 @@ class ServerLink:
     """A request client, its registration and its health, for one server URL.
 
     ``register`` is false on the scheduler side (lookups only; the workers register the layout, whose
-    slot size is part of the server-side model name either way). The
-    constructor never waits more than ``connect_timeout_s``: an absent server is a warning, and the
-    heartbeat connects when it appears. A chunk size that differs from ``chunk_tokens`` raises
-    ``ConfigError`` at construction, or, found later, keeps the link down with a logged error.
+    slot size is part of the server-side model name either way). The constructor never waits more
+    than ``config.connect_timeout_s``: an absent server is a warning, and the heartbeat connects when
+    it appears. A chunk size that differs from ``chunk_tokens`` raises ``ConfigError`` at
+    construction, or, found later, keeps the link down with a logged error.
     """
 
     def __init__(
@@ -94,7 +94,6 @@ class ServerLink:
         layout: SlotLayout,
         *,
         register: bool = True,
-        connect_timeout_s: float = 1.0,
         breaker: CircuitBreaker | None = None,
         client_factory: Callable[[str], RequestClient] = RequestClientFactory.create,
     ) -> None:
@@ -104,8 +103,7 @@ class ServerLink:
         self.chunk_tokens = chunk_tokens
         self.layout = layout
         self._registers = register
-        # The slot size is part of the model name: the server keeps one layout per (model, world size).
-        self.codec = KeyCodec(f"{model_name}#{layout.slot_bytes}", chunk_tokens)
+        self.codec = KeyCodec(server_model_name(model_name, layout.slot_bytes), chunk_tokens)
         # uuid-derived like LMCache's own worker adapter: pids collide across containers.
         self.instance_id = uuid.uuid4().int & ((1 << 63) - 1)
         self._timeout = config.request_timeout_s
@@ -118,13 +116,13 @@ class ServerLink:
         self.segment: _Segment | None = None
         self.segment_lock = threading.Lock()
         self._stop = threading.Event()
-        if not self._connect(connect_timeout_s, raise_mismatch=True):
+        if not self._connect(config.connect_timeout_s, raise_mismatch=True):
             log.warning(
                 "kvcore: LMCache server %s did not answer within %.1fs; serving misses until it does "
                 "(start it with `lmcache server --host 127.0.0.1 --port ... --supported-transfer-mode auto"
                 " --shm-name ...`)",
                 config.url,
-                connect_timeout_s,
+                config.connect_timeout_s,
             )
         self._heartbeat = threading.Thread(target=self._beat, name="kvcore-lmcache-heartbeat", daemon=True)
         self._heartbeat.start()

@@ -51,7 +51,6 @@ class LMCacheManagedTier:
         value_bytes: int,
         chunk_tokens: int,
         model_name: str,
-        connect_timeout_s: float = 1.0,
     ) -> None:
         view = memoryview(host).cast("B")
         if view.readonly:
@@ -65,7 +64,6 @@ class LMCacheManagedTier:
             chunk_tokens,
             model_name,
             SlotLayout(value_bytes),
-            connect_timeout_s=connect_timeout_s,
         )
         self._lookups = LookupBook(self.link)
         self._board = JobBoard()

@@ -21,13 +21,24 @@ from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
 from kvcore.ids import ChunkKey, RequestId
 
-__all__ = ["HEADER_BYTES", "KeyCodec", "check_header", "header"]
+__all__ = ["HEADER_BYTES", "KeyCodec", "check_header", "header", "server_model_name"]
 
 _TOKEN_WORDS = 8  # a SHA-256 digest as eight 32-bit words
 _MAGIC = b"KVC1"
+_FORBIDDEN = str.maketrans(dict.fromkeys("@/\\\x00", "_"))  # in server model names
 _HEADER = struct.Struct("<4sI24s")
 HEADER_BYTES = _HEADER.size
 """Bytes in front of every value in a slot."""
+
+
+def server_model_name(model_name: str, slot_bytes: int) -> str:
+    """The model name a client registers and keys under: the server keeps one layout per (model, world
+    size), so the slot size is part of it. The server refuses ``@`` in model names (its storage tiers use
+    it as a separator, and ``/`` as a path separator), so those characters become ``_``; two names
+    that differ only there share a server namespace, which is harmless: token ids come from the full
+    chunk key.
+    """
+    return f"{model_name.translate(_FORBIDDEN)}#{slot_bytes}"
 
 
 def _digest(key: ChunkKey) -> bytes:

@@ -1,15 +1,18 @@
-"""A real ``lmcache server`` on loopback for the LMCache backend's tests, and a way to kill and restart it.
+"""Real ``lmcache server`` processes on loopback for the LMCache backend's tests.
 
-Telemetry is off, metrics are off, the HTTP API binds to 127.0.0.1, the shared-memory segment has a
-name unique to the test session, and ports are free ones picked at start. The server runs in its own
-process group and is stopped by that group's id.
+Telemetry is off, metrics are off, the HTTP API binds to 127.0.0.1, each server's shared-memory segment
+has a unique name, and ports are free ones picked at start. Servers are forked from one warm launcher
+(``launcher.py``): a server starts in under a second instead of 15-25 s, so a test that kills,
+freezes or restarts a server gets its own, and every other test shares one session server with fresh
+keys. Each server runs in its own process group and is stopped by that group's id.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-import shutil
+import selectors
 import signal
 import socket
 import subprocess
@@ -19,6 +22,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -31,46 +35,104 @@ with warnings.catch_warnings():
 
     import kvcore_lmcache  # noqa: F401  (its lmcache imports, under this filter)
 
-CHUNK_TOKENS = 16
-READY_S = 30.0
+CHUNK_TOKENS = 128
+"""The shared server's chunk size: one vLLM CPU block, so the engine tests can use it too."""
+L1_GB = 0.05
+WARM_S = 90.0
+READY_S = 15.0
+GONE_S = 10.0
+SERVER_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1"}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
 
 
-def _lmcache_cli() -> str:
-    found = shutil.which("lmcache", path=str(Path(sys.executable).parent))
-    if found is None:
-        pytest.skip("the `lmcache` command is not installed next to this interpreter")
-    return found
+def _read_line(stream: IO[str], timeout: float, what: str) -> str:
+    with selectors.DefaultSelector() as selector:
+        selector.register(stream, selectors.EVENT_READ)
+        if not selector.select(timeout):
+            raise RuntimeError(f"{what}: no answer within {timeout}s")
+    line = stream.readline()
+    if not line:
+        raise RuntimeError(f"{what}: the launcher exited")
+    return line.strip()
+
+
+class Launcher:
+    """The warm launcher process: ``spawn(argv, log)`` forks a server and returns its pid."""
+
+    def __init__(self, log_dir: Path) -> None:
+        with (log_dir / "launcher.log").open("ab") as log:
+            self._process = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("launcher.py"))],
+                env=dict(os.environ, **SERVER_ENV),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                start_new_session=True,
+            )
+        assert self._process.stdin is not None
+        assert self._process.stdout is not None
+        self._stdin, self._stdout = self._process.stdin, self._process.stdout
+        try:
+            ready = _read_line(self._stdout, WARM_S, "lmcache launcher start")
+        except RuntimeError:
+            self.close()
+            raise
+        if ready != "ready":
+            self.close()
+            raise RuntimeError(f"lmcache launcher said {ready!r}")
+
+    def spawn(self, argv: list[str], log: Path) -> int:
+        self._stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
+        self._stdin.flush()
+        return int(_read_line(self._stdout, READY_S, "lmcache launcher fork"))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._stdin.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._process.pid, signal.SIGKILL)
+        self._process.wait(GONE_S)
+        self._stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 class LMCacheServer:
-    """One ``lmcache server`` process: ``start``, ``kill`` (SIGKILL to its group) and ``restart``."""
+    """One ``lmcache server``: ``start``, ``kill`` (SIGKILL to its group), ``pause``/``resume``, ``restart``.
 
-    def __init__(self, log_dir: Path, chunk_tokens: int = CHUNK_TOKENS) -> None:
-        self.port = _free_port()
+    A restart keeps the URL and the shared-memory name, as an operator restarting the service would.
+    """
+
+    def __init__(self, launcher: Launcher, log_dir: Path, chunk_tokens: int = CHUNK_TOKENS) -> None:
+        self.port = free_port()
         self.url = f"tcp://127.0.0.1:{self.port}"
         self.chunk_tokens = chunk_tokens
         self.shm_name = f"kvcore_test_{uuid.uuid4().hex[:10]}"
-        self._log_dir = log_dir
-        self._process: subprocess.Popen[bytes] | None = None
+        self._launcher = launcher
+        self._log = log_dir / f"lmcache-{self.port}.log"
+        self.pid: int | None = None
 
     def start(self) -> None:
-        env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
-        command = [
-            _lmcache_cli(), "server", "--host", "127.0.0.1", "--port", str(self.port),
-            "--chunk-size", str(self.chunk_tokens), "--l1-size-gb", "0.05", "--eviction-policy", "LRU",
+        argv = [
+            "server", "--host", "127.0.0.1", "--port", str(self.port),
+            "--chunk-size", str(self.chunk_tokens), "--l1-size-gb", str(L1_GB), "--eviction-policy", "LRU",
             "--supported-transfer-mode", "auto", "--shm-name", self.shm_name, "--disable-metrics",
-            "--http-host", "127.0.0.1", "--http-port", str(_free_port()), "--max-workers", "1",
+            "--http-host", "127.0.0.1", "--http-port", str(free_port()), "--max-workers", "1",
         ]  # fmt: skip
-        log = (self._log_dir / f"lmcache-{self.port}.log").open("ab")
-        self._process = subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True)
-        log.close()
+        self.pid = self._launcher.spawn(argv, self._log)
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -78,44 +140,58 @@ class LMCacheServer:
         try:
             deadline = time.monotonic() + READY_S
             while time.monotonic() < deadline:
-                if self._process is not None and self._process.poll() is not None:
-                    raise RuntimeError(f"lmcache server exited with {self._process.returncode}")
+                if self.pid is None or not _alive(self.pid):
+                    raise RuntimeError(f"lmcache server exited; see {self._log}")
                 try:
                     if client.get_chunk_size().result(timeout=0.5) == self.chunk_tokens:
                         return
                 except TimeoutError:
                     continue
-            raise RuntimeError(f"lmcache server on {self.url} not ready after {READY_S}s")
+            raise RuntimeError(f"lmcache server on {self.url} not ready after {READY_S}s; see {self._log}")
         finally:
             client.close()
 
     def kill(self) -> None:
-        if self._process is None:
+        """SIGKILL, as a crash would; returns once the process is gone. Idempotent."""
+        if self.pid is None:
             return
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self._process.pid, signal.SIGKILL)
-        self._process.wait(10)
-        self._process = None
+            os.killpg(self.pid, signal.SIGKILL)
+        deadline = time.monotonic() + GONE_S
+        while _alive(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.pid = None
         Path("/dev/shm", f"lmcache_l1_pool_{self.shm_name}").unlink(missing_ok=True)
 
     def pause(self) -> None:
         """Freeze the server (SIGSTOP): it accepts requests and answers none, as after an error."""
-        if self._process is not None:
-            os.killpg(self._process.pid, signal.SIGSTOP)
+        if self.pid is not None:
+            os.killpg(self.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
-        if self._process is not None:
-            os.killpg(self._process.pid, signal.SIGCONT)
+        if self.pid is not None:
+            os.killpg(self.pid, signal.SIGCONT)
 
     def restart(self) -> None:
         self.kill()
         self.start()
 
 
-@pytest.fixture(scope="module")
-def lmcache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LMCacheServer]:
-    """One server per test module (a start takes several seconds)."""
-    server = LMCacheServer(tmp_path_factory.mktemp("lmcache"))
+@pytest.fixture(scope="session")
+def lmcache_launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
+    launcher = Launcher(tmp_path_factory.mktemp("lmcache-launcher"))
+    try:
+        yield launcher
+    finally:
+        launcher.close()
+
+
+@pytest.fixture(scope="session")
+def lmcache_server(
+    lmcache_launcher: Launcher, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LMCacheServer]:
+    """One server for every test that leaves it running; tests keep apart by fresh keys or models."""
+    server = LMCacheServer(lmcache_launcher, tmp_path_factory.mktemp("lmcache"))
     server.start()
     try:
         yield server
@@ -124,12 +200,15 @@ def lmcache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LMCache
 
 
 @pytest.fixture
-def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[int], LMCacheServer]]:
-    """Servers (not yet started) for one test, each killed at its end: ``factory(chunk_tokens)``."""
+def server_factory(
+    lmcache_launcher: Launcher, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[int], LMCacheServer]]:
+    """Servers (not yet started) of one test, killed at its end: ``factory(chunk_tokens)``."""
     made: list[LMCacheServer] = []
+    log_dir = tmp_path_factory.mktemp("lmcache")
 
     def make(chunk_tokens: int = CHUNK_TOKENS) -> LMCacheServer:
-        server = LMCacheServer(tmp_path_factory.mktemp("lmcache"), chunk_tokens)
+        server = LMCacheServer(lmcache_launcher, log_dir, chunk_tokens)
         made.append(server)
         return server
 

@@ -15,7 +15,7 @@ from lmcache.v1.multiprocess.custom_types import RegisterEngineDrivenContextPayl
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
 from kvcore.ids import ChunkKey, RequestId
-from kvcore_lmcache.wire import HEADER_BYTES, KeyCodec, check_header, header
+from kvcore_lmcache.wire import HEADER_BYTES, KeyCodec, check_header, header, server_model_name
 
 TIMEOUT_S = 5.0
 
@@ -25,7 +25,7 @@ class RawClient:
 
     def __init__(self, url: str, model_name: str, value_bytes: int, chunk_tokens: int) -> None:
         self.slot_bytes = value_bytes + HEADER_BYTES
-        self.codec = KeyCodec(f"{model_name}#{self.slot_bytes}", chunk_tokens)
+        self.codec = KeyCodec(server_model_name(model_name, self.slot_bytes), chunk_tokens)
         self.client = RequestClientFactory.create(url)
         self.instance_id = uuid.uuid4().int & ((1 << 62) - 1)
         reply = self.client.register_kv_cache_engine_driven_context(

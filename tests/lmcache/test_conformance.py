@@ -26,7 +26,8 @@ VALUE_BYTES = 4096
 
 class TierHarness:
     def __init__(self, server: LMCacheServer) -> None:
-        model = f"conformance-{uuid.uuid4().hex[:8]}"
+        # an engine's model id as the vLLM adapter renders it ("name@revision"): the server refuses '@'
+        model = f"org/conformance-{uuid.uuid4().hex[:8]}@main"
         config = LMCacheMPConfig(url=server.url, request_timeout_s=SETTLE_S / 2, heartbeat_s=1.0)
         self._host = bytearray(HOST_SIZE)
         self.host_size = HOST_SIZE

@@ -1,0 +1,346 @@
+"""LMCache server throughput and lookup latency through kvcore against LMCache's own request client.
+
+One ``lmcache server`` (started here, loopback, shared memory) serves both sides. For each value size,
+``--chunks`` chunks are stored, then loaded, then looked up:
+
+- kvcore: ``LMCacheManagedTier`` (store: submit, wait; load: lookup, poll, retrieve, wait, end the
+  session) and ``LMCacheChunkIndex`` (lookup: submit, poll until answered). Each chunk is its own
+  server key (kvcore's keys stand for a whole prefix) and carries a 32-byte header that a load checks.
+- LMCache: its raw ``RequestClient`` used the way LMCache's engine-driven transfer uses it: the chunks
+  as one token sequence, so one ``prepare_store``/``commit_store`` pair for all of them (the server
+  hands out one shared-memory slot per chunk), one ``lookup`` + ``query_prefetch_status``, one
+  ``prepare_retrieve``/``commit_retrieve``; the same memory copies, no header.
+
+Both sides copy between the same kind of host buffer and the same shared-memory pool, alternate within
+each repeat, and use fresh keys every time (the server ignores re-stores). Throughputs and latencies are
+medians; a ratio is the median of per-repeat ratios (> 1: kvcore faster).
+
+    python -m benchmarks.bench_lmcache [--quick] [--chunks 32] [--url tcp://127.0.0.1:5555]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import mmap
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+with warnings.catch_warnings():  # lmcache's OpenTelemetry handler warns of its own deprecation
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey, RegisterEngineDrivenContextPayload
+    from lmcache.v1.multiprocess.transport.base import RequestClient
+    from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+    from kvcore.config import LMCacheMPConfig
+    from kvcore.ids import ChunkKey, RequestId
+    from kvcore.ports import StoreItem
+    from kvcore_lmcache import LMCacheChunkIndex, LMCacheManagedTier
+
+KiB = 1 << 10
+MiB = 1 << 20
+SIZES = (64 * KiB, 256 * KiB, 1 * MiB)
+CHUNK_TOKENS = 256
+TIMEOUT_S = 10.0
+POLL_S = 20e-6
+READY_S = 120.0
+_ids = itertools.count()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def _server(l1_gb: float) -> Iterator[tuple[str, float]]:
+    """A fresh ``lmcache server`` on loopback: its URL and how long it took to answer."""
+    cli = shutil.which("lmcache", path=str(Path(sys.executable).parent))
+    if cli is None:
+        raise SystemExit("the `lmcache` command is not installed next to this interpreter")
+    port = _free_port()
+    shm = f"kvcore_bench_{uuid.uuid4().hex[:8]}"
+    argv = [
+        cli, "server", "--host", "127.0.0.1", "--port", str(port), "--chunk-size", str(CHUNK_TOKENS),
+        "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+        "--shm-name", shm, "--disable-metrics", "--http-host", "127.0.0.1", "--http-port", str(_free_port()),
+    ]  # fmt: skip
+    env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", LMCACHE_DISABLE_BANNER="1")
+    url = f"tcp://127.0.0.1:{port}"
+    started = time.monotonic()
+    process = subprocess.Popen(
+        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        client = RequestClientFactory.create(url)
+        try:
+            while client_size(client) != CHUNK_TOKENS:
+                if process.poll() is not None or time.monotonic() - started > READY_S:
+                    raise SystemExit(f"lmcache server did not start (exit code {process.poll()})")
+        finally:
+            client.close()
+        yield url, time.monotonic() - started
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+        Path("/dev/shm", f"lmcache_l1_pool_{shm}").unlink(missing_ok=True)
+
+
+def client_size(client: RequestClient) -> int | None:
+    try:
+        return client.get_chunk_size().result(timeout=0.5)
+    except TimeoutError:
+        return None
+
+
+class RawSide:
+    """LMCache's request client, registered for ``value_bytes`` slots, its chunks as one sequence."""
+
+    def __init__(self, url: str, value_bytes: int, host: bytearray) -> None:
+        self.value_bytes = value_bytes
+        self.host = memoryview(host)
+        self.client = RequestClientFactory.create(url)
+        self.instance_id = uuid.uuid4().int & ((1 << 62) - 1)
+        self.model = f"raw-bench-{value_bytes}"
+        reply = self.client.register_kv_cache_engine_driven_context(
+            RegisterEngineDrivenContextPayload(
+                instance_id=self.instance_id,
+                model_name=self.model,
+                world_size=1,
+                block_size=CHUNK_TOKENS,
+                num_layers=1,
+                hidden_dim_size=value_bytes,
+                dtype_str="uint8",
+                use_mla=True,
+                num_physical_slots=1,
+            )
+        ).result(timeout=TIMEOUT_S)
+        fd = os.open(f"/dev/shm/{reply.shm_name}", os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, reply.pool_size)
+        finally:
+            os.close(fd)
+        self.shm = memoryview(self._map)
+
+    def key(self, tokens: tuple[int, ...], worker: int | None, session: str) -> IPCCacheServerKey:
+        return IPCCacheServerKey(
+            model_name=self.model,
+            world_size=1,
+            worker_id=worker,
+            token_ids=tokens,
+            start=0,
+            end=len(tokens),
+            request_id=session,
+            num_kv_readers=1,
+        )
+
+    def ops(self, tokens: tuple[int, ...]) -> dict[str, Callable[[], int]]:
+        """The timed operations on one round's chunks; each returns how many chunks it handled."""
+        return {
+            "store": lambda: self.store(tokens),
+            "load": lambda: self.load(tokens),
+            "lookup": lambda: self.probe(tokens),
+        }
+
+    def store(self, tokens: tuple[int, ...]) -> int:
+        key = self.key(tokens, 0, f"store-{next(_ids)}")
+        reply = self.client.prepare_store(key, self.instance_id).result(timeout=TIMEOUT_S)
+        slots = reply.context["slots"]
+        for i, slot in enumerate(slots):
+            offset = int(slot["offset"])
+            self.shm[offset : offset + self.value_bytes] = self.host[
+                i * self.value_bytes : (i + 1) * self.value_bytes
+            ]
+        if not self.client.commit_store(key, self.instance_id, b"").result(timeout=TIMEOUT_S):
+            raise RuntimeError("commit_store failed")
+        self.client.end_session(key.request_id)
+        return len(slots)
+
+    def lookup(self, tokens: tuple[int, ...], session: str) -> int:
+        self.client.lookup(self.key(tokens, None, session), 1).result(timeout=TIMEOUT_S)
+        while (hits := self.client.query_prefetch_status(session).result(timeout=TIMEOUT_S)) is None:
+            time.sleep(POLL_S)
+        return hits
+
+    def load(self, tokens: tuple[int, ...]) -> int:
+        session = f"load-{next(_ids)}"
+        hits = self.lookup(tokens, session)
+        key = self.key(tokens, 0, session)
+        reply = self.client.prepare_retrieve(key, self.instance_id).result(timeout=TIMEOUT_S)
+        slots = reply.context["slots"] if reply.success else []
+        for i, slot in enumerate(slots):
+            offset = int(slot["offset"])
+            self.host[i * self.value_bytes : (i + 1) * self.value_bytes] = self.shm[
+                offset : offset + self.value_bytes
+            ]
+        self.client.commit_retrieve(key, self.instance_id).result(timeout=TIMEOUT_S)
+        self.client.end_session(session)
+        return min(hits, len(slots))
+
+    def probe(self, tokens: tuple[int, ...]) -> int:
+        """A scheduler's lookup: count, then release the locks at once."""
+        session = f"probe-{next(_ids)}"
+        hits = self.lookup(tokens, session)
+        self.client.free_lookup_locks(self.key(tokens, None, session), 1)
+        self.client.end_session(session)
+        return hits
+
+    def close(self) -> None:
+        self.client.unregister_kv_cache_engine_driven_context(self.instance_id).result(timeout=TIMEOUT_S)
+        self.shm.release()
+        self._map.close()
+        self.client.close()
+
+
+class KVCoreSide:
+    """kvcore's tier (worker) and index (scheduler) on one server."""
+
+    def __init__(self, url: str, value_bytes: int, host: bytearray) -> None:
+        config = LMCacheMPConfig(url=url, request_timeout_s=TIMEOUT_S, connect_timeout_s=TIMEOUT_S)
+        model = f"kvcore-bench-{value_bytes}"
+        self.value_bytes = value_bytes
+        self.tier = LMCacheManagedTier(
+            config, host, value_bytes=value_bytes, chunk_tokens=CHUNK_TOKENS, model_name=model
+        )
+        self.index = LMCacheChunkIndex(
+            config, value_bytes=value_bytes, chunk_tokens=CHUNK_TOKENS, model_name=model
+        )
+
+    def items(self, keys: list[ChunkKey]) -> list[StoreItem]:
+        return [StoreItem(key, i * self.value_bytes, self.value_bytes) for i, key in enumerate(keys)]
+
+    def ops(self, keys: list[ChunkKey]) -> dict[str, Callable[[], int]]:
+        """The timed operations on one round's chunks; each returns how many chunks it handled."""
+        return {
+            "store": lambda: self.store(keys),
+            "load": lambda: self.load(keys),
+            "lookup": lambda: self.probe(keys),
+        }
+
+    def store(self, keys: list[ChunkKey]) -> int:
+        (result,) = self.tier.wait([self.tier.submit_store(RequestId("bench"), self.items(keys))], TIMEOUT_S)
+        return len(keys) - len(result.failed)
+
+    def load(self, keys: list[ChunkKey]) -> int:
+        session = RequestId(f"load-{next(_ids)}")
+        lookup = self.tier.submit_lookup(session, keys)
+        while (hits := self.tier.poll_lookup(lookup)) is None:
+            time.sleep(POLL_S)
+        (result,) = self.tier.wait([self.tier.submit_retrieve(session, self.items(keys[:hits]))], TIMEOUT_S)
+        self.tier.end_session(session)
+        return hits - len(result.failed)
+
+    def probe(self, keys: list[ChunkKey]) -> int:
+        lookup = self.index.submit_lookup([[key] for key in keys])
+        while (hits := self.index.poll_lookup(lookup)) is None:
+            time.sleep(POLL_S)
+        return hits
+
+    def close(self) -> None:
+        self.index.close()
+        self.tier.close()
+
+
+def _timed(fn: Callable[[], int], expect: int) -> float:
+    start = time.perf_counter()
+    got = fn()
+    elapsed = time.perf_counter() - start
+    if got != expect:
+        raise RuntimeError(f"expected {expect} chunks, got {got}")
+    return elapsed
+
+
+def _fill(host: bytearray, rng: random.Random) -> None:
+    host[:] = rng.randbytes(len(host))
+
+
+def run_size(url: str, size: int, chunks: int, repeats: int) -> dict[str, tuple[float, float, float]]:
+    """Per operation: kvcore seconds, LMCache seconds (medians), median per-repeat ratio."""
+    rng = random.Random(size)
+    kv_host, raw_host = bytearray(chunks * size), bytearray(chunks * size)
+    kv, raw = KVCoreSide(url, size, kv_host), RawSide(url, size, raw_host)
+    times: dict[str, tuple[list[float], list[float]]] = {op: ([], []) for op in ("store", "load", "lookup")}
+    try:
+        for repeat in range(repeats + 1):  # the first round warms both sides up
+            run = uuid.uuid4().hex[:8]
+            keys = [ChunkKey(f"bench/{run}/{i}") for i in range(chunks)]
+            tokens = tuple(rng.randrange(1, 1 << 30) for _ in range(chunks * CHUNK_TOKENS))
+            _fill(kv_host, rng)
+            raw_host[:] = kv_host
+            kv_ops, raw_ops = kv.ops(keys), raw.ops(tokens)
+            for op in times:
+                pair = [(kv_ops[op], 0), (raw_ops[op], 1)]
+                if repeat % 2:
+                    pair.reverse()  # alternate who goes first
+                measured = [0.0, 0.0]
+                for fn, side in pair:
+                    measured[side] = _timed(fn, chunks)
+                if repeat:
+                    times[op][0].append(measured[0])
+                    times[op][1].append(measured[1])
+            if kv_host != raw_host:
+                raise RuntimeError("the two sides loaded different bytes")
+    finally:
+        kv.close()
+        raw.close()
+    return {
+        op: (
+            statistics.median(k),
+            statistics.median(r),
+            statistics.median(b / a for a, b in zip(k, r, strict=True)),
+        )
+        for op, (k, r) in times.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--quick", action="store_true", help="one size, few repeats (seconds, plus the start)"
+    )
+    parser.add_argument("--chunks", type=int, default=32, help="chunks per operation")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument(
+        "--url", help="use a running server (chunk size 256, --shm-name) instead of one's own"
+    )
+    args = parser.parse_args(argv)
+    sizes = SIZES[:1] if args.quick else SIZES
+    repeats = 3 if args.quick else args.repeats
+    l1_gb = max(0.25, 2.5 * (repeats + 1) * args.chunks * max(sizes) / (1 << 30))
+    with contextlib.ExitStack() as stack:
+        if args.url:
+            url, start_s = args.url, 0.0
+        else:
+            url, start_s = stack.enter_context(_server(l1_gb))
+        print(f"lmcache server {url} (answered after {start_s:.1f}s)")
+        print(f"{args.chunks} chunks per operation, {repeats} repeats")
+        print(f"{'value':>8} {'op':>7} {'kvcore':>12} {'lmcache':>12} {'ratio':>6}")
+        for size in sizes:
+            results = run_size(url, size, args.chunks, repeats)
+            for op, (kv, raw, ratio) in results.items():
+                if op == "lookup":
+                    cells = f"{kv * 1e6:>9.0f} us {raw * 1e6:>9.0f} us"
+                else:
+                    volume = args.chunks * size / MiB
+                    cells = f"{volume / kv:>7.0f} MiB/s {volume / raw:>7.0f} MiB/s"
+                print(f"{size // KiB:>5}KiB {op:>7} {cells} {ratio:>6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

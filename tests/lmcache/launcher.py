@@ -1,0 +1,72 @@
+"""Starts real ``lmcache server`` processes in well under a second each, for the tests.
+
+A server start is mostly imports (torch, numba, fastapi, LMCache's own modules): 15-25 s on a loaded
+2-core machine, every time. This launcher takes them once, then forks one child per requested server;
+the child runs LMCache's own command line entry point (``lmcache server ...``) in its own session, so
+it is killed, paused and resumed by its process group exactly like a server started from the shell.
+
+Protocol, one line each way: the launcher prints ``ready`` once warm; then for each JSON request
+``{"argv": [...], "log": path}`` on stdin it prints the child's pid. End of stdin ends the launcher;
+the servers it started are the caller's to kill. Run as ``python launcher.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import signal
+import sys
+import traceback
+from typing import NoReturn
+
+_WARM = (
+    "lmcache.cli.main",
+    "lmcache.cli.commands",
+    "lmcache.v1.multiprocess.http_server",
+)
+
+
+def _serve(argv: list[str], log: str) -> NoReturn:
+    """In the forked child: become a server, never return into the launcher's loop."""
+    code = 1
+    try:
+        os.setsid()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server waits on its own children
+        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        os.close(null)
+        importlib.import_module("lmcache.cli.main").main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # the child must never unwind into the launcher's loop
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main() -> int:
+    modules = [importlib.import_module(name) for name in _WARM]
+    # the `server` subcommand's argument modules, imported the way `lmcache server` imports them
+    modules[1].register_commands(argparse.ArgumentParser().add_subparsers(), ["server"])
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the servers
+    print("ready", flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _serve([str(arg) for arg in request["argv"]], str(request["log"]))
+        print(pid, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
