@@ -1,6 +1,7 @@
 """Mooncake clients listen on every interface, so their tests run only inside a loopback-only network
-namespace (the test command wraps pytest in ``unshare -n``). Outside one they skip with the reason, unless
-``KVCORE_REQUIRE_NETNS=1`` (set by ``make test``), where a skip would hide a missing namespace: then they fail.
+namespace (the test command wraps pytest in ``unshare -n``). Outside one they skip with the reason,
+unless ``KVCORE_REQUIRE_NETNS=1`` (set by ``make test``), where a skip would hide a missing namespace:
+then they fail.
 """
 
 from __future__ import annotations
