@@ -51,7 +51,7 @@ def _vllm_config(args: argparse.Namespace) -> int:
     from kvcore_vllm.settings import transfer_config
 
     try:
-        config = transfer_config(backend=args.backend, size=args.size, role=args.role)
+        config = transfer_config(backend=args.backend, size=args.size, role=args.role, endpoint=args.endpoint)
     except KVCoreError as exc:
         print(f"kvcore vllm-config: {exc}", file=sys.stderr)
         return 2
@@ -90,8 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.set_defaults(run=_bench)
 
     vllm = verbs.add_parser("vllm-config", help="print the --kv-transfer-config JSON for vLLM")
-    vllm.add_argument("--backend", default="cpu", help="the tier (default cpu)")
-    vllm.add_argument("--size", default="8GiB", help="pool size, total across ranks (default 8GiB)")
+    vllm.add_argument("--backend", default="cpu", help="cpu (default), mooncake or lmcache")
+    vllm.add_argument("--size", default="8GiB", help="host pool, total across ranks (default 8GiB)")
+    vllm.add_argument(
+        "--endpoint", help="Mooncake master (127.0.0.1:50051) or LMCache URL (tcp://localhost:5555)"
+    )
     vllm.add_argument("--role", default="kv_both", choices=("kv_both", "kv_producer", "kv_consumer"))
     vllm.set_defaults(run=_vllm_config)
 

@@ -22,7 +22,8 @@ from kvcore_vllm import CONNECTOR_NAME
 
 __all__ = ["StorePolicy", "VLLMSettings", "read_extra_config", "transfer_config"]
 
-BACKEND_CHOICES = ("cpu",)
+BACKEND_CHOICES = ("cpu", "mooncake", "lmcache")
+DEFAULT_ENDPOINTS = {"mooncake": "127.0.0.1:50051", "lmcache": "tcp://localhost:5555"}
 STORE_POLICY_KEY = "store_policy"
 
 
@@ -91,15 +92,32 @@ def _settings(data: Mapping[str, Any]) -> VLLMSettings:
     return settings
 
 
-def transfer_config(backend: str = "cpu", size: str = "8GiB", role: str = "kv_both") -> dict[str, Any]:
+def transfer_config(
+    backend: str = "cpu", size: str = "8GiB", role: str = "kv_both", endpoint: str | None = None
+) -> dict[str, Any]:
     """The ``--kv-transfer-config`` value for kvcore, in the spirit of vLLM's one-knob offloading options.
 
-    The result is validated before it is returned, so what is printed is what the engine will accept.
+    ``backend`` is ``cpu``, ``mooncake`` (a Mooncake store; ``endpoint`` is its master, default
+    ``127.0.0.1:50051``) or ``lmcache`` (an LMCache server; ``endpoint`` is its URL, default
+    ``tcp://localhost:5555``); ``size`` is the host pool, total across ranks. The result is validated
+    before it is returned, so what is printed is what the engine will accept.
     """
     if backend not in BACKEND_CHOICES:
         raise ConfigError("backend", backend, f"one of {', '.join(map(repr, BACKEND_CHOICES))}")
     parse_size(size, "size")
-    extra: dict[str, Any] = {"backend": {"kind": backend, "size": size}}
+    if backend == "cpu":
+        if endpoint is not None:
+            raise ConfigError("endpoint", endpoint, "nothing: the cpu backend has no endpoint")
+        tier: dict[str, Any] = {"kind": "cpu", "size": size}
+    elif backend == "mooncake":
+        tier = {
+            "kind": "mooncake_store",
+            "master": endpoint or DEFAULT_ENDPOINTS[backend],
+            "local_size": size,
+        }
+    else:
+        tier = {"kind": "lmcache_mp", "url": endpoint or DEFAULT_ENDPOINTS[backend], "local_size": size}
+    extra: dict[str, Any] = {"backend": tier}
     load_config(extra)
     return {
         "kv_connector": CONNECTOR_NAME,
