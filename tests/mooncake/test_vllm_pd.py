@@ -85,6 +85,19 @@ def test_decode_engine_continues_the_prefill_engines_prompt(tiny_model: Path) ->
             assert _external_hits(consumer) - before == len(tokens)
             assert _tokens(decoded) == _tokens(local)
 
+            # The decode engine now holds the prompt's 3 full blocks itself: a longer prompt sharing them
+            # pulls only what its own prefix hit lacks.
+            longer = tokens[: 3 * BLOCK] + prompt(7003, BLOCK + 1)
+            prefill2 = generate(producer, longer, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            params2 = prefill2.kv_transfer_params
+            assert params2 is not None
+            before = _external_hits(consumer)
+            decoded2 = generate(consumer, longer, kv_transfer_params=params2)
+            local2 = generate(producer, longer)
+            assert local2.num_cached_tokens == 4 * BLOCK
+            assert _external_hits(consumer) - before == len(longer) - 3 * BLOCK
+            assert _tokens(decoded2) == _tokens(local2)
+
             # A producer nobody listens for: the decode engine computes the prompt itself, no hang.
             other = prompt(7002, 2 * BLOCK + 1)
             plain = generate(producer, other)  # a fresh prompt there: a full prefill, as the recompute
@@ -95,13 +108,14 @@ def test_decode_engine_continues_the_prefill_engines_prompt(tiny_model: Path) ->
                 "remote_block_ids": [[0, 1, 2]],
                 "remote_num_tokens": len(other),
             }
+            before = _external_hits(consumer)
             started = time.monotonic()
             recomputed = generate(consumer, other, kv_transfer_params=gone)
             assert time.monotonic() - started < 20 * HANDSHAKE_S
             assert _tokens(recomputed) == _tokens(plain)
             assert recomputed.num_cached_tokens == 0
             # vLLM counts external hits at admission, before the load failed.
-            assert _external_hits(consumer) - before == len(tokens) + len(other)
+            assert _external_hits(consumer) - before == len(other)
         finally:
             stop_engine(consumer)
     finally:
