@@ -23,6 +23,18 @@ with warnings.catch_warnings():  # vLLM and torch warn about their own deprecati
 
 from tests.integration.tiny_model import make_tiny_model
 
+VLLM_MARKS = [
+    pytest.mark.timeout(600),
+    # vLLM, torch and transformers warn about their own deprecations at import and start-up
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::PendingDeprecationWarning"),
+    # vLLM's engine shutdown leaves a zmq context for the garbage collector
+    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
+"""The marks of every module that runs real engines (``pytestmark = VLLM_MARKS``)."""
+
 BLOCK = 128  # vLLM's CPU block size
 ENGINE_BLOCKS = 24  # small on purpose: vLLM must evict its own prefix cache
 MAX_MODEL_LEN = 2048

@@ -15,22 +15,16 @@ import pytest
 
 from kvcore.ports import Direction
 from kvcore_cpu.cpu_copy import BlockCopier
-from tests.integration.conftest import BLOCK, generate, prompt
-from tests.integration.test_vllm_cpu import _metric, _worker_side
+from tests.integration.conftest import BLOCK, VLLM_MARKS, generate, prompt
+from tests.integration.probes import worker_side
+from tests.integration.test_vllm_cpu import _metric
 from tests.integration.test_vllm_policies import GAUGES, _push_out, _settled
 
-pytestmark = [
-    pytest.mark.timeout(600),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-    pytest.mark.filterwarnings("ignore::PendingDeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
+pytestmark = VLLM_MARKS
 
 
 def _copier(worker: Any) -> BlockCopier:
-    copier = _worker_side(worker).worker.mover._copier
+    copier = worker_side(worker).worker.mover._copier
     if copier is None:
         raise AssertionError("vLLM's CPU engine copies on the mover's worker thread")
     return copier

@@ -7,58 +7,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from kvcore_vllm.connector import KVCoreConnector
-from kvcore_vllm.worker_side import WorkerSide
 from tests.integration.conftest import (
     BLOCK,
     PROMPTS,
+    VLLM_MARKS,
     generate,
     kvcore_transfer_config,
     prompt,
     start_engine,
     stop_engine,
 )
+from tests.integration.probes import external_hits, loaded_digests, worker_side
 
-pytestmark = [
-    pytest.mark.timeout(600),
-    # vLLM, torch and transformers warn about their own deprecations at import and start-up
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-    pytest.mark.filterwarnings("ignore::PendingDeprecationWarning"),
-    # vLLM's engine shutdown leaves a zmq context for the garbage collector
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
-
-
-def _external_hits(llm: Any) -> int:
-    for metric in llm.get_metrics():
-        if metric.name == "vllm:external_prefix_cache_hits":
-            return int(metric.value)
-    return 0
-
-
-def _worker_side(worker: Any) -> WorkerSide:
-    """Runs in the worker process: kvcore's worker side of the engine's connector."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    connector = get_kv_transfer_group()
-    assert isinstance(connector, KVCoreConnector)
-    return connector.worker_side
-
-
-def _loaded_equals_saved(worker: Any) -> tuple[int, bool]:
-    """Runs in the worker process: the last loaded engine blocks against the host blocks they came from."""
-    side = _worker_side(worker)
-    engine_blocks, host_blocks = side.last_load
-    tier = side.worker
-    same = all(
-        tier.engine_block_bytes(e) == tier.host_block_bytes(h)
-        for e, h in zip(engine_blocks, host_blocks, strict=True)
-    )
-    return len(engine_blocks), same
+pytestmark = VLLM_MARKS
 
 
 def test_no_hits_same_tokens_as_without_connector(
@@ -74,23 +35,23 @@ def test_external_hit_after_eviction_matches_local_hit(kvcore_engine: Any) -> No
     first = generate(kvcore_engine, tokens)
     local = generate(kvcore_engine, tokens)  # vLLM's own prefix hit
     assert local.num_cached_tokens == 4 * BLOCK
-    hits_before = _external_hits(kvcore_engine)
+    hits_before = external_hits(kvcore_engine)
     for seed in range(3):  # push the prompt out of vLLM's 24-block cache
         generate(kvcore_engine, prompt(200 + seed, 1500), max_tokens=1)
     again = generate(kvcore_engine, tokens, kv_transfer_params={"num_extra_cached_tokens": True})
     assert again.num_cached_tokens == 4 * BLOCK
-    assert _external_hits(kvcore_engine) - hits_before == 4 * BLOCK
+    assert external_hits(kvcore_engine) - hits_before == 4 * BLOCK
     assert list(again.outputs[0].token_ids) == list(local.outputs[0].token_ids)
     assert again.kv_transfer_params == {"num_extra_cached_tokens": 4 * BLOCK}
     assert first.num_cached_tokens == 0
-    ((blocks, same),) = kvcore_engine.collective_rpc(_loaded_equals_saved)
-    assert blocks == 4
+    ((digests, same),) = kvcore_engine.collective_rpc(loaded_digests)
+    assert len(digests) == 4
     assert same
 
 
 def _damage_pool(worker: Any) -> bool:
     """Runs in the worker process: overwrite every byte the CPU tier holds (out of band)."""
-    _worker_side(worker).worker.host.buffer.bitwise_not_()
+    worker_side(worker).worker.host.buffer.bitwise_not_()
     return True
 
 
@@ -141,7 +102,7 @@ def test_preemption_and_reset_leak_nothing(kvcore_engine: Any) -> None:
 
 def _close_backend(worker: Any) -> bool:
     """Runs in the worker process: the CPU tier's mover stops taking copies (a dead backend)."""
-    _worker_side(worker).worker.mover.close()
+    worker_side(worker).worker.mover.close()
     return True
 
 

@@ -15,22 +15,17 @@ import pytest
 
 from tests.integration.conftest import (
     BLOCK,
+    VLLM_MARKS,
     generate,
     kvcore_transfer_config,
     prompt,
     start_engine,
     stop_engine,
 )
-from tests.integration.test_vllm_cpu import _external_hits, _metric, _worker_side
+from tests.integration.probes import external_hits, worker_side
+from tests.integration.test_vllm_cpu import _metric
 
-pytestmark = [
-    pytest.mark.timeout(600),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-    pytest.mark.filterwarnings("ignore::PendingDeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
+pytestmark = VLLM_MARKS
 
 GAUGES = ("pool_pinned", "pool_storing", "ops_in_flight", "requests")
 
@@ -114,9 +109,9 @@ def test_lazy_saves_only_at_eviction_and_serves_exact(lazy_engine: tuple[Any, Ev
 
     _push_out(llm, 1100)
     assert _metric(llm, "saved_blocks") >= 4  # saved when vLLM evicted them
-    hits_before = _external_hits(llm)
+    hits_before = external_hits(llm)
     again = generate(llm, tokens)
-    assert _external_hits(llm) - hits_before == 4 * BLOCK
+    assert external_hits(llm) - hits_before == 4 * BLOCK
     assert again.num_cached_tokens == 4 * BLOCK
     assert list(again.outputs[0].token_ids) == list(local.outputs[0].token_ids)
 
@@ -135,7 +130,7 @@ def test_lazy_saves_only_at_eviction_and_serves_exact(lazy_engine: tuple[Any, Ev
 
 
 def _damage_pool(worker: Any) -> bool:
-    _worker_side(worker).worker.host.buffer.bitwise_not_()
+    worker_side(worker).worker.host.buffer.bitwise_not_()
     return True
 
 
@@ -154,8 +149,8 @@ def test_chunk_failing_to_load_is_not_served_again(lazy_engine: tuple[Any, Event
     # evicted again: saved again from vLLM's recomputed blocks, and served without a failure, so the
     # damaged copies were dropped, not served a second time
     _push_out(llm, 1400)
-    hits_before = _external_hits(llm)
+    hits_before = external_hits(llm)
     again = generate(llm, tokens)
-    assert _external_hits(llm) - hits_before == 4 * BLOCK
+    assert external_hits(llm) - hits_before == 4 * BLOCK
     assert _metric(llm, "failed_load_blocks") - failed_before == 4
     assert list(again.outputs[0].token_ids) == list(local.outputs[0].token_ids)

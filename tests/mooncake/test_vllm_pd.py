@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     BLOCK,
+    VLLM_MARKS,
     generate,
     prompt,
     start_engine,
@@ -25,18 +24,12 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     tiny_model,
     vllm_env,
 )
+from tests.integration.probes import external_hits
 from tests.mooncake.conftest import free_port
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
 
-pytestmark = [
-    pytest.mark.timeout(600),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-    pytest.mark.filterwarnings("ignore::PendingDeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
+pytestmark = VLLM_MARKS
 
 HANDSHAKE_S = 1.0
 
@@ -51,10 +44,6 @@ def pd_transfer_config(role: str, engine_id: str, port: int) -> dict[str, Any]:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"pd": pd},
     }
-
-
-def _external_hits(llm: Any) -> int:
-    return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
 
 
 def _tokens(out: Any) -> list[int]:
@@ -75,14 +64,14 @@ def test_decode_engine_continues_the_prefill_engines_prompt(tiny_model: Path) ->
             assert params["remote_num_tokens"] == len(tokens)
             assert len(params["remote_block_ids"][0]) == 4  # three full blocks and the last token's
 
-            before = _external_hits(consumer)  # the metrics registry is per process: count deltas
+            before = external_hits(consumer)  # the metrics registry is per process: count deltas
             decoded = generate(consumer, tokens, kv_transfer_params=params)
             local = generate(producer, tokens)  # vLLM's own prefix hit: every full block, 1 token computed
             assert local.num_cached_tokens == 3 * BLOCK
             # vLLM's P/D accounting: the decode engine reports the prefill engine's own cache hits as its
             # cached tokens, and the transferred prompt as external (connector) hits.
             assert decoded.num_cached_tokens == params["remote_prefill_cached_tokens"] == 0
-            assert _external_hits(consumer) - before == len(tokens)
+            assert external_hits(consumer) - before == len(tokens)
             assert _tokens(decoded) == _tokens(local)
 
             # The decode engine now holds the prompt's 3 full blocks itself: a longer prompt sharing them
@@ -91,11 +80,11 @@ def test_decode_engine_continues_the_prefill_engines_prompt(tiny_model: Path) ->
             prefill2 = generate(producer, longer, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
             params2 = prefill2.kv_transfer_params
             assert params2 is not None
-            before = _external_hits(consumer)
+            before = external_hits(consumer)
             decoded2 = generate(consumer, longer, kv_transfer_params=params2)
             local2 = generate(producer, longer)
             assert local2.num_cached_tokens == 4 * BLOCK
-            assert _external_hits(consumer) - before == len(longer) - 3 * BLOCK
+            assert external_hits(consumer) - before == len(longer) - 3 * BLOCK
             assert _tokens(decoded2) == _tokens(local2)
 
             # A producer nobody listens for: the decode engine computes the prompt itself, no hang.
@@ -108,14 +97,14 @@ def test_decode_engine_continues_the_prefill_engines_prompt(tiny_model: Path) ->
                 "remote_block_ids": [[0, 1, 2]],
                 "remote_num_tokens": len(other),
             }
-            before = _external_hits(consumer)
+            before = external_hits(consumer)
             started = time.monotonic()
             recomputed = generate(consumer, other, kv_transfer_params=gone)
             assert time.monotonic() - started < 20 * HANDSHAKE_S
             assert _tokens(recomputed) == _tokens(plain)
             assert recomputed.num_cached_tokens == 0
             # vLLM counts external hits at admission, before the load failed.
-            assert _external_hits(consumer) - before == len(other)
+            assert external_hits(consumer) - before == len(other)
         finally:
             stop_engine(consumer)
     finally:

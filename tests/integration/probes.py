@@ -1,0 +1,46 @@
+"""Out-of-band checks on real engines: metrics read in the test process, and functions that run inside
+an engine's worker process (through ``LLM.collective_rpc``) to read kvcore's tier there."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from kvcore_vllm.worker_side import WorkerSide
+
+__all__ = ["external_hits", "host_digests", "loaded_digests", "worker_side"]
+
+
+def external_hits(llm: Any) -> int:
+    """vLLM's external prefix-cache hits so far. The registry is per process: compare deltas."""
+    return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
+
+
+def worker_side(worker: Any) -> WorkerSide:
+    """In the worker process: kvcore's worker side of the engine's connector."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvcore_vllm.connector import KVCoreConnector
+
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, KVCoreConnector)
+    return connector.worker_side
+
+
+def host_digests(worker: Any) -> set[str]:
+    """In the worker process: digests of every host block of the rank's pool."""
+    tier = worker_side(worker).worker
+    return {hashlib.sha256(tier.host_block_bytes(b)).hexdigest() for b in range(tier.host.num_blocks)}
+
+
+def loaded_digests(worker: Any) -> tuple[list[str], bool]:
+    """In the worker process: digests of the last loaded blocks, and whether the engine blocks hold exactly
+    the host bytes they were loaded from."""
+    side = worker_side(worker)
+    engine_blocks, host_blocks = side.last_load
+    tier = side.worker
+    same = all(
+        tier.engine_block_bytes(e) == tier.host_block_bytes(h)
+        for e, h in zip(engine_blocks, host_blocks, strict=True)
+    )
+    return [hashlib.sha256(tier.host_block_bytes(h)).hexdigest() for h in host_blocks], same
