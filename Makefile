@@ -36,11 +36,14 @@ $(STAMP): pyproject.toml constraints.txt | $(PY) system-deps
 
 install: $(STAMP)
 
-# Mooncake's wheel links libibverbs even for TCP (Debian: libibverbs1); root installs it.
+# Mooncake's wheel links libibverbs even for TCP (Debian: libibverbs1), and its tests need `ip` and
+# `unshare` for a loopback-only namespace (iproute2, util-linux); root installs what is missing.
+SYSTEM_PKGS := libibverbs1 iproute2 util-linux
 system-deps:
-	@ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && \
-	  $(TIMED) apt sh -c 'apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null'; } || \
-	  { echo "libibverbs1 is missing: install it (apt-get install libibverbs1)"; exit 1; }
+	@{ ldconfig -p | grep -q libibverbs.so.1 && command -v ip >/dev/null && command -v unshare >/dev/null; } || \
+	  { [ "$$(id -u)" = 0 ] && $(TIMED) apt sh -c \
+	    'apt-get update -qq && apt-get install -y -qq --no-install-recommends $(SYSTEM_PKGS) >/dev/null'; } || \
+	  { echo "missing system packages: install $(SYSTEM_PKGS)"; exit 1; }
 
 lint: install
 	@$(TIMED) lint sh -c '$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .'
