@@ -72,10 +72,13 @@ class BlockWorker:
         for op in plan.ops:
             run = _Run(op)
             self._runs[op.op_id] = run
-            if op.direction is Direction.LOAD and op.remote and self._remote is not None:
-                self._start_remote(run, _Stage.FETCH, op.remote)
-            else:
-                self._start_copy(run)
+            if op.direction is Direction.LOAD and op.remote:
+                if self._remote is not None:
+                    self._start_remote(run, _Stage.FETCH, op.remote)
+                    continue
+                log.warning("kvcore: op %d needs a remote tier this worker lacks", op.op_id)
+                self._fail_chunks(run, op.remote)  # their slots hold no fetched bytes
+            self._start_copy(run)
         for request_id in plan.ended:
             self._ending.add(request_id)
             self._end_session(request_id)

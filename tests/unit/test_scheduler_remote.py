@@ -250,3 +250,16 @@ def test_a_session_ends_after_the_last_op_of_its_request() -> None:
     assert rig.sched.take_finished() == (a,)
     rig.worker.execute(rig.sched.take_plan())
     assert remote.ended == [a]  # once
+
+
+def test_a_worker_without_the_remote_tier_fails_the_chunks_it_cannot_fetch() -> None:
+    rig = Rig(slots=3)
+    rig.serve_and_save("a", TOKENS, range(8))
+    rig.serve_and_save("b", OTHER, range(8, 16))
+    rig.worker = BlockWorker(rig.mover)  # misconfigured: no remote tier on this worker
+    c = RequestId("c")
+    assert rig.lookup("c", TOKENS) == 24
+    rig.sched.start_load(c, range(20, 28))
+    rig.step()
+    assert set(rig.sched.take_load_errors()[c]) == set(range(20, 26))  # recomputed, never garbage
+    assert rig.sched.stats().pool.pinned == 0
