@@ -23,6 +23,7 @@ from kvcore.errors import InvalidSpecError
 from kvcore_vllm.compat import check_vllm
 from kvcore_vllm.engine_spec import engine_spec, hash_identity, layer_names
 from kvcore_vllm.metadata import KVCoreMetadata
+from kvcore_vllm.roles import require_side
 from kvcore_vllm.scheduler_side import SchedulerSide
 from kvcore_vllm.settings import read_extra_config
 from kvcore_vllm.stats import KVCorePromMetrics, KVCoreStats, StatsDelta
@@ -96,15 +97,11 @@ class KVCoreConnector(KVConnectorBase_V1):
 
     @property
     def scheduler_side(self) -> SchedulerSide:
-        if self._scheduler is None:
-            raise InvalidSpecError("scheduler-side hook called on a worker-side connector")
-        return self._scheduler
+        return require_side(self._scheduler, "scheduler")
 
     @property
     def worker_side(self) -> WorkerSide:
-        if self._worker is None:
-            raise InvalidSpecError("worker-side hook called on a scheduler-side connector")
-        return self._worker
+        return require_side(self._worker, "worker")
 
     def _meta(self) -> KVCoreMetadata:
         meta = self._get_connector_metadata()

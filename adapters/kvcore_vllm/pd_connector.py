@@ -26,6 +26,7 @@ from kvcore_vllm.engine_spec import engine_spec, layer_names
 from kvcore_vllm.pd_metadata import PDMetadata
 from kvcore_vllm.pd_scheduler import PDRole, PDScheduler
 from kvcore_vllm.pd_worker import PDWorker
+from kvcore_vllm.roles import require_side
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -79,15 +80,11 @@ class KVCorePDConnector(KVConnectorBase_V1):
 
     @property
     def scheduler_side(self) -> PDScheduler:
-        if self._scheduler is None:
-            raise InvalidSpecError("scheduler-side hook called on a worker-side connector")
-        return self._scheduler
+        return require_side(self._scheduler, "scheduler")
 
     @property
     def worker_side(self) -> PDWorker:
-        if self._worker is None:
-            raise InvalidSpecError("worker-side hook called on a scheduler-side connector")
-        return self._worker
+        return require_side(self._worker, "worker")
 
     # -- worker side -------------------------------------------------------------------------------------
 
