@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import mmap
 import os
 import random
 import shutil
@@ -40,7 +39,7 @@ from pathlib import Path
 
 with warnings.catch_warnings():  # lmcache's OpenTelemetry handler warns of its own deprecation
     warnings.simplefilter("ignore", DeprecationWarning)
-    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey, RegisterEngineDrivenContextPayload
+    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
     from lmcache.v1.multiprocess.transport.base import RequestClient
     from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
@@ -48,6 +47,7 @@ with warnings.catch_warnings():  # lmcache's OpenTelemetry handler warns of its 
     from kvcore.ids import ChunkKey, RequestId
     from kvcore.ports import StoreItem
     from kvcore_lmcache import LMCacheChunkIndex, LMCacheManagedTier
+    from kvcore_lmcache.link import register_slots
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -117,25 +117,10 @@ class RawSide:
         self.client = RequestClientFactory.create(url)
         self.instance_id = uuid.uuid4().int & ((1 << 62) - 1)
         self.model = f"raw-bench-{value_bytes}"
-        reply = self.client.register_kv_cache_engine_driven_context(
-            RegisterEngineDrivenContextPayload(
-                instance_id=self.instance_id,
-                model_name=self.model,
-                world_size=1,
-                block_size=CHUNK_TOKENS,
-                num_layers=1,
-                hidden_dim_size=value_bytes,
-                dtype_str="uint8",
-                use_mla=True,
-                num_physical_slots=1,
-            )
-        ).result(timeout=TIMEOUT_S)
-        fd = os.open(f"/dev/shm/{reply.shm_name}", os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, reply.pool_size)
-        finally:
-            os.close(fd)
-        self.shm = memoryview(self._map)
+        self.segment = register_slots(
+            url, self.client, self.instance_id, self.model, CHUNK_TOKENS, value_bytes, TIMEOUT_S
+        )
+        self.shm = self.segment.view
 
     def key(self, tokens: tuple[int, ...], worker: int | None, session: str) -> IPCCacheServerKey:
         return IPCCacheServerKey(
@@ -202,8 +187,7 @@ class RawSide:
 
     def close(self) -> None:
         self.client.unregister_kv_cache_engine_driven_context(self.instance_id).result(timeout=TIMEOUT_S)
-        self.shm.release()
-        self._map.close()
+        self.segment.close()
         self.client.close()
 
 

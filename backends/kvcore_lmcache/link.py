@@ -30,7 +30,7 @@ from kvcore.health import CircuitBreaker
 from kvcore.ids import ChunkKey, RequestId
 from kvcore_lmcache.wire import HEADER_BYTES, KeyCodec, server_model_name
 
-__all__ = ["ServerLink", "SlotLayout"]
+__all__ = ["Segment", "ServerLink", "SlotLayout", "register_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class SlotLayout:
         return self.value_bytes + HEADER_BYTES
 
 
-class _Segment:
+class Segment:
     """The server's shared-memory pool, mapped here. Stale once the server re-created it."""
 
     def __init__(self, name: str, size: int) -> None:
@@ -74,6 +74,40 @@ class _Segment:
     def close(self) -> None:
         self.view.release()
         self._map.close()
+
+
+def register_slots(
+    url: str,
+    client: RequestClient,
+    instance_id: int,
+    model_name: str,
+    chunk_tokens: int,
+    slot_bytes: int,
+    timeout: float,
+    mapped: Segment | None = None,
+) -> Segment:
+    """Register an engine-driven context of opaque ``slot_bytes`` slots (one per chunk) and map the
+    server's shared-memory pool; ``mapped`` is kept while it is still the server's current pool.
+
+    Raises ``BackendUnavailable`` for a server without a pool (started without ``--shm-name``).
+    """
+    payload = RegisterEngineDrivenContextPayload(
+        instance_id=instance_id,
+        model_name=model_name,
+        world_size=1,
+        block_size=chunk_tokens,
+        num_layers=1,
+        hidden_dim_size=slot_bytes,
+        dtype_str="uint8",
+        use_mla=True,
+        num_physical_slots=1,
+    )
+    reply = client.register_kv_cache_engine_driven_context(payload).result(timeout=timeout)
+    if not reply.shm_name or reply.pool_size <= 0:
+        raise BackendUnavailable(f"LMCache server {url} has no shared-memory pool: start it with --shm-name")
+    if mapped is not None and not mapped.stale():
+        return mapped
+    return Segment(reply.shm_name, reply.pool_size)
 
 
 class ServerLink:
@@ -113,7 +147,7 @@ class ServerLink:
         self.client = client_factory(config.url)
         self._lock = threading.Lock()
         self._up = False
-        self.segment: _Segment | None = None
+        self.segment: Segment | None = None
         self.segment_lock = threading.Lock()
         self._stop = threading.Event()
         if not self._connect(config.connect_timeout_s, raise_mismatch=True):
@@ -206,28 +240,20 @@ class ServerLink:
         return True
 
     def _register(self, timeout: float) -> None:
-        layout = self.layout
-        payload = RegisterEngineDrivenContextPayload(
-            instance_id=self.instance_id,
-            model_name=self.codec.model_name,
-            world_size=1,
-            block_size=self.chunk_tokens,
-            num_layers=1,
-            hidden_dim_size=layout.slot_bytes,
-            dtype_str="uint8",
-            use_mla=True,
-            num_physical_slots=1,
-        )
-        reply = self.client.register_kv_cache_engine_driven_context(payload).result(timeout=timeout)
-        if not reply.shm_name or reply.pool_size <= 0:
-            raise BackendUnavailable(
-                f"LMCache server {self.config.url} has no shared-memory pool: start it with --shm-name"
-            )
         with self.segment_lock:
-            if self.segment is None or self.segment.stale():
-                if self.segment is not None:
-                    self.segment.close()
-                self.segment = _Segment(reply.shm_name, reply.pool_size)
+            segment = register_slots(
+                self.config.url,
+                self.client,
+                self.instance_id,
+                self.codec.model_name,
+                self.chunk_tokens,
+                self.layout.slot_bytes,
+                timeout,
+                self.segment,
+            )
+            if segment is not self.segment and self.segment is not None:
+                self.segment.close()
+            self.segment = segment
 
     def _beat(self) -> None:
         while not self._stop.wait(self.config.heartbeat_s):

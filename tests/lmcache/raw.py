@@ -6,15 +6,13 @@ registration, its own mapping of the shared-memory pool, its own requests.
 
 from __future__ import annotations
 
-import mmap
-import os
 import time
 import uuid
 
-from lmcache.v1.multiprocess.custom_types import RegisterEngineDrivenContextPayload
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
 from kvcore.ids import ChunkKey, RequestId
+from kvcore_lmcache.link import register_slots
 from kvcore_lmcache.wire import HEADER_BYTES, KeyCodec, check_header, header, server_model_name
 
 TIMEOUT_S = 5.0
@@ -28,24 +26,16 @@ class RawClient:
         self.codec = KeyCodec(server_model_name(model_name, self.slot_bytes), chunk_tokens)
         self.client = RequestClientFactory.create(url)
         self.instance_id = uuid.uuid4().int & ((1 << 62) - 1)
-        reply = self.client.register_kv_cache_engine_driven_context(
-            RegisterEngineDrivenContextPayload(
-                instance_id=self.instance_id,
-                model_name=self.codec.model_name,
-                world_size=1,
-                block_size=chunk_tokens,
-                num_layers=1,
-                hidden_dim_size=self.slot_bytes,
-                dtype_str="uint8",
-                use_mla=True,
-                num_physical_slots=1,
-            )
-        ).result(timeout=TIMEOUT_S)
-        fd = os.open(f"/dev/shm/{reply.shm_name}", os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, reply.pool_size)
-        finally:
-            os.close(fd)
+        self.segment = register_slots(
+            url,
+            self.client,
+            self.instance_id,
+            self.codec.model_name,
+            chunk_tokens,
+            self.slot_bytes,
+            TIMEOUT_S,
+        )
+        self._map = self.segment.view
 
     def _session(self) -> RequestId:
         return RequestId(f"raw-{uuid.uuid4().hex[:12]}")
@@ -76,7 +66,7 @@ class RawClient:
             slots = reply.context.get("slots") if reply.success else None
             if slots:
                 offset = int(slots[0]["offset"])
-                raw = self._map[offset : offset + self.slot_bytes]
+                raw = bytes(self._map[offset : offset + self.slot_bytes])
                 length = int.from_bytes(raw[4:8], "little")
                 if check_header(key, length, raw[:HEADER_BYTES]):
                     value = raw[HEADER_BYTES : HEADER_BYTES + length]
@@ -86,5 +76,5 @@ class RawClient:
 
     def close(self) -> None:
         self.client.unregister_kv_cache_engine_driven_context(self.instance_id).result(timeout=TIMEOUT_S)
-        self._map.close()
+        self.segment.close()
         self.client.close()
