@@ -16,8 +16,8 @@ NETNS  := unshare -n sh -c 'ip link set lo up; exec env KVCORE_REQUIRE_NETNS=1 "
 .PHONY: test install system-deps lint typecheck test-unit test-conformance test-backends test-lmcache \
 	test-integration test-mooncake test-gpu summary demo bench clean
 
-test: install lint typecheck test-unit test-conformance test-backends test-lmcache test-integration \
-	test-mooncake test-gpu summary
+test: install lint typecheck test-unit test-gpu test-conformance test-backends test-lmcache \
+	test-integration test-mooncake summary
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
