@@ -4,8 +4,9 @@ One ``lmcache server`` (started here, loopback, shared memory) serves both sides
 ``--chunks`` chunks are stored, then loaded, then looked up:
 
 - kvcore: ``LMCacheManagedTier`` (store: submit, wait; load: lookup, poll, retrieve, wait, end the
-  session) and ``LMCacheChunkIndex`` (lookup: submit, poll until answered). Each chunk is its own
-  server key (kvcore's keys stand for a whole prefix) and carries a 32-byte header that a load checks.
+  session) and ``LMCacheChunkIndex`` (lookup: submit, poll until answered). The chunks go as one chain
+  (one token sequence, each kvcore key rendered as one chunk of token ids), and each slot carries a
+  32-byte header that a load checks.
 - LMCache: its raw ``RequestClient`` used the way LMCache's engine-driven transfer uses it: the chunks
   as one token sequence, so one ``prepare_store``/``commit_store`` pair for all of them (the server
   hands out one shared-memory slot per chunk), one ``lookup`` + ``query_prefetch_status``, one

@@ -65,8 +65,13 @@ class PrefixLookup:
         self._breaker = breaker if breaker is not None else CircuitBreaker(clock=clock)
         self._clock = clock
 
-    def begin(self, chunks: Sequence[Sequence[ChunkKey]]) -> int | PendingLookup:
-        """Start a lookup: the answer at once, or a pending lookup to ``resume`` on a later step."""
+    def begin(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> int | PendingLookup:
+        """Start a lookup: the answer at once, or a pending lookup to ``resume`` on a later step.
+
+        ``preceding`` are the request's chunks before ``chunks`` (see ``ChunkIndex.submit_lookup``); an
+        immediate index keys chunks alone and is not given them."""
         if not chunks or not self._breaker.allow():
             return 0
         try:
@@ -76,7 +81,7 @@ class PrefixLookup:
                     if self._immediate is not None
                     else 0
                 )
-            lookup_id = self._remote.submit_lookup(chunks)
+            lookup_id = self._remote.submit_lookup(chunks, preceding)
         except BackendError as exc:
             return self._fail(f"lookup failed: {exc}")
         return PendingLookup(lookup_id, self._clock() + self._timeout, len(chunks))

@@ -37,6 +37,10 @@ class BlockOp:
     ``request_id`` names the request whose blocks are copied, so a worker can fence a preempted request's
     copies and tell when a finished request's last copy is done. ``remote`` lists the op's chunks that
     also cross a remote tier (empty for the CPU tier alone).
+
+    ``chain`` carries the request's keys (per rank, as in ``RemoteChunk.keys`` but never ``None``) at
+    positions ``chain_from`` on that earlier ops of the request did not carry: a worker keeps each
+    request's chain, which a chained remote tier needs (``ManagedTier``), without every op resending it.
     """
 
     op_id: int
@@ -45,6 +49,8 @@ class BlockOp:
     host_blocks: tuple[int, ...] = field(converter=int_tuple)
     request_id: str = ""
     remote: tuple[RemoteChunk, ...] = ()
+    chain_from: int = field(default=0, validator=ge(0))
+    chain: tuple[tuple[ChunkKey, ...], ...] = ()
 
 
 @frozen

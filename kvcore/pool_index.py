@@ -39,8 +39,12 @@ class PoolIndex:
             count += 1
         return count
 
-    def submit_lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> LookupId:
-        """Record ``chunks``; ``poll_lookup`` answers from the pool as it is then. Never raises."""
+    def submit_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
+        """Record ``chunks``; ``poll_lookup`` answers from the pool as it is then. Never raises.
+
+        The pool keys each chunk alone, so ``preceding`` is ignored."""
         lookup_id = LookupId(next(self._ids))
         self._lookups[lookup_id] = tuple(tuple(chunk) for chunk in chunks)
         return lookup_id

@@ -121,8 +121,14 @@ class JobQueue(Protocol):
 class ChunkIndex(Protocol):
     """Which leading chunks a tier holds. Answers never block the engine."""
 
-    def submit_lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> LookupId:
+    def submit_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
         """Start checking ``chunks`` in order; each chunk is given by the keys of all of its shards.
+
+        ``preceding`` are the request's chunks before ``chunks[0]`` (a nearer tier holds them), in the
+        same form. A chained tier needs them (see ``ManagedTier``); the answer counts chunks of
+        ``chunks`` only, and a chained tier that lacks a preceding chunk may answer 0.
 
         Failure: raises ``BackendUnavailable`` when the lookup cannot even start (the caller answers 0).
         """
@@ -194,23 +200,40 @@ class ChunkStore(JobQueue, Protocol):
 
 
 class ManagedTier(JobQueue, Protocol):
-    """A tier that manages its own memory and sessions (e.g. an LMCache server); it cannot remove."""
+    """A tier that manages its own memory and sessions (e.g. an LMCache server); it cannot remove.
 
-    def submit_lookup(self, session: RequestId, chunks: Sequence[ChunkKey]) -> LookupId:
-        """Start a lookup (and the tier's prefetch) for a session; hits stay locked until retrieved or
-        the session ends. Failure: raises ``BackendUnavailable`` (the caller answers 0)."""
+    A managed tier may be *chained*: it addresses a chunk by the chunks before it in its request (an
+    LMCache server hashes each chunk on the previous ones), so that a request's chunks travel as one
+    sequence, in one round trip. Every call therefore names the chain: the request's keys from its first
+    chunk on. A chunk key stands for its whole prefix, so a key always comes with the same chain; a tier
+    that keys chunks alone ignores it.
+    """
+
+    def submit_lookup(
+        self, session: RequestId, chunks: Sequence[ChunkKey], preceding: Sequence[ChunkKey] = ()
+    ) -> LookupId:
+        """Start a lookup (and the tier's prefetch) of ``chunks``, the request's chunks after
+        ``preceding``, for a session; hits stay locked until retrieved or the session ends.
+        Failure: raises ``BackendUnavailable`` (the caller answers 0)."""
         ...
 
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
         """Leading chunks hit, or ``None`` while pending. Failure: raises ``BackendError`` (answer 0)."""
         ...
 
-    def submit_store(self, session: RequestId, items: Sequence[StoreItem]) -> JobId:
-        """Store host bytes under keys. Failure: failed items are not stored."""
+    def submit_store(
+        self, session: RequestId, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        """Store host bytes under keys. ``chain`` is the request's keys from its first chunk through the
+        last item's (empty: the items' keys, in order, are the whole chain); an item whose key is not in
+        it fails. Failure: failed items are not stored."""
         ...
 
-    def submit_retrieve(self, session: RequestId, items: Sequence[StoreItem]) -> JobId:
-        """Copy locked hits into host bytes. Failure: failed items' host bytes are undefined (recompute)."""
+    def submit_retrieve(
+        self, session: RequestId, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        """Copy locked hits into host bytes; ``chain`` as for ``submit_store``. Failure: failed items'
+        host bytes are undefined (recompute)."""
         ...
 
     def end_session(self, session: RequestId) -> None:

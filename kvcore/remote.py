@@ -11,7 +11,7 @@ import logging
 from collections.abc import Collection, Sequence
 from typing import Protocol, runtime_checkable
 
-from kvcore.ids import JobId, RequestId
+from kvcore.ids import ChunkKey, JobId, RequestId
 from kvcore.jobs import JobResult
 from kvcore.ports import ChunkStore, JobQueue, ManagedTier, StoreItem
 
@@ -39,11 +39,14 @@ def close_quietly(resource: object) -> None:
 class RemoteTier(JobQueue, Protocol):
     """Moves chunk values between the remote tier and this rank's host slots."""
 
-    def submit_fetch(self, session: str, items: Sequence[StoreItem]) -> JobId:
-        """Copy each key's value into its host bytes; a missing or odd-sized value is a failed item."""
+    def submit_fetch(self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()) -> JobId:
+        """Copy each key's value into its host bytes; a missing or odd-sized value is a failed item.
+        ``chain``: the request's keys from its first chunk on, for a chained tier (``ManagedTier``)."""
         ...
 
-    def submit_publish(self, session: str, items: Sequence[StoreItem]) -> JobId:
+    def submit_publish(
+        self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
         """Store each item's host bytes under its key; a failed item is simply not stored."""
         ...
 
@@ -58,10 +61,12 @@ class StoreRemote:
     def __init__(self, store: ChunkStore) -> None:
         self.store = store
 
-    def submit_fetch(self, session: str, items: Sequence[StoreItem]) -> JobId:
+    def submit_fetch(self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()) -> JobId:
         return self.store.submit_get(items)
 
-    def submit_publish(self, session: str, items: Sequence[StoreItem]) -> JobId:
+    def submit_publish(
+        self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
         return self.store.submit_put(items)
 
     def end_session(self, session: str) -> None:
@@ -83,11 +88,13 @@ class ManagedRemote:
     def __init__(self, tier: ManagedTier) -> None:
         self.tier = tier
 
-    def submit_fetch(self, session: str, items: Sequence[StoreItem]) -> JobId:
-        return self.tier.submit_retrieve(RequestId(session), items)
+    def submit_fetch(self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()) -> JobId:
+        return self.tier.submit_retrieve(RequestId(session), items, chain)
 
-    def submit_publish(self, session: str, items: Sequence[StoreItem]) -> JobId:
-        return self.tier.submit_store(RequestId(session), items)
+    def submit_publish(
+        self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        return self.tier.submit_store(RequestId(session), items, chain)
 
     def end_session(self, session: str) -> None:
         self.tier.end_session(RequestId(session))

@@ -68,6 +68,7 @@ class _Request:
 
     __slots__ = (
         "answer",
+        "chain_sent",
         "counts",
         "extra",
         "failed_blocks",
@@ -98,6 +99,7 @@ class _Request:
         self.load_errors: list[int] = []  # engine block ids to recompute, any cause
         self.lost_blocks: list[int] = []  # the part the scheduler itself decided (chunk gone before the copy)
         self.saved_chunks = 0
+        self.chain_sent = 0  # leading chain positions (``rank_keys``) already sent to the workers
 
 
 class _InFlight:
@@ -272,6 +274,7 @@ class CacheScheduler:
         keys: list[ChunkKey] = []
         fetched: list[RemoteChunk] = []
         fetched_keys: set[ChunkKey] = set()
+        through = 0
         # Which pieces come from the pool and which from the remote tier; the pool's are pinned before
         # any fetch reserves a slot, so that no fetch evicts a chunk this very load needs.
         sources: list[tuple[ChunkPiece, ChunkKey, bool]] = []
@@ -298,6 +301,7 @@ class CacheScheduler:
                     RemoteChunk(slot, req.rank_keys[piece.chunk], len(engine_blocks), piece.num_blocks)
                 )
                 fetched_keys.add(key)
+                through = piece.chunk + 1
             keys.append(key)
             first = piece.chunk * self.blocks_per_chunk + piece.first_block
             engine_blocks.extend(block_ids[first : first + piece.num_blocks])
@@ -321,6 +325,7 @@ class CacheScheduler:
             JobRole.LOAD,
             fetched,
             frozenset(fetched_keys),
+            through,
         )
         self._counters["hit_tokens"] += len(engine_blocks) * self.block_tokens
         return len(engine_blocks) * self.block_tokens
@@ -391,6 +396,7 @@ class CacheScheduler:
         engine_blocks: list[int] = []
         host_blocks: list[int] = []
         published: list[RemoteChunk] = []
+        through = 0
         for key, slot in plan.slots:
             chunk = chunk_of[key]
             if self._remote is not None:
@@ -398,11 +404,21 @@ class CacheScheduler:
                     k if w else None for k, w in zip(req.rank_keys[chunk], self._writers, strict=True)
                 )
                 published.append(RemoteChunk(slot, owned, len(engine_blocks), self.blocks_per_chunk))
+                through = chunk + 1
             first = chunk * self.blocks_per_chunk
             engine_blocks.extend(block_ids[first : first + self.blocks_per_chunk])
             host_blocks.extend(range(slot * self.blocks_per_chunk, (slot + 1) * self.blocks_per_chunk))
         keys = tuple(key for key, _ in plan.slots)
-        self._submit(request_id, Direction.SAVE, engine_blocks, host_blocks, keys, JobRole.SAVE, published)
+        self._submit(
+            request_id,
+            Direction.SAVE,
+            engine_blocks,
+            host_blocks,
+            keys,
+            JobRole.SAVE,
+            published,
+            through=through,
+        )
         return len(keys)
 
     # -- steps, completions and request ends -------------------------------------------------------------
@@ -476,6 +492,7 @@ class CacheScheduler:
         for req in self._requests.values():
             req.answer = None
             req.saved_chunks = len(req.keys)  # chunks computed before the reset are not saved again
+            req.chain_sent = 0  # re-keyed requests (block hashes) resend their chain under the new epoch
 
     def take_events(self) -> tuple[PoolEvent, ...]:
         return self.pool.take_events()
@@ -505,8 +522,9 @@ class CacheScheduler:
             req.local_hits = self._index.lookup([(k,) for k in req.keys])
             if self._remote is None or req.local_hits == len(req.keys):
                 return req.local_hits
+            chunks = [tuple(dict.fromkeys(keys)) for keys in req.rank_keys]
             begun: int | PendingLookup | None = self._remote.begin(
-                [tuple(dict.fromkeys(keys)) for keys in req.rank_keys[req.local_hits :]]
+                chunks[req.local_hits :], chunks[: req.local_hits]
             )
         else:
             begun = self._remote.resume(req.pending) if self._remote is not None else 0
@@ -583,8 +601,26 @@ class CacheScheduler:
         role: JobRole,
         remote: Sequence[RemoteChunk] = (),
         fetched: frozenset[ChunkKey] = frozenset(),
+        through: int = 0,
     ) -> None:
-        op = BlockOp(next(self._op_ids), direction, engine_blocks, host_blocks, request_id, tuple(remote))
+        """Queue an op. One with ``remote`` chunks carries the request's chain positions up to ``through``
+        (one past its last remote chunk) that no earlier op carried."""
+        chain: tuple[tuple[ChunkKey, ...], ...] = ()
+        chain_from = 0
+        if remote:
+            req = self._requests[request_id]
+            chain_from, chain = req.chain_sent, req.rank_keys[req.chain_sent : through]
+            req.chain_sent = max(req.chain_sent, through)
+        op = BlockOp(
+            next(self._op_ids),
+            direction,
+            engine_blocks,
+            host_blocks,
+            request_id,
+            tuple(remote),
+            chain_from,
+            chain,
+        )
         self._table.add_job(request_id, JobId(op.op_id), role, keys)
         self._inflight[op.op_id] = _InFlight(request_id, op, keys, fetched)
         self._plan.append(op)

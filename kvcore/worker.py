@@ -15,7 +15,7 @@ import time
 from collections.abc import Collection, Iterable
 
 from kvcore.errors import BackendError, TransferTimeout, UsageError
-from kvcore.ids import JobId
+from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobResult
 from kvcore.plan import BlockOp, OpReport, RemoteChunk, StepPlan
 from kvcore.ports import BlockMover, BlockTransfer, Direction, JobQueue, StoreItem
@@ -49,7 +49,9 @@ class BlockWorker:
     """One rank's executor of ``StepPlan``s.
 
     ``remote`` attaches a remote tier whose values are one host slot (``slot_bytes``) of this rank each;
-    ops without remote chunks never touch it.
+    ops without remote chunks never touch it. With it, the worker keeps each request's chain (this rank's
+    keys from the request's first chunk on, pieced together from the ops' ``chain`` deltas) until the
+    request's session ends, and names it in every fetch and publish, as a chained tier needs.
     """
 
     def __init__(
@@ -66,10 +68,13 @@ class BlockWorker:
         self._current: dict[int, tuple[int, JobId]] = {}  # op id -> its job in flight
         self._ready: list[OpReport] = []
         self._ending: set[str] = set()  # ended requests whose sessions end after their last op
+        self._chains: dict[str, list[ChunkKey]] = {}  # request id -> this rank's chain, with a remote tier
 
     def execute(self, plan: StepPlan) -> None:
         """Start every op of the plan; returns at once."""
         for op in plan.ops:
+            if op.chain and self._remote is not None:
+                self._extend_chain(op)
             run = _Run(op)
             self._runs[op.op_id] = run
             if op.direction is Direction.LOAD and op.remote:
@@ -152,13 +157,28 @@ class BlockWorker:
         ]
         submit = self._remote.submit_fetch if stage is _Stage.FETCH else self._remote.submit_publish
         try:
-            job = submit(run.op.request_id, items)
+            job = submit(run.op.request_id, items, tuple(self._chains.get(run.op.request_id, ())))
         except BackendError as exc:
             log.warning("kvcore: op %d: remote %s refused: %s", run.op.op_id, stage.value, exc)
             self._fail_chunks(run, run.staged)
             self._next(run)
             return
         self._track(run, self._REMOTE, job)
+
+    def _extend_chain(self, op: BlockOp) -> None:
+        """Put the op's chain delta at ``chain_from`` of its request's chain (dropping what followed)."""
+        chain = self._chains.setdefault(op.request_id, [])
+        if op.chain_from > len(chain):
+            log.warning(
+                "kvcore: op %d: chain of %s resumes at %d past its %d known keys; left as it is",
+                op.op_id,
+                op.request_id,
+                op.chain_from,
+                len(chain),
+            )
+            return
+        del chain[op.chain_from :]
+        chain.extend(keys[self._rank] for keys in op.chain)
 
     def _track(self, run: _Run, queue_id: int, job: JobId) -> None:
         self._jobs[(queue_id, job)] = run.op.op_id
@@ -210,6 +230,7 @@ class BlockWorker:
         if any(r.op.request_id == request_id for r in self._runs.values()):
             return
         self._ending.discard(request_id)
+        self._chains.pop(request_id, None)
         if self._remote is not None:
             try:
                 self._remote.end_session(request_id)

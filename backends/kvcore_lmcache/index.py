@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from kvcore.config import LMCacheMPConfig
 from kvcore.errors import UsageError
 from kvcore.ids import ChunkKey, LookupId, RequestId
-from kvcore.lookup import leading_complete
 from kvcore_lmcache.link import ServerLink, SlotLayout
 from kvcore_lmcache.lookups import LookupBook
 
@@ -49,41 +48,47 @@ class LMCacheChunkIndex:
         self._lookups = LookupBook(self.link)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._shards: dict[LookupId, int] = {}
+        self._asked: dict[LookupId, int] = {}  # chunks asked (after the preceding ones)
 
-    def submit_lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> LookupId:
-        shards = {len(chunk) for chunk in chunks}
+    def submit_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
+        """One server lookup per shard: the shard's keys of ``preceding`` and ``chunks`` as one chain."""
+        shards = {len(chunk) for chunk in (*preceding, *chunks)}
         if len(shards) > 1 or 0 in shards:
             raise UsageError(f"every chunk needs the same, non-zero number of shard keys, got {shards}")
+        width = shards.pop() if shards else 1
+        whole = (*preceding, *chunks)
+        chains = [[chunk[shard] for chunk in whole] for shard in range(width)]
         session = RequestId(f"index-{next(self._ids)}")
-        lookup_id = self._lookups.submit(session, [key for chunk in chunks for key in chunk])
+        lookup_id = self._lookups.submit(session, chains, len(preceding))
         with self._lock:
-            self._shards[lookup_id] = shards.pop() if shards else 1
+            self._asked[lookup_id] = len(chunks)
         return lookup_id
 
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
         with self._lock:
-            shards = self._shards.get(lookup_id)
-        if shards is None:
+            asked = self._asked.get(lookup_id)
+        if asked is None:
             raise UsageError(f"lookup {lookup_id} is unknown, cancelled or already answered")
         try:
             answer = self._lookups.poll(lookup_id)
         except BaseException:
             with self._lock:
-                self._shards.pop(lookup_id, None)
+                self._asked.pop(lookup_id, None)
             raise
         if answer is None:
             return None
         with self._lock:
-            self._shards.pop(lookup_id, None)
-        state, flags = answer
-        for key, hit in zip(state.keys, flags, strict=True):
-            self.link.release(state.session, key, locked=hit)
-        return leading_complete(flags, shards)
+            self._asked.pop(lookup_id, None)
+        state, hits = answer
+        for server, chain in zip(state.servers, state.chains, strict=True):
+            self.link.release(server, chain, ((0, len(chain)),))
+        return min(max(min(hits) - state.first, 0), asked)
 
     def cancel_lookup(self, lookup_id: LookupId) -> None:
         with self._lock:
-            self._shards.pop(lookup_id, None)
+            self._asked.pop(lookup_id, None)
         self._lookups.cancel(lookup_id)
 
     def close(self) -> None:

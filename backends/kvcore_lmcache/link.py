@@ -15,7 +15,7 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from attrs import frozen
@@ -27,7 +27,7 @@ from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 from kvcore.config import LMCacheMPConfig
 from kvcore.errors import BackendError, BackendUnavailable, ConfigError, TransferTimeout
 from kvcore.health import CircuitBreaker
-from kvcore.ids import ChunkKey, RequestId
+from kvcore.ids import ChunkKey
 from kvcore_lmcache.wire import HEADER_BYTES, KeyCodec, server_model_name
 
 __all__ = ["Segment", "ServerLink", "SlotLayout", "register_slots"]
@@ -206,15 +206,19 @@ class ServerLink:
 
     # -- fire-and-forget clean-up ------------------------------------------------------------------
 
-    def release(self, session: RequestId, key: ChunkKey, *, locked: bool) -> None:
-        """Drop the server session of one key, first releasing its lookup lock when it holds one.
+    def release(
+        self, server_session: str, chain: Sequence[ChunkKey], ranges: Iterable[tuple[int, int]]
+    ) -> None:
+        """Release the lookup locks a server session holds on chunk ranges ``[start, end)`` of ``chain``
+        (the server releases only chunks that hit), then end that session.
 
         Not waited for: the server handles requests of one client in order, and a lost release only
         leaves a lock to the server's read-lock TTL.
         """
-        if locked:
-            self.client.free_lookup_locks(self.codec.ipc_key(session, key, None), 1)
-        self.client.end_session(self.codec.server_session(session, key))
+        for start, end in ranges:
+            if start < end:
+                self.client.free_lookup_locks(self.codec.ipc_key(server_session, chain, start, end, None), 1)
+        self.client.end_session(server_session)
 
     # -- connecting --------------------------------------------------------------------------------
 

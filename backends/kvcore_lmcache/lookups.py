@@ -1,11 +1,12 @@
 """Lookups on an LMCache server without blocking the caller: submit, then poll until answered.
 
-A server lookup is two rounds: ``lookup`` (starts a prefetch and read-locks the hits) and, once that
-is acknowledged, ``query_prefetch_status`` (the hit count). Querying before the acknowledgement can
-overtake the lookup on the server and answer a false miss whose locks are never released, so the
-second round waits for the first. Each key is its own server lookup (see ``kvcore_lmcache.wire``);
-all of them are in flight at once. The answer is one flag per key; the caller owns the locks of the
-hits from then on and releases them through ``ServerLink.release``.
+A lookup names one or more chains (the scheduler's index sends one per shard, a worker one); each chain
+is one server lookup in its own server session, all in flight at once. A server lookup is two rounds:
+``lookup`` (starts a prefetch and read-locks the hits) and, once that is acknowledged,
+``query_prefetch_status`` (how many leading chunks of the chain hit). Querying before the
+acknowledgement can overtake the lookup on the server and answer a false miss whose locks are never
+released, so the second round waits for the first. The caller owns the locks of the hits from then on
+and releases them through ``ServerLink.release``.
 """
 
 from __future__ import annotations
@@ -26,13 +27,25 @@ __all__ = ["LookupBook", "LookupState"]
 
 
 class LookupState:
-    """One lookup in flight (a plain slotted record: it lives on the lookup hot path)."""
+    """One lookup in flight (a plain slotted record: it lives on the lookup hot path).
 
-    __slots__ = ("acks", "deadline", "keys", "session", "statuses")
+    ``first`` is where the asked chunks start in each chain (the chunks before it are context).
+    """
 
-    def __init__(self, session: RequestId, keys: tuple[ChunkKey, ...], deadline: float) -> None:
+    __slots__ = ("acks", "chains", "deadline", "first", "servers", "session", "statuses")
+
+    def __init__(
+        self,
+        session: RequestId,
+        chains: tuple[tuple[ChunkKey, ...], ...],
+        servers: tuple[str, ...],
+        first: int,
+        deadline: float,
+    ) -> None:
         self.session = session
-        self.keys = keys
+        self.chains = chains
+        self.servers = servers
+        self.first = first
         self.deadline = deadline
         self.acks: list[MessagingFuture[Any]] = []
         self.statuses: list[MessagingFuture[int | None]] | None = None
@@ -47,77 +60,85 @@ class LookupBook:
         self._lock = threading.Lock()
         self._pending: dict[LookupId, LookupState] = {}
 
-    def submit(self, session: RequestId, keys: Sequence[ChunkKey]) -> LookupId:
-        """Send one server lookup per key. Raises ``BackendUnavailable`` when the link is down."""
+    def submit(self, session: RequestId, chains: Sequence[Sequence[ChunkKey]], first: int = 0) -> LookupId:
+        """Send one server lookup per chain. Raises ``BackendUnavailable`` when the link is down."""
         self._link.require()
-        codec, client = self._link.codec, self._link.client
-        state = LookupState(session, tuple(keys), time.monotonic() + self._link.config.request_timeout_s)
-        state.acks = [client.lookup(codec.ipc_key(session, key, None), 1) for key in state.keys]
+        lookup_id = LookupId(next(self._ids))
+        codec = self._link.codec
+        servers = tuple(codec.server_session(session, f"l{lookup_id}.{i}") for i in range(len(chains)))
+        state = LookupState(
+            session,
+            tuple(tuple(chain) for chain in chains),
+            servers,
+            first,
+            time.monotonic() + self._link.config.request_timeout_s,
+        )
+        client = self._link.client
+        state.acks = [
+            client.lookup(codec.ipc_key(server, chain, 0, len(chain), None), 1)
+            for server, chain in zip(servers, state.chains, strict=True)
+        ]
         with self._lock:
-            lookup_id = LookupId(next(self._ids))
             self._pending[lookup_id] = state
         return lookup_id
 
-    def poll(self, lookup_id: LookupId) -> tuple[LookupState, tuple[bool, ...]] | None:
-        """The lookup and one flag per key once every key answered, else ``None``; handed out once.
+    def poll(self, lookup_id: LookupId) -> tuple[LookupState, tuple[int, ...]] | None:
+        """The lookup and, per chain, its leading chunks hit once every chain answered, else ``None``;
+        handed out once.
 
-        Past its deadline the lookup is dropped (its keys' server sessions released) and
-        ``TransferTimeout`` is raised; an error reply raises ``BackendError``. ``UsageError`` for an
-        unknown id.
+        Past its deadline the lookup is dropped (its locks released) and ``TransferTimeout`` is raised;
+        an error reply raises ``BackendError``. ``UsageError`` for an unknown id.
         """
         with self._lock:
             state = self._pending.get(lookup_id)
         if state is None:
             raise UsageError(f"lookup {lookup_id} is unknown, cancelled or already answered")
         try:
-            flags = self._advance(state)
+            hits = self._advance(state)
         except BackendError:
             self.cancel(lookup_id)
             raise
-        if flags is None:
+        if hits is None:
             if time.monotonic() < state.deadline:
                 return None
             self.cancel(lookup_id)
-            self._link.failed(f"lookup of {len(state.keys)} keys unanswered")
+            self._link.failed(f"lookup of {len(state.chains)} chains unanswered")
             raise TransferTimeout(f"LMCache lookup {lookup_id} unanswered after its deadline")
         with self._lock:
             self._pending.pop(lookup_id, None)
-        return state, flags
+        return state, hits
 
-    def _advance(self, state: LookupState) -> tuple[bool, ...] | None:
+    def _advance(self, state: LookupState) -> tuple[int, ...] | None:
+        client = self._link.client
         if state.statuses is None:
             if not all(ack.query() for ack in state.acks):
                 return None
             for ack in state.acks:
                 self._link.result(ack, "lookup", timeout=0)
-            client = self._link.client
-            state.statuses = [
-                client.query_prefetch_status(self._link.codec.server_session(state.session, key))
-                for key in state.keys
-            ]
+            state.statuses = [client.query_prefetch_status(server) for server in state.servers]
         if not all(status.query() for status in state.statuses):
             return None
         counts = [self._link.result(status, "query_prefetch_status", timeout=0) for status in state.statuses]
         # None: the prefetch still runs; ask again (a fresh query: a reply is handed out once).
         if any(count is None for count in counts):
-            client = self._link.client
             state.statuses = [
-                client.query_prefetch_status(self._link.codec.server_session(state.session, key))
-                if count is None
-                else status
-                for key, count, status in zip(state.keys, counts, state.statuses, strict=True)
+                client.query_prefetch_status(server) if count is None else status
+                for server, count, status in zip(state.servers, counts, state.statuses, strict=True)
             ]
             return None
-        return tuple(bool(count) for count in counts)
+        return tuple(
+            min(max(int(count or 0), 0), len(chain))
+            for count, chain in zip(counts, state.chains, strict=True)
+        )
 
     def cancel(self, lookup_id: LookupId) -> None:
-        """Forget a lookup and release its keys' server sessions (locks a running prefetch still
-        holds expire with the server's read-lock TTL). Unknown ids are ignored."""
+        """Forget a lookup and release its locks (those a running prefetch still holds expire with the
+        server's read-lock TTL). Unknown ids are ignored."""
         with self._lock:
             state = self._pending.pop(lookup_id, None)
         if state is not None:
-            for key in state.keys:
-                self._link.release(state.session, key, locked=True)
+            for server, chain in zip(state.servers, state.chains, strict=True):
+                self._link.release(server, chain, ((0, len(chain)),))
 
     def cancel_session(self, session: RequestId) -> None:
         """Cancel every lookup of ``session``."""

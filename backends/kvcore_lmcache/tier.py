@@ -1,11 +1,13 @@
 """``LMCacheManagedTier``: kvcore's ``ManagedTier`` port on an LMCache multiprocess server.
 
 Worker side. Values move between one host buffer (``StoreItem`` offsets index it) and the server's
-shared-memory slots (engine-driven mode with ``--shm-name``): a store reserves slots
-(``prepare_store``), copies header and bytes in, and commits; a retrieve maps the slots of locked hits
-(``prepare_retrieve``), checks the header, copies out and commits, which releases the read lock. No
-tensor is ever pickled onto the socket. Jobs run in submission order on one thread; requests within a
-job are pipelined. The server cannot remove or clear single keys: the tier does not offer either.
+shared-memory slots (engine-driven mode with ``--shm-name``). The tier is chained (see
+``kvcore_lmcache.wire``): a job's items are cut into runs of consecutive chunks of the request's chain,
+and each run is one server request. A store reserves a run's slots (``prepare_store``), copies header
+and bytes in, and commits; a retrieve maps the slots of a run of locked hits (``prepare_retrieve``),
+checks each header, copies out and commits, which releases the read locks. No tensor is ever pickled
+onto the socket. Jobs run in submission order on one thread; the runs of a job are pipelined. The
+server cannot remove or clear single keys: the tier does not offer either.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from lmcache.v1.multiprocess.futures import MessagingFuture
@@ -33,6 +34,36 @@ __all__ = ["LMCacheManagedTier"]
 log = logging.getLogger(__name__)
 
 _Job = Callable[[], JobResult]
+
+
+def _runs(positions: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted, distinct positions as maximal ranges ``[start, end)`` of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for pos in sorted(set(positions)):
+        if runs and runs[-1][1] == pos:
+            runs[-1] = (runs[-1][0], pos + 1)
+        else:
+            runs.append((pos, pos + 1))
+    return runs
+
+
+def _positions(chain: Sequence[ChunkKey]) -> dict[ChunkKey, int]:
+    positions: dict[ChunkKey, int] = {}
+    for i, key in enumerate(chain):
+        positions.setdefault(key, i)
+    return positions
+
+
+class _Hold:
+    """The read locks one lookup's server session still holds for a kvcore session: the chunks of
+    ``chain`` at ``positions``. The server session ends once none is left."""
+
+    __slots__ = ("chain", "positions", "server")
+
+    def __init__(self, server: str, chain: tuple[ChunkKey, ...], positions: set[int]) -> None:
+        self.server = server
+        self.chain = chain
+        self.positions = positions
 
 
 class LMCacheManagedTier:
@@ -68,35 +99,58 @@ class LMCacheManagedTier:
         self._lookups = LookupBook(self.link)
         self._board = JobBoard()
         self._lock = threading.Lock()
-        self._locked: dict[RequestId, set[ChunkKey]] = {}
+        self._held: dict[RequestId, dict[ChunkKey, _Hold]] = {}  # locked hits, by session and key
         self._queue: queue.SimpleQueue[tuple[JobId, _Job] | None] = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._run, name="kvcore-lmcache-jobs", daemon=True)
         self._worker.start()
 
     # -- lookups -----------------------------------------------------------------------------------
 
-    def submit_lookup(self, session: RequestId, chunks: Sequence[ChunkKey]) -> LookupId:
-        return self._lookups.submit(session, chunks)
+    def submit_lookup(
+        self, session: RequestId, chunks: Sequence[ChunkKey], preceding: Sequence[ChunkKey] = ()
+    ) -> LookupId:
+        return self._lookups.submit(session, [(*preceding, *chunks)], len(preceding))
 
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
         answer = self._lookups.poll(lookup_id)
         if answer is None:
             return None
-        state, flags = answer
-        hits = next((i for i, hit in enumerate(flags) if not hit), len(flags))
-        with self._lock:
-            self._locked.setdefault(state.session, set()).update(state.keys[:hits])
-        # a hit after the first miss is of no use: release its lock now
-        for key, hit in zip(state.keys[hits:], flags[hits:], strict=True):
-            self.link.release(state.session, key, locked=hit)
-        return hits
+        state, (hit,) = answer
+        chain, first = state.chains[0], state.first
+        # the chunks before ``first`` are held nearer by the caller: their locks go at once
+        self._hold(state.session, state.servers[0], chain, range(first, max(hit, first)), ((0, first),))
+        return max(hit - first, 0)
 
     def end_session(self, session: RequestId) -> None:
         self._lookups.cancel_session(session)
         with self._lock:
-            keys = self._locked.pop(session, set())
-        for key in keys:
-            self.link.release(session, key, locked=True)
+            holds = {id(h): h for h in self._held.pop(session, {}).values()}
+        for hold in holds.values():
+            self.link.release(hold.server, hold.chain, _runs(hold.positions))
+
+    def _hold(
+        self,
+        session: RequestId,
+        server: str,
+        chain: tuple[ChunkKey, ...],
+        kept: Iterable[int],
+        released: Iterable[tuple[int, int]],
+    ) -> None:
+        """Keep the locks of ``kept`` positions for the session; release ``released`` ranges now (and
+        end the server session if nothing is kept)."""
+        hold = _Hold(server, chain, set(kept))
+        if not hold.positions:
+            self.link.release(server, chain, released)
+            return
+        for start, end in released:
+            if start < end:
+                self.link.client.free_lookup_locks(
+                    self.link.codec.ipc_key(server, chain, start, end, None), 1
+                )
+        with self._lock:
+            held = self._held.setdefault(session, {})
+            for pos in hold.positions:
+                held[chain[pos]] = hold
 
     # -- jobs --------------------------------------------------------------------------------------
 
@@ -106,13 +160,19 @@ class LMCacheManagedTier:
     def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
         return self._board.wait(job_ids, timeout)
 
-    def submit_store(self, session: RequestId, items: Sequence[StoreItem]) -> JobId:
+    def submit_store(
+        self, session: RequestId, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
         items = self._checked(items)
-        return self._submit(lambda job_id: self._store(job_id, session, items))
+        whole = tuple(chain) if chain else tuple(item.key for item in items)
+        return self._submit(lambda job_id: self._store(job_id, session, items, whole))
 
-    def submit_retrieve(self, session: RequestId, items: Sequence[StoreItem]) -> JobId:
+    def submit_retrieve(
+        self, session: RequestId, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
         items = self._checked(items)
-        return self._submit(lambda job_id: self._retrieve(job_id, session, items))
+        whole = tuple(chain) if chain else tuple(item.key for item in items)
+        return self._submit(lambda job_id: self._retrieve(job_id, session, items, whole))
 
     def close(self) -> None:
         """Finish queued jobs (each bounded by the request timeout), then drop the connection."""
@@ -150,88 +210,139 @@ class LMCacheManagedTier:
 
     # -- store and retrieve (on the job thread) ----------------------------------------------------
 
-    def _store(self, job_id: JobId, session: RequestId, items: tuple[StoreItem, ...]) -> JobResult:
-        if not self.link.available():
-            return JobResult(job_id, tuple(range(len(items))), "LMCache server unavailable")
-        codec, client, iid = self.link.codec, self.link.client, self.link.instance_id
-        keys = [codec.ipc_key(session, item.key, 0) for item in items]
-        prepared = [client.prepare_store(key, iid) for key in keys]
-        failed: list[int] = []
-        commits: list[tuple[int, MessagingFuture[bool]]] = []
-        for i, (item, key, future) in enumerate(zip(items, keys, prepared, strict=True)):
-            slots = self._slots(future, "prepare_store", lambda r: r.context)
-            if slots is None:
-                failed.append(i)
-            elif not slots:  # already stored: a store is idempotent
-                pass
-            elif self._write(item, slots[0]):
-                commits.append((i, client.commit_store(key, iid, b"")))
+    @staticmethod
+    def _placed(
+        items: tuple[StoreItem, ...], chain: tuple[ChunkKey, ...]
+    ) -> tuple[dict[int, list[int]], list[int]]:
+        """Item indices by chain position, and the items whose key is not in the chain."""
+        where = _positions(chain)
+        at: dict[int, list[int]] = {}
+        missing: list[int] = []
+        for i, item in enumerate(items):
+            pos = where.get(item.key)
+            if pos is None:
+                missing.append(i)
             else:
-                failed.append(i)
-        for i, commit in commits:
-            if not self._reply(commit, "commit_store"):
-                failed.append(i)
-        for item in items:
-            self.link.release(session, item.key, locked=False)
-        return JobResult(job_id, tuple(sorted(failed)))
+                at.setdefault(pos, []).append(i)
+        return at, missing
 
-    def _retrieve(self, job_id: JobId, session: RequestId, items: tuple[StoreItem, ...]) -> JobResult:
+    def _store(
+        self, job_id: JobId, session: RequestId, items: tuple[StoreItem, ...], chain: tuple[ChunkKey, ...]
+    ) -> JobResult:
         if not self.link.available():
             return JobResult(job_id, tuple(range(len(items))), "LMCache server unavailable")
-        with self._lock:
-            held = self._locked.setdefault(session, set())
-            unlocked = [item.key for item in items if item.key not in held]
-        if unlocked:  # a retrieve without a lookup: lock the keys first
-            self._lock_now(session, unlocked)
-        with self._lock:
-            held = self._locked.setdefault(session, set())
-            wanted = [i for i, item in enumerate(items) if item.key in held]
-            held.difference_update(items[i].key for i in wanted)
+        at, failed = self._placed(items, chain)
         codec, client, iid = self.link.codec, self.link.client, self.link.instance_id
-        keys = {i: codec.ipc_key(session, items[i].key, 0) for i in wanted}
-        prepared = {i: client.prepare_retrieve(keys[i], iid) for i in wanted}
-        failed = [i for i in range(len(items)) if i not in prepared]
-        commits: list[MessagingFuture[bool]] = []
-        for i, future in prepared.items():
-            slots = self._slots(future, "prepare_retrieve", lambda r: r.context if r.success else {})
-            if not slots or not self._read(items[i], slots[0]):
-                failed.append(i)
-            if slots:
-                commits.append(client.commit_retrieve(keys[i], iid))
+        server = codec.server_session(session, f"s{job_id}")
+        runs = _runs(at)
+        keys = [codec.ipc_key(server, chain, start, end, 0) for start, end in runs]
+        prepared = [client.prepare_store(key, iid) for key in keys]
+        commits: list[tuple[list[int], MessagingFuture[bool]]] = []
+        for (start, end), key, future in zip(runs, keys, prepared, strict=True):
+            run_items = [i for pos in range(start, end) for i in at[pos]]
+            reply = self._context(future, "prepare_store", lambda r: r.context)
+            slots, indices = reply.get("slots"), reply.get("chunk_indices")
+            if not isinstance(slots, list) or not isinstance(indices, list) or len(slots) != len(indices):
+                failed.extend(run_items)
+                continue
+            if not slots:  # every chunk of the run is stored already: a store is idempotent
+                continue
+            written: list[int] = []
+            for slot, index in zip(slots, indices, strict=True):
+                targets = at.get(start + int(index), [])
+                if targets and self._write(items[targets[0]], slot):
+                    written.extend(targets)
+                else:  # never commit a slot whose header could read as this key's value
+                    self._poison(slot)
+                    failed.extend(targets)
+            commits.append((written, client.commit_store(key, iid, b"")))
+        for written, commit in commits:
+            if not self._reply(commit, "commit_store"):
+                failed.extend(written)
+        client.end_session(server)
+        return JobResult(job_id, tuple(sorted(set(failed))))
+
+    def _retrieve(
+        self, job_id: JobId, session: RequestId, items: tuple[StoreItem, ...], chain: tuple[ChunkKey, ...]
+    ) -> JobResult:
+        if not self.link.available():
+            return JobResult(job_id, tuple(range(len(items))), "LMCache server unavailable")
+        at, failed = self._placed(items, chain)
+        if not at:
+            return JobResult(job_id, tuple(failed))
+        codec, client, iid = self.link.codec, self.link.client, self.link.instance_id
+        server = codec.server_session(session, f"r{job_id}")
+        with self._lock:
+            held = self._held.get(session, {})
+            holds = {pos: held[chain[pos]] for pos in at if chain[pos] in held}
+        # what no earlier lookup of the session locked is locked now, by a lookup of this job
+        locked_here = self._lock_now(server, chain[: max(at) + 1]) if len(holds) < len(at) else 0
+        wanted = [pos for pos in at if pos in holds or pos < locked_here]
+        failed.extend(i for pos in at if pos not in wanted for i in at[pos])
+        runs = _runs(wanted)
+        keys = [codec.ipc_key(server, chain, start, end, 0) for start, end in runs]
+        prepared = [client.prepare_retrieve(key, iid) for key in keys]
+        # a prepared retrieve consumes one lock per chunk of its run, whatever its outcome
+        leftover = set(range(locked_here))
+        for pos in wanted:
+            hold = holds.get(pos)
+            if hold is None:
+                leftover.discard(pos)
             else:
-                self.link.release(session, items[i].key, locked=True)
+                self._unhold(session, hold, pos)
+        commits: list[MessagingFuture[bool]] = []
+        for (start, end), key, future in zip(runs, keys, prepared, strict=True):
+            run_items = [i for pos in range(start, end) for i in at[pos]]
+            slots = self._context(future, "prepare_retrieve", lambda r: r.context if r.success else {}).get(
+                "slots"
+            )
+            if not isinstance(slots, list) or len(slots) != end - start:
+                failed.extend(run_items)
+                continue
+            for pos, slot in zip(range(start, end), slots, strict=True):
+                failed.extend(i for i in at[pos] if not self._read(items[i], slot))
+            commits.append(client.commit_retrieve(key, iid))
         for commit in commits:
             self._reply(commit, "commit_retrieve")
-        for i in prepared:
-            self.link.release(session, items[i].key, locked=False)
-        return JobResult(job_id, tuple(sorted(failed)))
+        self.link.release(server, chain, _runs(leftover))
+        return JobResult(job_id, tuple(sorted(set(failed))))
 
-    def _lock_now(self, session: RequestId, keys: Sequence[ChunkKey]) -> None:
+    def _unhold(self, session: RequestId, hold: _Hold, pos: int) -> None:
+        """A hold's lock at ``pos`` was consumed; end its server session once none is left."""
+        with self._lock:
+            hold.positions.discard(pos)
+            held = self._held.get(session)
+            if held is not None and held.get(hold.chain[pos]) is hold:
+                del held[hold.chain[pos]]
+            done = not hold.positions
+        if done:
+            self.link.client.end_session(hold.server)
+
+    def _lock_now(self, server: str, chain: tuple[ChunkKey, ...]) -> int:
+        """Look ``chain`` up in the job's server session, waiting for the answer: the leading chunks
+        hit, now read-locked (0 on any failure, with nothing locked that is not released)."""
+        client = self.link.client
         try:
-            lookup_id = self._lookups.submit(session, keys)
-            while (answer := self._lookups.poll(lookup_id)) is None:
-                time.sleep(0.0005)
+            self.link.result(
+                client.lookup(self.link.codec.ipc_key(server, chain, 0, len(chain), None), 1), "lookup"
+            )
+            # the server gives up first, so that a slow prefetch answers "no hits" rather than silence
+            timeout = self.link.config.request_timeout_s / 2
+            count = self.link.result(client.wait_prefetch_status(server, timeout), "wait_prefetch_status")
         except BackendError as exc:
             log.warning("kvcore: LMCache lookup before retrieve failed: %s", exc)
-            return
-        state, flags = answer
-        with self._lock:
-            hits = (key for key, hit in zip(state.keys, flags, strict=True) if hit)
-            self._locked.setdefault(session, set()).update(hits)
-        for key, hit in zip(state.keys, flags, strict=True):
-            if not hit:
-                self.link.release(session, key, locked=False)
+            return 0
+        return min(max(int(count or 0), 0), len(chain))
 
-    def _slots(
+    def _context(
         self, future: MessagingFuture[Any], what: str, context: Callable[[Any], Any]
-    ) -> list[Any] | None:
+    ) -> dict[str, Any]:
         try:
-            reply = self.link.result(future, what)
+            reply = context(self.link.result(future, what))
         except BackendError as exc:
             log.warning("kvcore: %s", exc)
-            return None
-        slots = context(reply).get("slots") if isinstance(context(reply), dict) else None
-        return slots if isinstance(slots, list) else None
+            return {}
+        return reply if isinstance(reply, dict) else {}
 
     def _reply(self, future: MessagingFuture[bool], what: str) -> bool:
         try:
@@ -261,6 +372,13 @@ class LMCacheManagedTier:
             # the header last: a slot whose copy did not finish never reads as this key's value
             segment.view[base : base + HEADER_BYTES] = header(item.key, item.length)
         return True
+
+    def _poison(self, slot: Any) -> None:
+        span = self._slot_span(slot)
+        with self.link.segment_lock:
+            segment = self.link.segment
+            if span is not None and segment is not None and span[0] + HEADER_BYTES <= segment.size:
+                segment.view[span[0] : span[0] + HEADER_BYTES] = bytes(HEADER_BYTES)
 
     def _read(self, item: StoreItem, slot: Any) -> bool:
         span = self._slot_span(slot)

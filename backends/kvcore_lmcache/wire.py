@@ -1,11 +1,11 @@
 """How kvcore names its chunks on an LMCache server, and how a chunk's bytes sit in a server slot.
 
 An LMCache server does not take keys: it takes token ids and hashes them itself, chaining each chunk's
-hash on the previous one. kvcore's chunk keys already stand for a whole prefix, so each key becomes its
-own one-chunk token sequence (the key's SHA-256, as 31-bit words, zero-padded to the server's chunk
-size). Keys are then independent on the server: storing or looking up one never depends on which keys
-were sent with it. Each (session, key) pair gets its own server session id, because a server session
-caches the hashes of the first token sequence it saw.
+hash on the previous one. So a request's chunks go to the server as one token sequence, its *chain*:
+each kvcore key becomes one chunk of token ids (the key's SHA-256 as eight 31-bit words, zero-padded to
+the server's chunk size), and a range of that sequence names the chunks a request is about. A kvcore
+key stands for its whole prefix, so a key always sits after the same chain and names one server entry;
+a request's chunks then cost one round trip, not one per chunk.
 
 A slot holds a header (magic, value length, key digest) before the value. A retrieve checks it, so a
 slot of another client, a stale shared-memory mapping or a hash collision is a miss, never used.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 
 from attrs import frozen
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
@@ -62,24 +63,34 @@ class KeyCodec:
     model_name: str
     chunk_tokens: int
 
-    def tokens(self, key: ChunkKey) -> tuple[int, ...]:
-        digest = _digest(key)
-        words = [int.from_bytes(digest[i : i + 4], "little") & 0x7FFFFFFF for i in range(0, 32, 4)]
-        return (*words, *([0] * (self.chunk_tokens - _TOKEN_WORDS)))
+    def tokens(self, chain: Sequence[ChunkKey]) -> list[int]:
+        """The token sequence of a chain: one server chunk per key."""
+        padding = [0] * (self.chunk_tokens - _TOKEN_WORDS)
+        out: list[int] = []
+        for key in chain:
+            digest = _digest(key)
+            out.extend(int.from_bytes(digest[i : i + 4], "little") & 0x7FFFFFFF for i in range(0, 32, 4))
+            out.extend(padding)
+        return out
 
-    def server_session(self, session: RequestId, key: ChunkKey) -> str:
-        """The server session of one key within one kvcore session."""
-        return f"kvcore:{session}:{_digest(key)[:12].hex()}"
+    @staticmethod
+    def server_session(session: RequestId, tag: str) -> str:
+        """A server session of one kvcore session: each lookup or job gets its own (``tag``), since a
+        server session's lookup state and locks belong to its latest lookup."""
+        return f"kvcore:{session}:{tag}"
 
-    def ipc_key(self, session: RequestId, key: ChunkKey, worker: int | None) -> IPCCacheServerKey:
-        """The server key of one chunk; ``worker`` is ``None`` for lookups, 0 for transfers."""
+    def ipc_key(
+        self, server_session: str, chain: Sequence[ChunkKey], start: int, end: int, worker: int | None
+    ) -> IPCCacheServerKey:
+        """The server key of chunks ``[start, end)`` of ``chain``; ``worker`` is ``None`` for lookups and
+        lock releases, 0 for transfers."""
         return IPCCacheServerKey(
             model_name=self.model_name,
             world_size=1,
             worker_id=worker,
-            token_ids=self.tokens(key),
-            start=0,
-            end=self.chunk_tokens,
-            request_id=self.server_session(session, key),
+            token_ids=tuple(self.tokens(chain[:end])),
+            start=start * self.chunk_tokens,
+            end=end * self.chunk_tokens,
+            request_id=server_session,
             num_kv_readers=1,
         )

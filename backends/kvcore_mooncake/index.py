@@ -71,9 +71,11 @@ class MooncakeChunkIndex:
         """Set up a pure client (no segment) for ``config.master``; raises ``BackendUnavailable``."""
         return cls(MooncakeClient.connect(config, segment_size=0), timeout_s, owns_client=True)
 
-    def submit_lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> LookupId:
+    def submit_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
         """Queue a lookup and return at once. Raises ``BackendUnavailable`` while the master is marked
-        unhealthy or after ``close``."""
+        unhealthy or after ``close``. Mooncake keys each chunk alone, so ``preceding`` is ignored."""
         keys: list[str] = [key for chunk in chunks for key in chunk]
         lookup = _Lookup(keys, tuple(len(chunk) for chunk in chunks), self._clock() + self._timeout)
         if not keys:

@@ -60,9 +60,11 @@ def settle_lookup(index: ChunkIndex, lookup_id: LookupId) -> int:
     return settle(partial(index.poll_lookup, lookup_id), f"lookup {lookup_id}")
 
 
-def answer(index: ChunkIndex, chunks: Sequence[Sequence[ChunkKey]]) -> int:
+def answer(
+    index: ChunkIndex, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+) -> int:
     """The submitted lookup's answer; when the index also answers at once, both forms must agree."""
-    hits = settle_lookup(index, index.submit_lookup(chunks))
+    hits = settle_lookup(index, index.submit_lookup(chunks, preceding))
     if isinstance(index, SupportsImmediateLookup):
         assert index.lookup(chunks) == hits, "the immediate and the submitted lookup disagree"
     return hits
@@ -88,6 +90,12 @@ class ChunkIndexTests(HarnessFixture[IndexHarness[IndexT]], Generic[IndexT]):
         keys = fresh_keys(4)
         harness.make_present([keys[0], keys[1], keys[3]])
         assert answer(harness.backend, _one_per_chunk(keys)) == 2
+
+    def test_preceding_chunks_are_not_counted(self, harness: IndexHarness[IndexT]) -> None:
+        # all 4 present; chunks[k:] after preceding chunks[:k] -> 4 - k
+        chunks = _one_per_chunk(fresh_keys(4))
+        harness.make_present([key for chunk in chunks for key in chunk])
+        assert [answer(harness.backend, chunks[k:], chunks[:k]) for k in range(5)] == [4, 3, 2, 1, 0]
 
     def test_a_chunk_needs_every_shard(self, harness: IndexHarness[IndexT]) -> None:
         # shards a and b of chunks 0..2, b1 missing -> 1

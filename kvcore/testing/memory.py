@@ -245,7 +245,10 @@ class InMemoryChunkIndex(_Gate):
     def _count(self, chunks: Iterable[Sequence[ChunkKey]]) -> int:
         return sum(1 for _ in itertools.takewhile(lambda c: all(k in self._keys for k in c), chunks))
 
-    def submit_lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> LookupId:
+    def submit_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
+        """Record ``chunks``, answered when polled; keys stand alone here, so ``preceding`` is ignored."""
         with self._cond:
             lookup_id = LookupId(next(self._ids))
             self._lookups[lookup_id] = tuple(tuple(c) for c in chunks)
@@ -496,7 +499,8 @@ class InMemoryManagedTier(_Jobs):
 
     A lookup locks its hits for the session; a retrieve releases the session's lock on what it read and
     ``end_session`` releases the rest. Storing into a full tier evicts the least recently used unlocked
-    values; an item that finds no room fails. There is no remove.
+    values; an item that finds no room fails. There is no remove. It keys chunks alone: a chain only
+    fails the items whose keys it lacks, as the port requires.
     """
 
     def __init__(self, host: bytearray, capacity: int | None = None) -> None:
@@ -514,7 +518,10 @@ class InMemoryManagedTier(_Jobs):
     def _locked(self, key: ChunkKey) -> bool:
         return any(key in held for held in self._locks.values())
 
-    def submit_lookup(self, session: RequestId, chunks: Sequence[ChunkKey]) -> LookupId:
+    def submit_lookup(
+        self, session: RequestId, chunks: Sequence[ChunkKey], preceding: Sequence[ChunkKey] = ()
+    ) -> LookupId:
+        """Lock the session's leading hits; keys stand alone here, so ``preceding`` is ignored."""
         with self._cond:
             hits = list(itertools.takewhile(self._values.data.__contains__, chunks))
             self._locks.setdefault(session, Counter()).update(hits)
@@ -533,15 +540,19 @@ class InMemoryManagedTier(_Jobs):
                 return None
             return self._lookups.pop(lookup_id)
 
-    def submit_store(self, session: RequestId, items: Sequence[StoreItem]) -> JobId:
+    def submit_store(
+        self, session: RequestId, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
         _check_items(items, len(self._host))
-        return self._submit(partial(self._store, tuple(items)))
+        return self._submit(partial(self._store, tuple(items), _outside(chain)))
 
-    def _store(self, items: tuple[StoreItem, ...], job_id: JobId) -> JobResult:
+    def _store(
+        self, items: tuple[StoreItem, ...], outside: Callable[[ChunkKey], bool], job_id: JobId
+    ) -> JobResult:
         failed: list[int] = []
         with self._cond:
             for i, item in enumerate(items):
-                if self._take_failure():
+                if self._take_failure() or outside(item.key):
                     failed.append(i)
                 elif item.key in self._values.data:
                     self._values.data.move_to_end(item.key)
@@ -551,13 +562,24 @@ class InMemoryManagedTier(_Jobs):
                     failed.append(i)
         return JobResult(job_id, tuple(failed))
 
-    def submit_retrieve(self, session: RequestId, items: Sequence[StoreItem]) -> JobId:
+    def submit_retrieve(
+        self, session: RequestId, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
         _check_items(items, len(self._host))
-        return self._submit(partial(self._retrieve, session, tuple(items)))
+        return self._submit(partial(self._retrieve, session, tuple(items), _outside(chain)))
 
-    def _retrieve(self, session: RequestId, items: tuple[StoreItem, ...], job_id: JobId) -> JobResult:
+    def _retrieve(
+        self,
+        session: RequestId,
+        items: tuple[StoreItem, ...],
+        outside: Callable[[ChunkKey], bool],
+        job_id: JobId,
+    ) -> JobResult:
         with self._cond:
-            failed = _copy_out(self._host, items, self._values.data.get, self._take_failure)
+            data = self._values.data
+            failed = _copy_out(
+                self._host, items, lambda k: None if outside(k) else data.get(k), self._take_failure
+            )
             held = self._locks.get(session)
             if held is not None:
                 held.subtract(item.key for item in items if held[item.key])
@@ -579,6 +601,12 @@ class InMemoryManagedTier(_Jobs):
         with self._cond:
             self._values.data[key] = bytes(value)
             self._values.data.move_to_end(key)
+
+
+def _outside(chain: Sequence[ChunkKey]) -> Callable[[ChunkKey], bool]:
+    """Whether a key lies outside ``chain``: never for an empty chain (the items' keys are the chain)."""
+    members = frozenset(chain)
+    return lambda key: bool(members) and key not in members
 
 
 class InMemoryAddressSpace:

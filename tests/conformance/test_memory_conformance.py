@@ -71,17 +71,22 @@ class MemoryMoverHarness:
 
 
 class MemoryTierHarness(Generic[TierT]):
-    """A store or managed tier over a host ``bytearray``; ``peek``/``poke`` are the backend's own."""
+    """A store or managed tier over a host ``bytearray``; ``peek``/``poke`` are the backend's own, and
+    ignore the chain (``preceding``): the reference backends key chunks alone."""
 
     def __init__(self, backend: TierT, host: bytearray, capacity: int) -> None:
         self.backend: TierT = backend
         self.host_size = len(host)
         self.capacity = capacity
         self._host = host
-        self.peek = backend.peek
-        self.poke = backend.poke
         self.fail_next = backend.fail_next
         self.stall = backend.stall
+
+    def peek(self, key: ChunkKey, preceding: Sequence[ChunkKey] = ()) -> bytes | None:
+        return self.backend.peek(key)
+
+    def poke(self, key: ChunkKey, value: bytes, preceding: Sequence[ChunkKey] = ()) -> None:
+        self.backend.poke(key, value)
 
     def read_host(self, offset: int, length: int) -> bytes:
         return bytes(self._host[offset : offset + length])

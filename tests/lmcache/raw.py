@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
@@ -37,12 +38,12 @@ class RawClient:
         )
         self._map = self.segment.view
 
-    def _session(self) -> RequestId:
-        return RequestId(f"raw-{uuid.uuid4().hex[:12]}")
+    def _server(self) -> str:
+        return self.codec.server_session(RequestId("raw"), uuid.uuid4().hex[:12])
 
-    def poke(self, key: ChunkKey, value: bytes) -> None:
-        session = self._session()
-        ipc_key = self.codec.ipc_key(session, key, 0)
+    def poke(self, key: ChunkKey, value: bytes, preceding: Sequence[ChunkKey] = ()) -> None:
+        server, chain = self._server(), (*preceding, key)
+        ipc_key = self.codec.ipc_key(server, chain, len(preceding), len(chain), 0)
         reply = self.client.prepare_store(ipc_key, self.instance_id).result(timeout=TIMEOUT_S)
         slots = reply.context.get("slots")
         if slots:
@@ -50,18 +51,21 @@ class RawClient:
             self._map[offset + HEADER_BYTES : offset + HEADER_BYTES + len(value)] = value
             self._map[offset : offset + HEADER_BYTES] = header(key, len(value))
             assert self.client.commit_store(ipc_key, self.instance_id, b"").result(timeout=TIMEOUT_S)
-        self.client.end_session(self.codec.server_session(session, key)).result(timeout=TIMEOUT_S)
+        self.client.end_session(server).result(timeout=TIMEOUT_S)
 
-    def peek(self, key: ChunkKey) -> bytes | None:
-        session = self._session()
-        sub = self.codec.server_session(session, key)
-        self.client.lookup(self.codec.ipc_key(session, key, None), 1).result(timeout=TIMEOUT_S)
+    def peek(self, key: ChunkKey, preceding: Sequence[ChunkKey] = ()) -> bytes | None:
+        """The value stored under ``key`` after ``preceding`` (the lookup locks nothing else for long:
+        a preceding chunk the server lacks is a miss, as for the tier)."""
+        server, chain = self._server(), (*preceding, key)
+        self.client.lookup(self.codec.ipc_key(server, chain, 0, len(chain), None), 1).result(
+            timeout=TIMEOUT_S
+        )
         deadline = time.monotonic() + TIMEOUT_S
-        while (hits := self.client.query_prefetch_status(sub).result(timeout=TIMEOUT_S)) is None:
+        while (hits := self.client.query_prefetch_status(server).result(timeout=TIMEOUT_S)) is None:
             assert time.monotonic() < deadline, "prefetch never finished"
         value = None
-        if hits:
-            ipc_key = self.codec.ipc_key(session, key, 0)
+        if hits == len(chain):
+            ipc_key = self.codec.ipc_key(server, chain, len(preceding), len(chain), 0)
             reply = self.client.prepare_retrieve(ipc_key, self.instance_id).result(timeout=TIMEOUT_S)
             slots = reply.context.get("slots") if reply.success else None
             if slots:
@@ -71,7 +75,10 @@ class RawClient:
                 if check_header(key, length, raw[:HEADER_BYTES]):
                     value = raw[HEADER_BYTES : HEADER_BYTES + length]
             self.client.commit_retrieve(ipc_key, self.instance_id).result(timeout=TIMEOUT_S)
-        self.client.end_session(sub).result(timeout=TIMEOUT_S)
+        if hits:
+            lock_key = self.codec.ipc_key(server, chain, 0, min(hits, len(preceding)), None)
+            self.client.free_lookup_locks(lock_key, 1).result(timeout=TIMEOUT_S)
+        self.client.end_session(server).result(timeout=TIMEOUT_S)
         return value
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -42,11 +42,11 @@ class TierHarness:
     def write_host(self, offset: int, data: bytes) -> None:
         self._host[offset : offset + len(data)] = data
 
-    def peek(self, key: ChunkKey) -> bytes | None:
-        return self.raw.peek(key)
+    def peek(self, key: ChunkKey, preceding: Sequence[ChunkKey] = ()) -> bytes | None:
+        return self.raw.peek(key, preceding)
 
-    def poke(self, key: ChunkKey, value: bytes) -> None:
-        self.raw.poke(key, value)
+    def poke(self, key: ChunkKey, value: bytes, preceding: Sequence[ChunkKey] = ()) -> None:
+        self.raw.poke(key, value, preceding)
 
     def close(self) -> None:
         self.backend.close()

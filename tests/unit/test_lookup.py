@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given
@@ -27,9 +28,13 @@ class RemoteOnly:
 
     def __init__(self, index: InMemoryChunkIndex) -> None:
         self.index = index
+        self.preceding: list[Sequence[Sequence[ChunkKey]]] = []  # of each submitted lookup
 
-    def submit_lookup(self, chunks: object) -> LookupId:
-        return self.index.submit_lookup(chunks)  # type: ignore[arg-type]  # passthrough
+    def submit_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
+        self.preceding.append(preceding)
+        return self.index.submit_lookup(chunks, preceding)
 
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
         return self.index.poll_lookup(lookup_id)
@@ -72,6 +77,17 @@ def test_remote_index_ask_again_then_answer() -> None:
         assert isinstance(pending, PendingLookup)
         assert lookup.resume(pending) is None
     assert lookup.resume(pending) == 1
+
+
+def test_preceding_chunks_reach_the_remote_index_and_are_not_counted() -> None:
+    index = InMemoryChunkIndex()
+    index.add([ChunkKey("a"), ChunkKey("b"), ChunkKey("c")])
+    remote = RemoteOnly(index)
+    lookup = PrefixLookup(remote, 1.0, clock=Clock())
+    pending = lookup.begin(keys("c", "d"), keys("a", "b"))
+    assert isinstance(pending, PendingLookup)
+    assert remote.preceding == [keys("a", "b")]
+    assert lookup.resume(pending) == 1  # c, of (c, d): a and b are not counted
 
 
 def test_timeout_is_a_miss(caplog: pytest.LogCaptureFixture) -> None:

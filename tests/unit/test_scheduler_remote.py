@@ -3,17 +3,21 @@ fetch after local eviction, publish per rank shard, misses and failures, epoch b
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
+
+import attrs
+import pytest
 
 from kvcore.config import load_config
 from kvcore.engine import EngineSpec
 from kvcore.errors import BackendUnavailable
-from kvcore.ids import ChunkKey, LookupId, RequestId
+from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.layout import KVLayout, LayoutKind
 from kvcore.lookup import leading_complete
-from kvcore.plan import StepPlan
-from kvcore.ports import Direction
+from kvcore.plan import BlockOp, RemoteChunk, StepPlan
+from kvcore.ports import Direction, StoreItem
 from kvcore.remote import StoreRemote
 from kvcore.scheduler import CacheScheduler
 from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkIndex, InMemoryChunkStore
@@ -34,10 +38,15 @@ class StoreIndex:
     def __init__(self, store: InMemoryChunkStore) -> None:
         self.store = store
         self.down = False
+        self.preceding: list[Sequence[Sequence[ChunkKey]]] = []  # of each submitted lookup
 
-    def submit_lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> LookupId:
+    def submit_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
+        """Answers from the store, which keys chunks alone: ``preceding`` is only recorded."""
         if self.down:
             raise BackendUnavailable("store is down")
+        self.preceding.append(preceding)
         self.answer = leading_complete(self.store.exists([k for c in chunks for k in c]), len(chunks[0]))
         return LookupId(1)
 
@@ -263,3 +272,110 @@ def test_a_worker_without_the_remote_tier_fails_the_chunks_it_cannot_fetch() -> 
     rig.step()
     assert set(rig.sched.take_load_errors()[c]) == set(range(20, 26))  # recomputed, never garbage
     assert rig.sched.stats().pool.pinned == 0
+
+
+class Chains(StoreRemote):
+    """Records the chain each fetch and publish names (the store itself keys chunks alone)."""
+
+    def __init__(self, store: InMemoryChunkStore) -> None:
+        super().__init__(store)
+        self.chains: list[tuple[str, tuple[ChunkKey, ...]]] = []
+
+    def submit_fetch(self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()) -> JobId:
+        self.chains.append(("fetch", tuple(chain)))
+        return super().submit_fetch(session, items, chain)
+
+    def submit_publish(
+        self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        self.chains.append(("publish", tuple(chain)))
+        return super().submit_publish(session, items, chain)
+
+    def last(self) -> tuple[str, tuple[ChunkKey, ...]]:
+        return self.chains[-1]
+
+
+def test_ops_carry_the_chain_once_and_the_remote_lookup_its_local_prefix() -> None:
+    rig = Rig(slots=5)
+    remote = Chains(rig.store)
+    rig.worker = BlockWorker(rig.mover, remote=remote, slot_bytes=2 * rig.mover.host_block_bytes)
+    rig.serve_and_save("a", TOKENS, range(8))  # a0 a1 a2 in the store
+    rig.serve_and_save("b", list(range(1000, 1042)), range(8, 19))  # 5 chunks evict a's from the pool
+    x = RequestId("x")
+    assert rig.lookup(x, TOKENS[:12]) == 8
+    rig.sched.start_load(x, range(30, 33))
+    (x_load,) = rig.step().ops  # fetches a0 back into the pool
+    (k0,) = x_load.remote[0].keys
+    assert (x_load.chain_from, x_load.chain) == (0, ((k0,),))
+    # c: chunk 0 local, chunks 1 and 2 only remote -> the remote lookup is told of chunk 0
+    c = RequestId("c")
+    assert rig.lookup(c, TOKENS) == 24
+    assert list(rig.index.preceding[-1]) == [(k0,)]
+    rig.sched.start_load(c, range(20, 28))
+    (c_load,) = rig.step().ops
+    (k1,), (k2,) = (chunk.keys for chunk in c_load.remote)
+    assert (c_load.chain_from, c_load.chain) == (0, ((k0,), (k1,), (k2,)))
+    assert remote.last() == ("fetch", (k0, k1, k2))
+    # a load wholly from the pool crosses no remote tier: it carries no chain
+    d = RequestId("d")
+    assert rig.lookup(d, TOKENS) == 24
+    rig.sched.start_load(d, range(40, 46))
+    (d_load,) = rig.step().ops
+    assert (d_load.remote, d_load.chain_from, d_load.chain) == ((), 0, ())
+    # c grows to 5 full chunks: its save carries chain positions 3 and 4 only
+    grown = [*TOKENS, *range(130, 140)]
+    assert rig.sched.save(c, range(20, 30), num_tokens=40, tokens=grown) == 2
+    (c_save,) = rig.step().ops
+    (k3,), (k4,) = (chunk.keys for chunk in c_save.remote)
+    assert (c_save.chain_from, c_save.chain) == (3, ((k3,), (k4,)))
+    assert remote.last() == ("publish", (k0, k1, k2, k3, k4))
+
+
+def _save_op(op_id: int, rid: str, chunks: Sequence[tuple[ChunkKey, ChunkKey]], chain_from: int) -> BlockOp:
+    """A save of ``chunks`` (rank 0 and rank 1 keys each) into slots 0.., carrying them as its chain."""
+    return BlockOp(
+        op_id,
+        Direction.SAVE,
+        range(2 * len(chunks)),
+        range(2 * len(chunks)),
+        rid,
+        tuple(RemoteChunk(i, keys, 2 * i, 2) for i, keys in enumerate(chunks)),
+        chain_from,
+        tuple(chunks),
+    )
+
+
+def test_the_worker_keeps_its_ranks_chain_per_request(caplog: pytest.LogCaptureFixture) -> None:
+    mover = InMemoryBlockMover(
+        num_engine_blocks=8, num_host_blocks=8, layer_block_bytes=LAYOUT.block_bytes, num_layers=2
+    )
+    remote = Chains(InMemoryChunkStore(mover.host))
+    worker = BlockWorker(mover, rank=1, remote=remote, slot_bytes=2 * mover.host_block_bytes)
+    a = [(ChunkKey(f"a{i}/r0"), ChunkKey(f"a{i}/r1")) for i in range(3)]
+    other = (ChunkKey("o/r0"), ChunkKey("o/r1"))
+
+    def run(*ops: BlockOp, ended: tuple[str, ...] = ()) -> None:
+        plan = StepPlan(ops, ended)
+        worker.execute(plan)
+        reports = worker.wait(plan.op_ids(), 5.0)
+        assert sorted(r.op_id for r in reports) == sorted(plan.op_ids())  # each reported once
+
+    run(_save_op(1, "r", a[:1], 0))
+    run(_save_op(2, "r", a[1:], 1), _save_op(3, "s", [other], 0))
+    assert remote.chains == [
+        ("publish", (a[0][1],)),
+        ("publish", (a[0][1], a[1][1], a[2][1])),  # this rank's keys only
+        ("publish", (other[1],)),  # another request, another chain
+    ]
+    # a delta from position 1 replaces what followed it
+    run(_save_op(4, "r", [other], 1))
+    assert remote.last() == ("publish", (a[0][1], other[1]))
+    # a delta past the chain's end is not applied (the worker missed positions): warned, kept as it was
+    with caplog.at_level(logging.WARNING):
+        run(_save_op(5, "r", a[:1], 3))
+    assert remote.last() == ("publish", (a[0][1], other[1]))
+    assert "resumes at 3 past its 2 known keys" in caplog.text
+    # the session ends: its chain is dropped, a later op of the same id starts a new one
+    run(ended=("r",))
+    run(attrs.evolve(_save_op(6, "r", a[2:], 0), chain=()))
+    assert remote.last() == ("publish", ())
