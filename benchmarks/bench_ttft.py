@@ -8,8 +8,9 @@ time of a one-token generate; idle workers busy-poll for about a second, so each
 Goal: reuse within 1.10x (floor) / 1.05x (goal) of the local hit.
 
 ``--backend lmcache`` starts an ``lmcache server`` (loopback, shared memory) and gives kvcore a local
-pool of two chunks only, so that the filler pushes the prompt out of it too and reuse comes from the
-server: lookup, fetch into the pool, copy into vLLM's blocks.
+pool as large as the longest prompt (every save stages through it, so a smaller pool would publish only
+what fits), which the filler's own saves then take over: reuse comes from the server (lookup, fetch
+into the pool, copy into vLLM's blocks).
 
 Run: ``python -m benchmarks.bench_ttft [--backend cpu|lmcache]`` (``--quick``: 2k tokens, one repeat).
 """
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks.bench_lmcache import CHUNK_TOKENS, lmcache_server
 
             url, _ = stack.enter_context(lmcache_server(2.0))
-            local = 2 * CHUNK_TOKENS * kv_bytes_per_token
+            local = max(lengths) * kv_bytes_per_token
             extra = {
                 "chunk_tokens": CHUNK_TOKENS,
                 "backend": {"kind": "lmcache_mp", "url": url, "local_size": local},

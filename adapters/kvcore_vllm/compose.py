@@ -21,7 +21,7 @@ from kvcore_cpu.amx import claim_amx
 from kvcore_cpu.host_memory import HostMemory
 from kvcore_cpu.tier import CPUWorker, RemoteFactory, open_worker, pool_slots, slot_bytes
 
-__all__ = ["RankWorker", "open_rank_worker", "scheduler_core"]
+__all__ = ["RankWorker", "open_rank_worker", "scheduler_core", "staging_shortfall"]
 
 RankWorker = CPUWorker
 
@@ -36,6 +36,27 @@ def scheduler_core(config: KVCoreConfig, engine: EngineSpec, hash_identity: str)
         world_size=world,
         hash_identity=hash_identity,
         remote=_remote_index(config, engine),
+    )
+
+
+def staging_shortfall(config: KVCoreConfig, engine: EngineSpec, step_tokens: int) -> str | None:
+    """Why the local pool is too small to stage one step's saves to a remote tier, or ``None``.
+
+    Every save to a Mooncake store or an LMCache server goes through a pool slot first, so a pool that
+    holds fewer chunks than one engine step computes (``step_tokens``) publishes only what fits.
+    """
+    backend = config.backend
+    if not isinstance(backend, (MooncakeStoreConfig, LMCacheMPConfig)):
+        return None
+    have = pool_slots(config, engine, engine.tp_size)
+    need = -(-step_tokens // config.chunk_tokens)
+    if have >= need:
+        return None
+    enough = need * engine.tp_size * slot_bytes(config, engine)
+    return (
+        f"kvcore: backend.{backend.HOST_FIELD}={backend.host_bytes} stages {have} chunk(s) per rank, but "
+        f"one step can save {need} ({step_tokens} tokens): saves beyond what fits are neither kept nor "
+        f"published to the {backend.KIND} tier; set it to at least {enough} bytes"
     )
 
 

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcore.errors import InvalidSpecError
 from kvcore_vllm.compat import check_vllm
+from kvcore_vllm.compose import staging_shortfall
 from kvcore_vllm.engine_spec import engine_spec, hash_identity, layer_names
 from kvcore_vllm.metadata import KVCoreMetadata
 from kvcore_vllm.roles import require_side
@@ -80,6 +81,9 @@ class KVCoreConnector(KVConnectorBase_V1):
                 )
             hash_block = kv_cache_config.hash_block_size or engine.layout.block_tokens
             self._scheduler = SchedulerSide(settings, engine, hash_block, identity)
+            shortfall = staging_shortfall(config, engine, vllm_config.scheduler_config.max_num_batched_tokens)
+            if shortfall is not None:
+                log.warning("%s", shortfall)
             log.info(
                 "kvcore: scheduler side ready (store policy %s): %s",
                 settings.store_policy.value,
