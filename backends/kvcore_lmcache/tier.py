@@ -141,20 +141,31 @@ class LMCacheManagedTier:
         released: Iterable[tuple[int, int]],
     ) -> None:
         """Keep the locks of ``kept`` positions for the session; release ``released`` ranges now (and
-        end the server session if nothing is kept)."""
+        end the server session if nothing is kept). A session keeps one lock per key: one that an
+        earlier lookup of the session holds is released."""
         hold = _Hold(server, chain, set(kept))
         if not hold.positions:
             self.link.release(server, chain, released)
             return
         for start, end in released:
-            if start < end:
-                self.link.client.free_lookup_locks(
-                    self.link.codec.ipc_key(server, chain, start, end, None), 1
-                )
+            self._free(server, chain, start, end)
+        replaced: list[tuple[_Hold, int]] = []
         with self._lock:
             held = self._held.setdefault(session, {})
             for pos in hold.positions:
+                old = held.get(chain[pos])
+                if old is not None:
+                    old.positions.discard(pos)
+                    replaced.append((old, pos))
                 held[chain[pos]] = hold
+        for old, pos in replaced:
+            self._free(old.server, old.chain, pos, pos + 1)
+            if not old.positions:
+                self.link.client.end_session(old.server)
+
+    def _free(self, server: str, chain: tuple[ChunkKey, ...], start: int, end: int) -> None:
+        if start < end:
+            self.link.client.free_lookup_locks(self.link.codec.ipc_key(server, chain, start, end, None), 1)
 
     # -- jobs --------------------------------------------------------------------------------------
 
