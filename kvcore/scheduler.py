@@ -492,7 +492,7 @@ class CacheScheduler:
         for req in self._requests.values():
             req.answer = None
             req.saved_chunks = len(req.keys)  # chunks computed before the reset are not saved again
-            req.chain_sent = 0  # re-keyed requests (block hashes) resend their chain under the new epoch
+            req.chain_sent = 0  # a request keyed again later (block hashes) starts a new chain: resend it
 
     def take_events(self) -> tuple[PoolEvent, ...]:
         return self.pool.take_events()

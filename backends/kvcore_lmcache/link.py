@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import queue
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from attrs import frozen
-from lmcache.v1.multiprocess.custom_types import RegisterEngineDrivenContextPayload
+from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey, RegisterEngineDrivenContextPayload
 from lmcache.v1.multiprocess.futures import MessagingFuture
 from lmcache.v1.multiprocess.transport.base import RequestClient
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
@@ -27,7 +28,7 @@ from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 from kvcore.config import LMCacheMPConfig
 from kvcore.errors import BackendError, BackendUnavailable, ConfigError, TransferTimeout
 from kvcore.health import CircuitBreaker
-from kvcore.ids import ChunkKey
+from kvcore.ids import ChunkKey, RequestId
 from kvcore_lmcache.wire import HEADER_BYTES, KeyCodec, server_model_name
 
 __all__ = ["Segment", "ServerLink", "SlotLayout", "register_slots"]
@@ -150,6 +151,13 @@ class ServerLink:
         self.segment: Segment | None = None
         self.segment_lock = threading.Lock()
         self._stop = threading.Event()
+        self._releases: queue.SimpleQueue[tuple[tuple[IPCCacheServerKey, ...], str | None] | None] = (
+            queue.SimpleQueue()
+        )
+        self._releaser = threading.Thread(
+            target=self._release_in_order, name="kvcore-lmcache-releases", daemon=True
+        )
+        self._releaser.start()
         if not self._connect(config.connect_timeout_s, raise_mismatch=True):
             log.warning(
                 "kvcore: LMCache server %s did not answer within %.1fs; serving misses until it does "
@@ -204,21 +212,50 @@ class ServerLink:
         if not self.available():
             raise BackendUnavailable(f"LMCache server {self.config.url} is unavailable")
 
-    # -- fire-and-forget clean-up ------------------------------------------------------------------
+    # -- server sessions and their clean-up --------------------------------------------------------
+
+    def server_session(self, session: RequestId, tag: str) -> str:
+        """A server session of one kvcore session: each lookup or job gets its own (``tag``), since a
+        server session's lookup state and locks belong to its latest lookup. The link's own id keeps
+        apart the ranks of one engine (same request ids, lookups and jobs in lockstep) and the engines
+        of one server."""
+        return f"kvcore:{self.instance_id:x}:{session}:{tag}"
 
     def release(
-        self, server_session: str, chain: Sequence[ChunkKey], ranges: Iterable[tuple[int, int]]
+        self,
+        server_session: str,
+        chain: Sequence[ChunkKey],
+        ranges: Iterable[tuple[int, int]],
+        *,
+        end: bool = True,
     ) -> None:
         """Release the lookup locks a server session holds on chunk ranges ``[start, end)`` of ``chain``
-        (the server releases only chunks that hit), then end that session.
+        (the server releases only chunks that hit), then end that session unless ``end`` is false.
 
-        Not waited for: the server handles requests of one client in order, and a lost release only
-        leaves a lock to the server's read-lock TTL.
+        Returns at once: a clean-up thread sends the releases in order and ends the session only once
+        they are answered, since the server may run one client's requests out of order and a release
+        after its session's end finds nothing to release. A lost release leaves a lock to the server's
+        read-lock TTL.
         """
-        for start, end in ranges:
-            if start < end:
-                self.client.free_lookup_locks(self.codec.ipc_key(server_session, chain, start, end, None), 1)
-        self.client.end_session(server_session)
+        keys = tuple(
+            self.codec.ipc_key(server_session, chain, start, stop, None)
+            for start, stop in ranges
+            if start < stop
+        )
+        self._releases.put((keys, server_session if end else None))
+
+    def _release_in_order(self) -> None:
+        while (task := self._releases.get()) is not None:
+            keys, session = task
+            if not self.connected:
+                continue  # a restarted server has no sessions; an unreachable one would only time out
+            try:
+                for future in [self.client.free_lookup_locks(key, 1) for key in keys]:
+                    future.result(timeout=self._timeout)
+                if session is not None:
+                    self.client.end_session(session)
+            except Exception as exc:  # silence or an error reply: the TTL takes over
+                log.debug("kvcore: releasing %s on %s failed: %r", session, self.config.url, exc)
 
     # -- connecting --------------------------------------------------------------------------------
 
@@ -280,8 +317,12 @@ class ServerLink:
         self._breaker.record_success()
 
     def close(self) -> None:
-        """Stop the heartbeat, unregister, unmap and close the socket. Idempotent."""
+        """Stop the heartbeat, send the releases queued so far, unregister, unmap and close the socket.
+        Idempotent."""
         self._stop.set()
+        if getattr(self, "_releaser", None) is not None and self._releaser.is_alive():
+            self._releases.put(None)
+            self._releaser.join(self._timeout + 1.0)
         if (
             getattr(self, "_heartbeat", None) is not None
             and self._heartbeat is not threading.current_thread()

@@ -65,7 +65,7 @@ class LookupBook:
         self._link.require()
         lookup_id = LookupId(next(self._ids))
         codec = self._link.codec
-        servers = tuple(codec.server_session(session, f"l{lookup_id}.{i}") for i in range(len(chains)))
+        servers = tuple(self._link.server_session(session, f"l{lookup_id}.{i}") for i in range(len(chains)))
         state = LookupState(
             session,
             tuple(tuple(chain) for chain in chains),
@@ -108,7 +108,8 @@ class LookupBook:
             self._link.failed(f"lookup of {len(state.chains)} chains unanswered")
             raise TransferTimeout(f"LMCache lookup {lookup_id} unanswered after its deadline")
         with self._lock:
-            self._pending.pop(lookup_id, None)
+            if self._pending.pop(lookup_id, None) is None:  # cancelled meanwhile: its locks are gone
+                raise UsageError(f"lookup {lookup_id} was cancelled")
         return state, hits
 
     def _advance(self, state: LookupState) -> tuple[int, ...] | None:

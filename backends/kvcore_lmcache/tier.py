@@ -22,7 +22,7 @@ from typing import Any
 from lmcache.v1.multiprocess.futures import MessagingFuture
 
 from kvcore.config import LMCacheMPConfig
-from kvcore.errors import BackendError, InvalidSpecError, UsageError
+from kvcore.errors import BackendError, InvalidSpecError, TransferTimeout, UsageError
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.jobs import JobBoard, JobResult
 from kvcore.ports import StoreItem
@@ -49,6 +49,11 @@ def _runs(positions: Iterable[int]) -> list[tuple[int, int]]:
         else:
             runs.append((pos, pos + 1))
     return runs
+
+
+def _chain_of(items: Sequence[StoreItem], chain: Sequence[ChunkKey]) -> tuple[ChunkKey, ...]:
+    """The chain a call names; none: its items' keys, in order (the port's default)."""
+    return tuple(chain) if chain else tuple(item.key for item in items)
 
 
 def _positions(chain: Sequence[ChunkKey]) -> dict[ChunkKey, int]:
@@ -147,8 +152,7 @@ class LMCacheManagedTier:
         if not hold.positions:
             self.link.release(server, chain, released)
             return
-        for start, end in released:
-            self._free(server, chain, start, end)
+        self.link.release(server, chain, released, end=False)
         replaced: list[tuple[_Hold, int]] = []
         with self._lock:
             held = self._held.setdefault(session, {})
@@ -159,13 +163,7 @@ class LMCacheManagedTier:
                     replaced.append((old, pos))
                 held[chain[pos]] = hold
         for old, pos in replaced:
-            self._free(old.server, old.chain, pos, pos + 1)
-            if not old.positions:
-                self.link.client.end_session(old.server)
-
-    def _free(self, server: str, chain: tuple[ChunkKey, ...], start: int, end: int) -> None:
-        if start < end:
-            self.link.client.free_lookup_locks(self.link.codec.ipc_key(server, chain, start, end, None), 1)
+            self.link.release(old.server, old.chain, ((pos, pos + 1),), end=not old.positions)
 
     # -- jobs --------------------------------------------------------------------------------------
 
@@ -178,15 +176,13 @@ class LMCacheManagedTier:
     def submit_store(
         self, session: RequestId, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
-        items = self._checked(items)
-        whole = tuple(chain) if chain else tuple(item.key for item in items)
+        items, whole = self._checked(items), _chain_of(items, chain)
         return self._submit(lambda job_id: self._store(job_id, session, items, whole))
 
     def submit_retrieve(
         self, session: RequestId, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
-        items = self._checked(items)
-        whole = tuple(chain) if chain else tuple(item.key for item in items)
+        items, whole = self._checked(items), _chain_of(items, chain)
         return self._submit(lambda job_id: self._retrieve(job_id, session, items, whole))
 
     def close(self) -> None:
@@ -251,7 +247,7 @@ class LMCacheManagedTier:
             return JobResult(job_id, tuple(range(len(items))), "LMCache server unavailable")
         at, failed = self._placed(items, chain)
         codec, client, iid = self.link.codec, self.link.client, self.link.instance_id
-        server = codec.server_session(session, f"s{job_id}")
+        server = self.link.server_session(session, f"s{job_id}")
         runs = _runs(at)
         keys = [codec.ipc_key(server, chain, start, end, 0) for start, end in runs]
         prepared = [client.prepare_store(key, iid) for key in keys]
@@ -277,7 +273,7 @@ class LMCacheManagedTier:
         for written, commit in commits:
             if not self._reply(commit, "commit_store"):
                 failed.extend(written)
-        client.end_session(server)
+        self.link.release(server, chain, ())
         return JobResult(job_id, tuple(sorted(set(failed))))
 
     def _retrieve(
@@ -289,7 +285,7 @@ class LMCacheManagedTier:
         if not at:
             return JobResult(job_id, tuple(failed))
         codec, client, iid = self.link.codec, self.link.client, self.link.instance_id
-        server = codec.server_session(session, f"r{job_id}")
+        server = self.link.server_session(session, f"r{job_id}")
         with self._lock:
             held = self._held.get(session, {})
             holds = {pos: held[chain[pos]] for pos in at if chain[pos] in held}
@@ -302,32 +298,44 @@ class LMCacheManagedTier:
         runs = _runs(wanted)
         keys = [codec.ipc_key(server, chain, start, end, 0) for start, end in runs]
         prepared = [client.prepare_retrieve(key, iid) for key in keys]
-        # a prepared retrieve consumes one lock per chunk of its run, whatever its outcome
+        # Every prepare gets its commit (a no-op when nothing is pending): a reply that came too late
+        # still leaves the server's read pending, and the commit, on the same server thread, ends it.
+        commits = [client.commit_retrieve(key, iid) for key in keys]
         leftover = set(range(locked_here))
-        for pos in wanted:
-            hold = holds.get(pos)
-            if hold is None:
-                leftover.discard(pos)
-            else:
-                self._unhold(session, hold, pos)
-        commits: list[MessagingFuture[bool]] = []
-        for (start, end), key, future in zip(runs, keys, prepared, strict=True):
-            run_items = [i for pos in range(start, end) for i in at[pos]]
-            slots = self._context(future, "prepare_retrieve", lambda r: r.context if r.success else {}).get(
-                "slots"
-            )
-            if not isinstance(slots, list) or len(slots) != end - start:
-                failed.extend(run_items)
+        for (start, end), future in zip(runs, prepared, strict=True):
+            slots, consumed = self._prepared_slots(future)
+            if consumed:  # a prepare consumed one lock per chunk of its run, whatever it found
+                for pos in range(start, end):
+                    hold = holds.get(pos)
+                    if hold is None:
+                        leftover.discard(pos)
+                    else:
+                        self._unhold(session, hold, pos)
+            if slots is None or len(slots) != end - start:
+                failed.extend(i for pos in range(start, end) for i in at[pos])
                 continue
             for pos, slot in zip(range(start, end), slots, strict=True):
                 failed.extend(i for i in at[pos] if not self._read(items[i], slot))
-            commits.append(client.commit_retrieve(key, iid))
         for commit in commits:
             self._reply(commit, "commit_retrieve")
         if lookup is not None:
             self.link.release(lookup, chain, _runs(leftover))
-        client.end_session(server)
+        self.link.release(server, chain, ())
         return JobResult(job_id, tuple(sorted(set(failed))))
+
+    def _prepared_slots(self, future: MessagingFuture[Any]) -> tuple[list[Any] | None, bool]:
+        """A retrieve's slots (``None``: nothing to read) and whether it consumed its run's locks: all
+        but an error reply do (a miss releases what it found; silence may still be handled later)."""
+        try:
+            reply = self.link.result(future, "prepare_retrieve")
+        except TransferTimeout as exc:
+            log.warning("kvcore: %s", exc)
+            return None, True
+        except BackendError as exc:
+            log.warning("kvcore: %s", exc)
+            return None, False
+        slots = reply.context.get("slots") if reply.success and isinstance(reply.context, dict) else None
+        return (slots if isinstance(slots, list) else None), True
 
     def _unhold(self, session: RequestId, hold: _Hold, pos: int) -> None:
         """A hold's lock at ``pos`` was consumed; end its server session once none is left."""
@@ -338,7 +346,7 @@ class LMCacheManagedTier:
                 del held[hold.chain[pos]]
             done = not hold.positions
         if done:
-            self.link.client.end_session(hold.server)
+            self.link.release(hold.server, hold.chain, ())
 
     def _lock_now(self, session: RequestId, chain: tuple[ChunkKey, ...]) -> tuple[int, str | None]:
         """Look ``chain`` up and wait for the answer: the leading chunks hit, now read-locked in the

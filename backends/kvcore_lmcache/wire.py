@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from attrs import frozen
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
-from kvcore.ids import ChunkKey, RequestId
+from kvcore.ids import ChunkKey
 
 __all__ = ["HEADER_BYTES", "KeyCodec", "check_header", "header", "server_model_name"]
 
@@ -72,12 +72,6 @@ class KeyCodec:
             out.extend(int.from_bytes(digest[i : i + 4], "little") & 0x7FFFFFFF for i in range(0, 32, 4))
             out.extend(padding)
         return out
-
-    @staticmethod
-    def server_session(session: RequestId, tag: str) -> str:
-        """A server session of one kvcore session: each lookup or job gets its own (``tag``), since a
-        server session's lookup state and locks belong to its latest lookup."""
-        return f"kvcore:{session}:{tag}"
 
     def ipc_key(
         self, server_session: str, chain: Sequence[ChunkKey], start: int, end: int, worker: int | None

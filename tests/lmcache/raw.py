@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
-from kvcore.ids import ChunkKey, RequestId
+from kvcore.ids import ChunkKey
 from kvcore_lmcache.link import register_slots
 from kvcore_lmcache.wire import HEADER_BYTES, KeyCodec, check_header, header, server_model_name
 
@@ -39,7 +39,7 @@ class RawClient:
         self._map = self.segment.view
 
     def _server(self) -> str:
-        return self.codec.server_session(RequestId("raw"), uuid.uuid4().hex[:12])
+        return f"raw:{self.instance_id:x}:{uuid.uuid4().hex[:12]}"
 
     def poke(self, key: ChunkKey, value: bytes, preceding: Sequence[ChunkKey] = ()) -> None:
         server, chain = self._server(), (*preceding, key)
