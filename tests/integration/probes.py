@@ -8,12 +8,20 @@ from typing import Any
 
 from kvcore_vllm.worker_side import WorkerSide
 
-__all__ = ["external_hits", "host_digests", "loaded_digests", "worker_side"]
+__all__ = ["external_hits", "host_digests", "kvcore_metric", "loaded_digests", "worker_side"]
 
 
 def external_hits(llm: Any) -> int:
     """vLLM's external prefix-cache hits so far. The registry is per process: compare deltas."""
     return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
+
+
+def kvcore_metric(llm: Any, name: str) -> float:
+    """The value of kvcore's metric ``name`` as vLLM exports it (``vllm:kvcore_<name>``)."""
+    for metric in llm.get_metrics():
+        if metric.name == f"vllm:kvcore_{name}":
+            return float(metric.value)
+    raise AssertionError(f"metric vllm:kvcore_{name} not exported")
 
 
 def worker_side(worker: Any) -> WorkerSide:

@@ -16,8 +16,7 @@ import pytest
 from kvcore.ports import Direction
 from kvcore_cpu.cpu_copy import BlockCopier
 from tests.integration.conftest import BLOCK, VLLM_MARKS, generate, prompt
-from tests.integration.probes import worker_side
-from tests.integration.test_vllm_cpu import _metric
+from tests.integration.probes import kvcore_metric, worker_side
 from tests.integration.test_vllm_policies import GAUGES, _push_out, _settled
 
 pytestmark = VLLM_MARKS
@@ -68,14 +67,14 @@ def _abort_after(llm: Any, tokens: list[int], request_id: str, delay_s: float) -
 @pytest.mark.usefixtures("plain_tokens")
 def test_aborts_mid_save_and_mid_load_leak_nothing(kvcore_engine: Any) -> None:
     tokens = prompt(1500, 4 * BLOCK + 60)
-    saved_before = _metric(kvcore_engine, "saved_blocks")
+    saved_before = kvcore_metric(kvcore_engine, "saved_blocks")
     assert kvcore_engine.collective_rpc(_slow_copies, args=("save", 1.5)) == [True]
     try:
         _abort_after(kvcore_engine, tokens, "abort-mid-save", 0.5)  # its prefill saves take 1.5 s
         assert _settled(kvcore_engine) == dict.fromkeys(GAUGES, 0.0)
     finally:
         assert kvcore_engine.collective_rpc(_normal_copies) == [True]
-    assert _metric(kvcore_engine, "saved_blocks") - saved_before >= 4  # the delayed saves completed
+    assert kvcore_metric(kvcore_engine, "saved_blocks") - saved_before >= 4  # the delayed saves completed
     usage = [m.value for m in kvcore_engine.get_metrics() if m.name == "vllm:kv_cache_usage_perc"]
     assert usage == [0.0]  # the aborted request's blocks came back: its delayed free was reported
 

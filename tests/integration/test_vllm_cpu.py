@@ -17,7 +17,7 @@ from tests.integration.conftest import (
     start_engine,
     stop_engine,
 )
-from tests.integration.probes import external_hits, loaded_digests, worker_side
+from tests.integration.probes import external_hits, kvcore_metric, loaded_digests, worker_side
 
 pytestmark = VLLM_MARKS
 
@@ -73,13 +73,6 @@ def test_loaded_kv_is_really_used(kvcore_engine: Any) -> None:
     assert list(damaged.outputs[0].token_ids) != list(reference.outputs[0].token_ids)
 
 
-def _metric(llm: Any, name: str) -> float:
-    for metric in llm.get_metrics():
-        if metric.name == f"vllm:kvcore_{name}":
-            return float(metric.value)
-    raise AssertionError(f"metric vllm:kvcore_{name} not exported")
-
-
 def test_preemption_and_reset_leak_nothing(kvcore_engine: Any) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -94,7 +87,7 @@ def test_preemption_and_reset_leak_nothing(kvcore_engine: Any) -> None:
     gauges = ("pool_pinned", "pool_storing", "ops_in_flight", "requests")
     for seed in range(5):
         generate(kvcore_engine, prompt(400 + seed, BLOCK - 20), max_tokens=1)
-        values = {name: _metric(kvcore_engine, name) for name in gauges}
+        values = {name: kvcore_metric(kvcore_engine, name) for name in gauges}
         if not any(values.values()):
             break
     assert values == dict.fromkeys(gauges, 0.0)
@@ -112,13 +105,13 @@ def test_failed_loads_are_recomputed(kvcore_engine: Any) -> None:
     first = generate(kvcore_engine, tokens)
     for seed in range(3):
         generate(kvcore_engine, prompt(600 + seed, 1500), max_tokens=1)
-    failed_before = _metric(kvcore_engine, "failed_load_blocks")
+    failed_before = kvcore_metric(kvcore_engine, "failed_load_blocks")
     assert kvcore_engine.collective_rpc(_close_backend) == [True]
     again = generate(kvcore_engine, tokens)
-    assert _metric(kvcore_engine, "failed_load_blocks") > failed_before
+    assert kvcore_metric(kvcore_engine, "failed_load_blocks") > failed_before
     # vLLM counts the scheduled hit in num_cached_tokens even when it recovers by recomputing
     assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
-    assert _metric(kvcore_engine, "pool_pinned") == 0
+    assert kvcore_metric(kvcore_engine, "pool_pinned") == 0
 
 
 BAD_ENGINE = """
@@ -153,8 +146,8 @@ def test_checksums_turn_damage_into_recompute(tiny_model: Path) -> None:
         tokens = prompt(800, 4 * BLOCK + 10)
         reference = generate(llm, tokens, max_tokens=16)
         _, again = _evicted_and_served_again(llm, tokens, 810)
-        assert _metric(llm, "failed_load_blocks") == 4
+        assert kvcore_metric(llm, "failed_load_blocks") == 4
         assert list(again.outputs[0].token_ids) == list(reference.outputs[0].token_ids)
-        assert _metric(llm, "pool_pinned") == 0
+        assert kvcore_metric(llm, "pool_pinned") == 0
     finally:
         stop_engine(llm)

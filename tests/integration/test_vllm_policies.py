@@ -22,8 +22,7 @@ from tests.integration.conftest import (
     start_engine,
     stop_engine,
 )
-from tests.integration.probes import external_hits, worker_side
-from tests.integration.test_vllm_cpu import _metric
+from tests.integration.probes import external_hits, kvcore_metric, worker_side
 
 pytestmark = VLLM_MARKS
 
@@ -88,7 +87,7 @@ def _settled(llm: Any, within_s: float = 20.0) -> dict[str, float]:
     seed = 900
     while True:
         generate(llm, prompt(seed, BLOCK - 20), max_tokens=1)
-        values = {name: _metric(llm, name) for name in GAUGES}
+        values = {name: kvcore_metric(llm, name) for name in GAUGES}
         if not any(values.values()) or time.monotonic() > deadline:
             return values
         seed += 1
@@ -102,13 +101,13 @@ def test_lazy_saves_only_at_eviction_and_serves_exact(lazy_engine: tuple[Any, Ev
     generate(llm, tokens)
     local = generate(llm, tokens)  # vLLM's own prefix hit: the prompt is still in its cache
     assert local.num_cached_tokens == 4 * BLOCK
-    assert _metric(llm, "saved_blocks") == 0  # nothing evicted yet, nothing copied
+    assert kvcore_metric(llm, "saved_blocks") == 0  # nothing evicted yet, nothing copied
     own = events.drain()
     assert not [e for e in own if getattr(e, "medium", None) == "CPU"]
     vllm_hashes = {h for e in own if type(e).__name__ == "BlockStored" for h in e.block_hashes}
 
     _push_out(llm, 1100)
-    assert _metric(llm, "saved_blocks") >= 4  # saved when vLLM evicted them
+    assert kvcore_metric(llm, "saved_blocks") >= 4  # saved when vLLM evicted them
     hits_before = external_hits(llm)
     again = generate(llm, tokens)
     assert external_hits(llm) - hits_before == 4 * BLOCK
@@ -141,16 +140,16 @@ def test_chunk_failing_to_load_is_not_served_again(lazy_engine: tuple[Any, Event
     local = generate(llm, tokens)
     _push_out(llm, 1300)  # saved at eviction
     assert llm.collective_rpc(_damage_pool) == [True]
-    failed_before = _metric(llm, "failed_load_blocks")
+    failed_before = kvcore_metric(llm, "failed_load_blocks")
     damaged = generate(llm, tokens)  # the checksums catch it: recomputed
-    assert _metric(llm, "failed_load_blocks") - failed_before == 4
+    assert kvcore_metric(llm, "failed_load_blocks") - failed_before == 4
     assert list(damaged.outputs[0].token_ids) == list(local.outputs[0].token_ids)
-    assert _metric(llm, "pool_pinned") == 0
+    assert kvcore_metric(llm, "pool_pinned") == 0
     # evicted again: saved again from vLLM's recomputed blocks, and served without a failure, so the
     # damaged copies were dropped, not served a second time
     _push_out(llm, 1400)
     hits_before = external_hits(llm)
     again = generate(llm, tokens)
     assert external_hits(llm) - hits_before == 4 * BLOCK
-    assert _metric(llm, "failed_load_blocks") - failed_before == 4
+    assert kvcore_metric(llm, "failed_load_blocks") - failed_before == 4
     assert list(again.outputs[0].token_ids) == list(local.outputs[0].token_ids)
