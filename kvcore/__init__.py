@@ -53,6 +53,7 @@ from kvcore.load_spec import ChunkPiece, LoadSpec, hit_tokens, plan_load
 from kvcore.lookup import PendingLookup, PrefixLookup, leading_complete
 from kvcore.plan import BlockOp, OpReport, StepPlan
 from kvcore.ports import (
+    BlockItem,
     BlockMover,
     BlockTransfer,
     ByteCopy,
@@ -62,8 +63,10 @@ from kvcore.ports import (
     JobQueue,
     ManagedTier,
     MemoryRegion,
+    OrderedMover,
     PeerTransport,
     StoreItem,
+    SupportsBlockTransfer,
     SupportsClear,
     SupportsImmediateLookup,
 )
@@ -77,6 +80,7 @@ __all__ = [
     "BackendConfig",
     "BackendError",
     "BackendUnavailable",
+    "BlockItem",
     "BlockMover",
     "BlockOp",
     "BlockPool",
@@ -124,6 +128,7 @@ __all__ = [
     "NO_EXTRA",
     "Namespace",
     "OpReport",
+    "OrderedMover",
     "PartialChunkPolicy",
     "PeerTransport",
     "PendingLookup",
@@ -142,6 +147,7 @@ __all__ = [
     "StepPlan",
     "StoreItem",
     "StorePlan",
+    "SupportsBlockTransfer",
     "SupportsClear",
     "SupportsImmediateLookup",
     "TPSide",

@@ -81,6 +81,9 @@ class PoolUsage:
 class BlockPool:
     """Index of ``num_slots`` host slots, evicting unpinned ready chunks in ``policy`` order.
 
+    A pool of no slots holds nothing: it is the index of a scheduler whose remote tier moves every chunk
+    straight to and from the engine.
+
     ``record_events=False`` skips building events for a caller that publishes none (``take_events``
     then returns nothing).
     """
@@ -88,8 +91,8 @@ class BlockPool:
     def __init__(
         self, num_slots: int, policy: EvictionPolicy | None = None, *, record_events: bool = True
     ) -> None:
-        if isinstance(num_slots, bool) or num_slots < 1:
-            raise ConfigError("num_slots", num_slots, "an integer >= 1")
+        if isinstance(num_slots, bool) or num_slots < 0:
+            raise ConfigError("num_slots", num_slots, "an integer >= 0")
         if policy is None:
             policy = LRUPolicy()
         elif len(policy) != 0:

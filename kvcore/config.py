@@ -107,6 +107,7 @@ class CPUBackendConfig:
 
     KIND: ClassVar[str] = "cpu"
     HOST_FIELD: ClassVar[str] = "size"
+    DIRECT: ClassVar[bool] = False  # whether the backend can work with no host pool (host_bytes 0)
     size: ByteSize
 
     @property
@@ -139,6 +140,7 @@ class MooncakeStoreConfig:
 
     KIND: ClassVar[str] = "mooncake_store"
     HOST_FIELD: ClassVar[str] = "local_size"
+    DIRECT: ClassVar[bool] = False
     master: str = "127.0.0.1:50051"
     metadata: str = "P2PHANDSHAKE"
     protocol: str = field(default="tcp", validator=_one_of("tcp", "rdma"))
@@ -158,16 +160,22 @@ class MooncakeStoreConfig:
 
 @frozen
 class LMCacheMPConfig:
-    """A standalone LMCache multiprocess server, driven by the engine through shared-memory slots."""
+    """A standalone LMCache multiprocess server, driven by the engine through shared-memory slots.
+
+    ``local_size`` 0 (the default): no local tier; the engine's blocks are copied straight into and out
+    of the server's slots, whose memory is the node's host tier. A positive size keeps a host pool of the
+    worker's in front of the server (hits there skip the server), through which every chunk is staged.
+    """
 
     KIND: ClassVar[str] = "lmcache_mp"
     HOST_FIELD: ClassVar[str] = "local_size"
+    DIRECT: ClassVar[bool] = True
     url: str = "tcp://localhost:5555"
     transfer_mode: str = field(default="engine_driven", validator=_one_of("engine_driven"))
     request_timeout_s: float = field(default=5.0, validator=_positive)
     heartbeat_s: float = field(default=30.0, validator=_positive)
     connect_timeout_s: float = field(default=1.0, validator=_positive)
-    local_size: ByteSize = ByteSize(2**30)
+    local_size: ByteCount = ByteCount(0)
 
     @property
     def host_bytes(self) -> int:

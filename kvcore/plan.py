@@ -7,7 +7,7 @@ They are frozen, picklable values: in vLLM they cross from the engine-core proce
 from __future__ import annotations
 
 from attrs import field, frozen
-from attrs.validators import ge
+from attrs.validators import ge, optional
 
 from kvcore.ids import ChunkKey
 from kvcore.ports import Direction, int_tuple
@@ -22,12 +22,18 @@ class RemoteChunk:
 
     ``keys[rank]`` is that rank's shard key (``None``: the rank holds a replica another rank writes).
     The chunk's blocks are ``engine_blocks[first : first + count]`` of the op.
+
+    The op moves blocks ``from_block`` on of the chunk (a load may start inside a chunk the engine
+    partly holds). ``slot`` is ``None`` when the chunk has no host slot: the remote tier copies its engine
+    blocks straight into or out of its own memory (``SupportsBlockTransfer``). An op's chunks either all
+    have a slot or none has.
     """
 
-    slot: int = field(validator=ge(0))
+    slot: int | None = field(validator=optional(ge(0)))
     keys: tuple[ChunkKey | None, ...]
     first: int = field(validator=ge(0))
     count: int = field(validator=ge(1))
+    from_block: int = field(default=0, validator=ge(0))
 
 
 @frozen
@@ -36,7 +42,8 @@ class BlockOp:
 
     ``request_id`` names the request whose blocks are copied, so a worker can fence a preempted request's
     copies and tell when a finished request's last copy is done. ``remote`` lists the op's chunks that
-    also cross a remote tier (empty for the CPU tier alone).
+    also cross a remote tier (empty for the CPU tier alone). An op whose remote chunks have no host slot
+    has no host blocks: the remote tier moves every block of it.
 
     ``chain`` carries the request's keys (per rank, as in ``RemoteChunk.keys`` but never ``None``) at
     positions ``chain_from`` on that earlier ops of the request did not carry: a worker keeps each

@@ -19,12 +19,14 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from attrs import field, frozen
+from attrs.validators import ge
 
 from kvcore.errors import InvalidSpecError
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.jobs import JobResult
 
 __all__ = [
+    "BlockItem",
     "BlockMover",
     "BlockTransfer",
     "ByteCopy",
@@ -34,8 +36,10 @@ __all__ = [
     "JobQueue",
     "ManagedTier",
     "MemoryRegion",
+    "OrderedMover",
     "PeerTransport",
     "StoreItem",
+    "SupportsBlockTransfer",
     "SupportsClear",
     "SupportsImmediateLookup",
 ]
@@ -80,6 +84,19 @@ class StoreItem:
     key: ChunkKey
     offset: int
     length: int
+
+
+@frozen
+class BlockItem:
+    """One chunk that a tier moves straight between its own memory and engine blocks.
+
+    ``engine_blocks[i]`` holds block ``first + i`` of the chunk (a store moves whole chunks: ``first`` is
+    0 and every block of the chunk is given).
+    """
+
+    key: ChunkKey
+    engine_blocks: tuple[int, ...] = field(converter=int_tuple)
+    first: int = field(default=0, validator=ge(0))
 
 
 @frozen
@@ -171,6 +188,25 @@ class BlockMover(JobQueue, Protocol):
         ...
 
 
+@runtime_checkable
+class OrderedMover(BlockMover, Protocol):
+    """A ``BlockMover`` whose copies may be submitted from a thread other than the engine's.
+
+    ``submit`` orders a copy after the engine work queued on the calling thread (a CUDA stream); a
+    backend that copies on its own thread takes a ``mark`` on the engine's thread instead and submits
+    ``after`` it, so that a save never reads blocks the engine is still computing.
+    """
+
+    def mark(self) -> object:
+        """The engine's queued work so far, seen from the calling thread (``None`` where copies need no
+        ordering, as on a CPU engine, whose work is done when the engine calls kvcore)."""
+        ...
+
+    def submit_after(self, transfer: BlockTransfer, mark: object) -> JobId:
+        """``submit``, ordered after ``mark`` instead of the calling thread's queued work."""
+        ...
+
+
 class ChunkStore(JobQueue, Protocol):
     """A content-addressed remote tier that the client fills and drains (e.g. Mooncake store).
 
@@ -238,6 +274,31 @@ class ManagedTier(JobQueue, Protocol):
 
     def end_session(self, session: RequestId) -> None:
         """Release every lock the session holds. Idempotent; never raises."""
+        ...
+
+
+@runtime_checkable
+class SupportsBlockTransfer(Protocol):
+    """A ``ManagedTier`` whose own memory an engine's blocks can be copied into and out of directly,
+    with no host buffer of the engine's between them (an LMCache server's shared-memory slots).
+
+    The tier copies with a block mover over its memory; the calls name the chain as the host-bytes calls
+    of ``ManagedTier`` do, and fail items the same way. Both order their copies after the engine work
+    queued on the calling thread, so they are called on the engine's thread.
+    """
+
+    def submit_store_blocks(
+        self, session: RequestId, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        """Store each item's engine blocks (a whole chunk) under its key. Failure: failed items are not
+        stored; the engine blocks are only read."""
+        ...
+
+    def submit_retrieve_blocks(
+        self, session: RequestId, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        """Copy locked hits into the items' engine blocks. The job finishes only once no copy of it can
+        touch an engine block any more. Failure: failed items' engine blocks are undefined (recompute)."""
         ...
 
 

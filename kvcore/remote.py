@@ -11,11 +11,12 @@ import logging
 from collections.abc import Collection, Sequence
 from typing import Protocol, runtime_checkable
 
+from kvcore.errors import BackendError
 from kvcore.ids import ChunkKey, JobId, RequestId
 from kvcore.jobs import JobResult
-from kvcore.ports import ChunkStore, JobQueue, ManagedTier, StoreItem
+from kvcore.ports import BlockItem, ChunkStore, JobQueue, ManagedTier, StoreItem, SupportsBlockTransfer
 
-__all__ = ["Closeable", "ManagedRemote", "RemoteTier", "StoreRemote", "close_quietly"]
+__all__ = ["BlockRemote", "Closeable", "ManagedRemote", "RemoteTier", "StoreRemote", "close_quietly"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,26 @@ class RemoteTier(JobQueue, Protocol):
 
     def end_session(self, session: str) -> None:
         """The request is over and none of its jobs is in flight: release what the tier holds for it."""
+        ...
+
+
+@runtime_checkable
+class BlockRemote(RemoteTier, Protocol):
+    """A remote tier that also moves chunks straight between engine blocks and its own memory (chunks
+    with no host slot, see ``RemoteChunk``); called on the engine's thread."""
+
+    def submit_fetch_blocks(
+        self, session: str, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        """Copy each key's value into its engine blocks; failures as for ``submit_fetch``. Raises
+        ``BackendError`` when the tier cannot reach engine blocks."""
+        ...
+
+    def submit_publish_blocks(
+        self, session: str, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        """Store each item's engine blocks under its key; failures as for ``submit_publish``. Raises
+        ``BackendError`` when the tier cannot reach engine blocks."""
         ...
 
 
@@ -95,6 +116,21 @@ class ManagedRemote:
         self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
         return self.tier.submit_store(RequestId(session), items, chain)
+
+    def submit_fetch_blocks(
+        self, session: str, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        return self._blocks().submit_retrieve_blocks(RequestId(session), items, chain)
+
+    def submit_publish_blocks(
+        self, session: str, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        return self._blocks().submit_store_blocks(RequestId(session), items, chain)
+
+    def _blocks(self) -> SupportsBlockTransfer:
+        if not isinstance(self.tier, SupportsBlockTransfer):
+            raise BackendError(f"{type(self.tier).__name__} cannot move engine blocks itself")
+        return self.tier
 
     def end_session(self, session: str) -> None:
         self.tier.end_session(RequestId(session))

@@ -127,6 +127,11 @@ class CacheScheduler:
     pool is the local tier in front of it: lookups ask the pool first and the remote index for the rest;
     a chunk only the remote tier holds is fetched into a free slot and then loaded (staying in the pool
     for later hits); every save also publishes each rank's shard to the remote tier.
+
+    With ``remote`` and no slots (``num_slots=0``), there is no local tier: every load and save is one
+    job of the remote tier, which moves the engine's blocks straight to and from its own memory (an
+    LMCache server's shared-memory slots, ``SupportsBlockTransfer``). The remote tier then also dedups
+    saves; the scheduler only skips chunks its lookup found there.
     """
 
     def __init__(
@@ -177,10 +182,14 @@ class CacheScheduler:
             ),
             secret=config.secret.encode() if config.secret is not None else None,
         )
+        if num_slots == 0 and remote is None:
+            raise ConfigError("num_slots", num_slots, "at least 1 without a remote tier")
         self._writers = tuple(writes(r, world_size, engine.total_kv_heads) for r in range(world_size))
         self._resets = 0
         self._use_namespace(namespace)
-        self.pool = BlockPool(num_slots, make_policy(config.eviction, num_slots))
+        self._direct = num_slots == 0
+        # a policy of one slot for a pool of none: it never sees a key, and ARC wants a capacity
+        self.pool = BlockPool(num_slots, make_policy(config.eviction, max(num_slots, 1)))
         self._index = PoolIndex(self.pool)
         self._remote = PrefixLookup(remote, config.lookup_timeout_s) if remote is not None else None
         self._remote_index = remote
@@ -289,24 +298,33 @@ class CacheScheduler:
         pinned = [key for _, key, local in sources if local]
         self.pool.pin(pinned)
         for n, (piece, key, local) in enumerate(sources):
+            slot: int | None = None
             if local:
                 slot = self.pool.slots_of((key,))[0]
             else:
-                reserved = self.pool.prepare_store((key,)).slots
-                if not reserved:  # no free slot, or the chunk is being saved right now: recompute from here
-                    self.pool.unpin([k for _, k, loc in sources[n:] if loc])
-                    break
-                slot = reserved[0][1]
+                if not self._direct:
+                    reserved = self.pool.prepare_store((key,)).slots
+                    if not reserved:  # no free slot, or the chunk is being saved now: recompute from here
+                        self.pool.unpin([k for _, k, loc in sources[n:] if loc])
+                        break
+                    slot = reserved[0][1]
                 fetched.append(
-                    RemoteChunk(slot, req.rank_keys[piece.chunk], len(engine_blocks), piece.num_blocks)
+                    RemoteChunk(
+                        slot,
+                        req.rank_keys[piece.chunk],
+                        len(engine_blocks),
+                        piece.num_blocks,
+                        piece.first_block,
+                    )
                 )
                 fetched_keys.add(key)
                 through = piece.chunk + 1
             keys.append(key)
             first = piece.chunk * self.blocks_per_chunk + piece.first_block
             engine_blocks.extend(block_ids[first : first + piece.num_blocks])
-            base = slot * self.blocks_per_chunk + piece.first_block
-            host_blocks.extend(range(base, base + piece.num_blocks))
+            if slot is not None:
+                base = slot * self.blocks_per_chunk + piece.first_block
+                host_blocks.extend(range(base, base + piece.num_blocks))
         lost = spec.num_blocks - len(engine_blocks)
         if lost:
             log.warning("kvcore: request %s: %d blocks left the pool before loading", request_id, lost)
@@ -382,22 +400,26 @@ class CacheScheduler:
             elif tokens is not None:
                 self._extend(req, tokens)
         full = min(full, len(req.keys), len(block_ids) // self.blocks_per_chunk)
-        if full <= req.saved_chunks:
+        # without a local tier, the chunks the remote tier held at lookup are not sent to it again
+        start = max(req.saved_chunks, req.answer or 0) if self._direct else req.saved_chunks
+        if full <= start:
             return 0
-        wanted = req.keys[req.saved_chunks : full]
+        wanted = req.keys[start:full]
         if self.config.save_after_sightings > 1:
             needed = self.config.save_after_sightings
             wanted = tuple(itertools.takewhile(lambda k: self._sightings.get(k, 0) >= needed, wanted))
-        chunk_of = {req.keys[i]: i for i in range(req.saved_chunks, full)}
-        plan = self.pool.prepare_store(wanted)
+        chunk_of = {req.keys[i]: i for i in range(start, full)}
+        slots: Sequence[tuple[ChunkKey, int | None]] = (
+            [(key, None) for key in wanted] if self._direct else self.pool.prepare_store(wanted).slots
+        )
         req.saved_chunks = full
-        if not plan.slots:
+        if not slots:
             return 0
         engine_blocks: list[int] = []
         host_blocks: list[int] = []
         published: list[RemoteChunk] = []
         through = 0
-        for key, slot in plan.slots:
+        for key, slot in slots:
             chunk = chunk_of[key]
             if self._remote is not None:
                 owned = tuple(
@@ -407,8 +429,9 @@ class CacheScheduler:
                 through = chunk + 1
             first = chunk * self.blocks_per_chunk
             engine_blocks.extend(block_ids[first : first + self.blocks_per_chunk])
-            host_blocks.extend(range(slot * self.blocks_per_chunk, (slot + 1) * self.blocks_per_chunk))
-        keys = tuple(key for key, _ in plan.slots)
+            if slot is not None:
+                host_blocks.extend(range(slot * self.blocks_per_chunk, (slot + 1) * self.blocks_per_chunk))
+        keys = tuple(key for key, _ in slots)
         self._submit(
             request_id,
             Direction.SAVE,

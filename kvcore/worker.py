@@ -2,9 +2,10 @@
 a remote tier when one is attached.
 
 Workers own memory and execute; they decide nothing (DESIGN §3). An op is one mover job, preceded by a
-fetch (a load of chunks the remote tier holds) or followed by a publish (a save to the remote tier). Every
-op is reported exactly once, failures included — a copy the mover refused is reported as failed at once —
-so the scheduler never waits for an op that will not come.
+fetch (a load of chunks the remote tier holds) or followed by a publish (a save to the remote tier). An op
+whose chunks have no host slot is one remote job instead: the remote tier moves the engine blocks itself
+(``BlockRemote``). Every op is reported exactly once, failures included — a copy the mover refused is
+reported as failed at once — so the scheduler never waits for an op that will not come.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from kvcore.errors import BackendError, TransferTimeout, UsageError
 from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobResult
 from kvcore.plan import BlockOp, OpReport, RemoteChunk, StepPlan
-from kvcore.ports import BlockMover, BlockTransfer, Direction, JobQueue, StoreItem
-from kvcore.remote import RemoteTier
+from kvcore.ports import BlockItem, BlockMover, BlockTransfer, Direction, JobQueue, StoreItem
+from kvcore.remote import BlockRemote, RemoteTier
 
 __all__ = ["BlockWorker"]
 
@@ -51,13 +52,20 @@ class BlockWorker:
     ``remote`` attaches a remote tier whose values are one host slot (``slot_bytes``) of this rank each;
     ops without remote chunks never touch it. With it, the worker keeps each request's chain (this rank's
     keys from the request's first chunk on, pieced together from the ops' ``chain`` deltas) until the
-    request's session ends, and names it in every fetch and publish, as a chained tier needs.
+    request's session ends, and names it in every fetch and publish, as a chained tier needs. ``mover``
+    is ``None`` for a worker with no host slots: the remote tier moves every op's blocks itself.
     """
 
     def __init__(
-        self, mover: BlockMover, rank: int = 0, remote: RemoteTier | None = None, slot_bytes: int = 0
+        self,
+        mover: BlockMover | None,
+        rank: int = 0,
+        remote: RemoteTier | None = None,
+        slot_bytes: int = 0,
     ) -> None:
-        if remote is not None and slot_bytes <= 0:
+        if mover is None and remote is None:
+            raise UsageError("a worker needs a mover, a remote tier or both")
+        if mover is not None and remote is not None and slot_bytes <= 0:
             raise UsageError("a remote tier needs the host slot size (slot_bytes > 0)")
         self._mover = mover
         self._rank = rank
@@ -77,6 +85,9 @@ class BlockWorker:
                 self._extend_chain(op)
             run = _Run(op)
             self._runs[op.op_id] = run
+            if _direct(op):
+                self._start_remote(run, _Stage.FETCH if op.direction is Direction.LOAD else _Stage.PUBLISH)
+                continue
             if op.direction is Direction.LOAD and op.remote:
                 if self._remote is not None:
                     self._start_remote(run, _Stage.FETCH, op.remote)
@@ -90,7 +101,8 @@ class BlockWorker:
 
     def reports(self) -> tuple[OpReport, ...]:
         """Ops finished since the last call (never blocks)."""
-        self._advance(self._mover.poll(), self._MOVER)
+        if self._mover is not None:
+            self._advance(self._mover.poll(), self._MOVER)
         if self._remote is not None:
             self._advance(self._remote.poll(), self._REMOTE)
         return self._take()
@@ -125,13 +137,15 @@ class BlockWorker:
     def _queue(self, queue_id: int) -> JobQueue:
         queue: JobQueue | None = self._mover if queue_id == self._MOVER else self._remote
         if queue is None:
-            raise UsageError("no remote tier attached")
+            raise UsageError(f"no {'mover' if queue_id == self._MOVER else 'remote tier'} attached")
         return queue
 
     def _start_copy(self, run: _Run) -> None:
         op = run.op
         run.stage = _Stage.COPY
         try:
+            if self._mover is None:
+                raise UsageError("this worker has no host slots to copy to or from")
             job = self._mover.submit(BlockTransfer(op.direction, op.engine_blocks, op.host_blocks))
         except UsageError as exc:
             log.warning("kvcore: op %d refused by the mover: %s", op.op_id, exc)
@@ -141,29 +155,49 @@ class BlockWorker:
             return
         self._track(run, self._MOVER, job)
 
-    def _start_remote(self, run: _Run, stage: _Stage, chunks: Iterable[RemoteChunk]) -> None:
-        """Fetch or publish ``chunks`` (those this rank has a key for); a refused job fails them."""
-        if self._remote is None:
-            raise UsageError("no remote tier attached")
+    def _start_remote(self, run: _Run, stage: _Stage, chunks: Iterable[RemoteChunk] | None = None) -> None:
+        """Fetch or publish ``chunks`` (those this rank has a key for; ``None``: every chunk of a direct
+        op, engine blocks and all); a refused job fails them."""
+        remote = self._remote
         run.stage = stage
-        run.staged = tuple(c for c in chunks if c.keys[self._rank] is not None)
+        chosen = run.op.remote if chunks is None else chunks
+        run.staged = tuple(c for c in chosen if c.keys[self._rank] is not None)
         if not run.staged:
             self._next(run)
             return
-        items = [
-            StoreItem(key, c.slot * self._slot_bytes, self._slot_bytes)
-            for c in run.staged
-            if (key := c.keys[self._rank]) is not None
-        ]
-        submit = self._remote.submit_fetch if stage is _Stage.FETCH else self._remote.submit_publish
+        chain = tuple(self._chains.get(run.op.request_id, ()))
+        fetch = stage is _Stage.FETCH
         try:
-            job = submit(run.op.request_id, items, tuple(self._chains.get(run.op.request_id, ())))
-        except BackendError as exc:
+            if remote is None:
+                raise UsageError("no remote tier attached")
+            if chunks is None:
+                if not isinstance(remote, BlockRemote):
+                    raise BackendError(f"{type(remote).__name__} cannot move engine blocks itself")
+                blocks = [self._block_item(run.op, c) for c in run.staged]
+                submit_blocks = remote.submit_fetch_blocks if fetch else remote.submit_publish_blocks
+                job = submit_blocks(run.op.request_id, blocks, chain)
+            else:
+                items = [self._store_item(c) for c in run.staged]
+                submit = remote.submit_fetch if fetch else remote.submit_publish
+                job = submit(run.op.request_id, items, chain)
+        except (BackendError, UsageError) as exc:
             log.warning("kvcore: op %d: remote %s refused: %s", run.op.op_id, stage.value, exc)
             self._fail_chunks(run, run.staged)
             self._next(run)
             return
         self._track(run, self._REMOTE, job)
+
+    def _store_item(self, chunk: RemoteChunk) -> StoreItem:
+        key, slot = chunk.keys[self._rank], chunk.slot
+        if key is None or slot is None:
+            raise UsageError(f"chunk {chunk} has no key for rank {self._rank} or no host slot")
+        return StoreItem(key, slot * self._slot_bytes, self._slot_bytes)
+
+    def _block_item(self, op: BlockOp, chunk: RemoteChunk) -> BlockItem:
+        key = chunk.keys[self._rank]
+        if key is None:
+            raise UsageError(f"chunk {chunk} has no key for rank {self._rank}")
+        return BlockItem(key, op.engine_blocks[chunk.first : chunk.first + chunk.count], chunk.from_block)
 
     def _extend_chain(self, op: BlockOp) -> None:
         """Put the op's chain delta at ``chain_from`` of its request's chain (dropping what followed)."""
@@ -207,7 +241,7 @@ class BlockWorker:
     def _next(self, run: _Run) -> None:
         """Move a run whose current stage ended to its next stage, or report it."""
         op = run.op
-        if run.stage is _Stage.FETCH:
+        if run.stage is _Stage.FETCH and not _direct(op):
             self._start_copy(run)
         elif run.stage is _Stage.COPY and op.direction is Direction.SAVE and op.remote and self._remote:
             intact = [c for c in op.remote if not run.failed.intersection(range(c.first, c.first + c.count))]
@@ -240,3 +274,8 @@ class BlockWorker:
     def _take(self) -> tuple[OpReport, ...]:
         out, self._ready = tuple(self._ready), []
         return out
+
+
+def _direct(op: BlockOp) -> bool:
+    """Whether the remote tier moves the op's blocks itself (its chunks have no host slot)."""
+    return bool(op.remote) and op.remote[0].slot is None

@@ -91,7 +91,11 @@ def _parser() -> argparse.ArgumentParser:
 
     vllm = verbs.add_parser("vllm-config", help="print the --kv-transfer-config JSON for vLLM")
     vllm.add_argument("--backend", default="cpu", help="cpu (default), mooncake or lmcache")
-    vllm.add_argument("--size", default="8GiB", help="host pool, total across ranks (default 8GiB)")
+    vllm.add_argument(
+        "--size",
+        default=None,
+        help="host pool, total across ranks (default 8GiB; lmcache: none, blocks go straight to the server)",
+    )
     vllm.add_argument(
         "--endpoint", help="Mooncake master (127.0.0.1:50051) or LMCache URL (tcp://localhost:5555)"
     )

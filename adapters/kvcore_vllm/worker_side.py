@@ -69,9 +69,9 @@ class WorkerSide:
         late = [op for op in loads if op.op_id not in done]
         if late:
             # vLLM will recompute these blocks in this very step: no copy may still be writing them.
-            # Stop the mover (it joins its copy thread) and treat this tier as dead from now on.
-            log.error("kvcore: %d loads not done after %.1fs; closing the CPU tier", len(late), self._timeout)
-            self.worker.mover.close()
+            # Stop the copies (joining their threads) and treat this tier as dead from now on.
+            log.error("kvcore: %d loads not done after %.1fs; closing the tier", len(late), self._timeout)
+            self.worker.halt()
             self._abandon(late)
             for op in late:
                 self._load_errors.update(op.engine_blocks)

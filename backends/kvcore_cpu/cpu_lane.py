@@ -49,11 +49,17 @@ class CpuLane:
         self._thread = threading.Thread(target=self._serve, name="kvcore-mover", daemon=True)
         self._thread.start()
 
-    def start(self, job_id: JobId, direction: Direction, engine_ids: IntArray, host_ids: IntArray) -> None:
+    def start(
+        self, job_id: JobId, direction: Direction, engine_ids: IntArray, host_ids: IntArray, after: object
+    ) -> None:
+        """Queue a job; ``after`` is ignored: a CPU engine's work is done when it calls kvcore."""
         if direction is Direction.LOAD:
             self._loads[job_id] = threading.Event()
         job = _Job(job_id, direction, engine_ids, host_ids)
         self._queue.put((_PRIORITY[direction], next(self._order), job))
+
+    def mark(self) -> None:
+        return None
 
     def wait_loaded(self, job_id: JobId, timeout: float) -> None:
         """Block until the load ``job_id`` is in place (returns at once for unknown or finished jobs)."""

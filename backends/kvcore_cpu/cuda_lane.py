@@ -95,13 +95,21 @@ class CudaLane:
         for reaper in self._reapers:
             reaper.start()
 
-    def start(self, job_id: JobId, direction: Direction, engine_ids: IntArray, host_ids: IntArray) -> None:
-        """Queue the job's copies behind the engine's queued work; never raises for device failures."""
+    def mark(self) -> torch.cuda.Event:
+        """An event after the work queued on the calling thread's current stream."""
+        ready = _event(blocking=False)
+        ready.record(torch.cuda.current_stream(self._device))
+        return ready
+
+    def start(
+        self, job_id: JobId, direction: Direction, engine_ids: IntArray, host_ids: IntArray, after: object
+    ) -> None:
+        """Queue the job's copies behind ``after`` (a ``mark``; anything else: the engine's work queued
+        now); never raises for device failures."""
         stream = self._streams[direction]
         error = None
         try:
-            ready = _event(blocking=False)
-            ready.record(torch.cuda.current_stream(self._device))
+            ready = after if isinstance(after, torch.cuda.Event) else self.mark()
             with torch.cuda.stream(stream):
                 stream.wait_event(ready)
                 self._enqueue(direction, engine_ids, host_ids)

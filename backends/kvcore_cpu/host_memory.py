@@ -61,6 +61,22 @@ class HostMemory:
             _register(buffer)
         return cls(buffer, num_blocks, block_bytes, pinned)
 
+    @classmethod
+    def wrap(cls, buffer: torch.Tensor, block_bytes: int, device: torch.device) -> HostMemory:
+        """Host blocks over memory another owner maps here (an LMCache server's shared-memory pool): as
+        many whole blocks as the uint8 ``buffer`` holds, page-locked when ``device`` is CUDA.
+
+        Raises ``ConfigError`` when not one block fits, ``BackendUnavailable`` as ``allocate``.
+        """
+        num_blocks = buffer.numel() // block_bytes if block_bytes > 0 else 0
+        if num_blocks < 1:
+            raise ConfigError("buffer", buffer.numel(), f"at least one block of {block_bytes} bytes")
+        blocks = buffer[: num_blocks * block_bytes]
+        pinned = device.type == "cuda"
+        if pinned:
+            _register(blocks)
+        return cls(blocks, num_blocks, block_bytes, pinned)
+
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.block_bytes

@@ -30,8 +30,10 @@ __all__ = ["TorchBlockMover"]
 
 class _Lane(Protocol):
     def start(
-        self, job_id: JobId, direction: Direction, engine_ids: IntArray, host_ids: IntArray
+        self, job_id: JobId, direction: Direction, engine_ids: IntArray, host_ids: IntArray, after: object
     ) -> None: ...
+
+    def mark(self) -> object: ...
 
     def wait_loaded(self, job_id: JobId, timeout: float) -> None: ...
 
@@ -75,6 +77,16 @@ class TorchBlockMover:
         lengths or a destination block listed twice; ``UsageError`` once the mover is closed. A copy that
         fails later is a failed result: the destination blocks hold undefined bytes.
         """
+        return self.submit_after(transfer, self._lane.mark())
+
+    def mark(self) -> object:
+        """The engine's queued work seen from this thread: a CUDA event on its current stream (``None``
+        on a CPU engine, whose work is done when it calls kvcore)."""
+        return self._lane.mark()
+
+    def submit_after(self, transfer: BlockTransfer, mark: object) -> JobId:
+        """``submit``, with the copy ordered after ``mark`` (taken by ``mark`` on the engine's thread)
+        instead of after the calling thread's queued work."""
         engine_ids = _ids("engine_blocks", transfer.engine_blocks, self._engine_blocks)
         host_ids = _ids("host_blocks", transfer.host_blocks, self._host_blocks)
         if len(engine_ids) != len(host_ids):
@@ -90,7 +102,7 @@ class TorchBlockMover:
                 raise UsageError("the mover is closed")
             job_id = self._board.new()
             if len(engine_ids):
-                self._lane.start(job_id, transfer.direction, engine_ids, host_ids)
+                self._lane.start(job_id, transfer.direction, engine_ids, host_ids, mark)
             else:
                 self._board.finish(JobResult(job_id))
         return job_id

@@ -26,8 +26,8 @@ __all__ = ["LMCacheChunkIndex"]
 class LMCacheChunkIndex:
     """Which leading chunks (every shard's key present) an LMCache server holds.
 
-    ``value_bytes`` must be the workers' (it is part of the server-side model name their layout is
-    registered under); the index itself registers nothing.
+    ``value_bytes`` and ``block_bytes`` must be the workers' (their slot size is part of the server-side
+    model name their layout is registered under); the index itself registers nothing.
     """
 
     def __init__(
@@ -37,12 +37,13 @@ class LMCacheChunkIndex:
         value_bytes: int,
         chunk_tokens: int,
         model_name: str,
+        block_bytes: int = 1,
     ) -> None:
         self.link = ServerLink(
             config,
             chunk_tokens,
             model_name,
-            SlotLayout(value_bytes),
+            SlotLayout(value_bytes, block_bytes),
             register=False,
         )
         self._lookups = LookupBook(self.link)

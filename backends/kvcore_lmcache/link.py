@@ -43,13 +43,23 @@ _SHM_DIR = "/dev/shm"
 
 @frozen
 class SlotLayout:
-    """What a worker registers: one slot of ``value_bytes`` (plus a header) per chunk, as opaque bytes."""
+    """What a worker registers: one slot of ``value_bytes`` (plus a header) per chunk, as opaque bytes.
+
+    The value starts at the first multiple of ``align`` (counted from the start of the server's pool)
+    after the slot's header, so that a block mover can address a slot's value as whole host blocks of
+    the pool (``align`` = one host block); a slot has room for the padding that takes.
+    """
 
     value_bytes: int
+    align: int = 1
 
     @property
     def slot_bytes(self) -> int:
-        return self.value_bytes + HEADER_BYTES
+        return HEADER_BYTES + self.align - 1 + self.value_bytes
+
+    def value_offset(self, slot_offset: int) -> int:
+        """Where the value of the slot at ``slot_offset`` starts in the pool."""
+        return -(-(slot_offset + HEADER_BYTES) // self.align) * self.align
 
 
 class Segment:
@@ -72,9 +82,19 @@ class Segment:
         except OSError:
             return True
 
+    @property
+    def buffer(self) -> mmap.mmap:
+        """The mapping itself, for a block mover over the pool (``kvcore_cpu.tier.MappedMover``)."""
+        return self._map
+
     def close(self) -> None:
+        """Unmap, or, while a block mover still holds the mapping, leave it to go with the mover's last
+        reference (the tier replaces its mover at its next transfer)."""
         self.view.release()
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:
+            log.debug("kvcore: %s is still mapped by a block mover; unmapped once it is dropped", self.path)
 
 
 def register_slots(

@@ -1,18 +1,22 @@
 """``LMCacheManagedTier``: kvcore's ``ManagedTier`` port on an LMCache multiprocess server.
 
-Worker side. Values move between one host buffer (``StoreItem`` offsets index it) and the server's
-shared-memory slots (engine-driven mode with ``--shm-name``). The tier is chained (see
+Worker side. Values move between the server's shared-memory slots (engine-driven mode with
+``--shm-name``) and either the engine's KV blocks, copied by a block mover over the server's pool
+(``SupportsBlockTransfer``: nothing of the engine's stands between), or one host buffer of the worker's
+(``StoreItem`` offsets index it: the ``ManagedTier`` calls). The tier is chained (see
 ``kvcore_lmcache.wire``): a job's items are cut into runs of consecutive chunks of the request's chain,
-and each run is one server request. A store reserves a run's slots (``prepare_store``), copies header
-and bytes in, and commits; a retrieve maps the slots of a run of locked hits (``prepare_retrieve``),
-checks each header, copies out and commits, which releases the read locks. No tensor is ever pickled
-onto the socket. Jobs run in submission order on one thread; the runs of a job are pipelined. The
-server cannot remove or clear single keys: the tier does not offer either.
+and each run is one server request. A store reserves a run's slots (``prepare_store``), copies the
+values in, writes each slot's header and commits; a retrieve maps the slots of a run of locked hits
+(``prepare_retrieve``), checks each header, copies the values out and commits, which releases the read
+locks. No tensor is ever pickled onto the socket. Jobs run in submission order on one thread; the runs
+of a job are pipelined. The server cannot remove or clear single keys: the tier does not offer either.
 """
 
 from __future__ import annotations
 
+import abc
 import logging
+import mmap
 import queue
 import threading
 import time
@@ -25,8 +29,9 @@ from kvcore.config import LMCacheMPConfig
 from kvcore.errors import BackendError, InvalidSpecError, TransferTimeout, UsageError
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.jobs import JobBoard, JobResult
-from kvcore.ports import StoreItem
-from kvcore_lmcache.link import ServerLink, SlotLayout
+from kvcore.ports import BlockItem, BlockTransfer, Direction, OrderedMover, StoreItem
+from kvcore.remote import close_quietly
+from kvcore_lmcache.link import Segment, ServerLink, SlotLayout
 from kvcore_lmcache.lookups import LookupBook
 from kvcore_lmcache.wire import HEADER_BYTES, check_header, header
 
@@ -51,9 +56,120 @@ def _runs(positions: Iterable[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _chain_of(items: Sequence[StoreItem], chain: Sequence[ChunkKey]) -> tuple[ChunkKey, ...]:
+def _chain_of(items: Sequence[StoreItem | BlockItem], chain: Sequence[ChunkKey]) -> tuple[ChunkKey, ...]:
     """The chain a call names; none: its items' keys, in order (the port's default)."""
     return tuple(chain) if chain else tuple(item.key for item in items)
+
+
+BlockMovers = Callable[[mmap.mmap], OrderedMover]
+"""Builds a block mover between the engine's KV blocks and the server's mapped pool, seen as host blocks
+of the layout's ``align`` bytes (``kvcore_cpu.tier.MappedMover``)."""
+
+
+class _Values(abc.ABC):
+    """Where a job's values come from and go to; ``put`` and ``get`` copy items ``i`` into and out of the
+    value of the slot at pool offset ``slot`` for each ``(i, slot)`` pair, and return the items that
+    failed. Slots are checked against the pool before; headers are the job's."""
+
+    def __init__(self, keys: Sequence[ChunkKey], lengths: Sequence[int]) -> None:
+        self.keys = tuple(keys)
+        self.lengths = tuple(lengths)  # each item's value length, as its header states it
+
+    @abc.abstractmethod
+    def put(self, pairs: Sequence[tuple[int, int]]) -> set[int]: ...
+
+    @abc.abstractmethod
+    def get(self, pairs: Sequence[tuple[int, int]]) -> set[int]: ...
+
+
+class _HostValues(_Values):
+    """Values in the worker's host buffer (``StoreItem`` offsets)."""
+
+    def __init__(self, link: ServerLink, host: memoryview, items: Sequence[StoreItem]) -> None:
+        super().__init__([item.key for item in items], [item.length for item in items])
+        self._link = link
+        self._host = host
+        self._items = items
+
+    def put(self, pairs: Sequence[tuple[int, int]]) -> set[int]:
+        return self._copy(pairs, into_pool=True)
+
+    def get(self, pairs: Sequence[tuple[int, int]]) -> set[int]:
+        return self._copy(pairs, into_pool=False)
+
+    def _copy(self, pairs: Sequence[tuple[int, int]], *, into_pool: bool) -> set[int]:
+        failed: set[int] = set()
+        layout = self._link.layout
+        with self._link.segment_lock:
+            segment = self._link.segment
+            for i, slot in pairs:
+                item, at = self._items[i], layout.value_offset(slot)
+                if segment is None or at + item.length > segment.size:
+                    failed.add(i)
+                elif into_pool:
+                    segment.view[at : at + item.length] = self._host[item.offset : item.offset + item.length]
+                else:
+                    self._host[item.offset : item.offset + item.length] = segment.view[at : at + item.length]
+        return failed
+
+
+class _BlockValues(_Values):
+    """Values in the engine's KV blocks, copied by a block mover over the server's pool; a value is
+    ``blocks`` host blocks of the pool. ``mark`` orders the copies after the engine work queued when the
+    job was submitted."""
+
+    def __init__(
+        self,
+        mover: OrderedMover | None,
+        mark: object,
+        items: Sequence[BlockItem],
+        layout: SlotLayout,
+        patience: float,
+    ) -> None:
+        super().__init__([item.key for item in items], [layout.value_bytes] * len(items))
+        self._mover = mover
+        self._mark = mark
+        self._items = items
+        self._layout = layout
+        self._patience = patience
+
+    def put(self, pairs: Sequence[tuple[int, int]]) -> set[int]:
+        return self._copy(pairs, Direction.SAVE)
+
+    def get(self, pairs: Sequence[tuple[int, int]]) -> set[int]:
+        return self._copy(pairs, Direction.LOAD)
+
+    def _copy(self, pairs: Sequence[tuple[int, int]], direction: Direction) -> set[int]:
+        if not pairs:
+            return set()
+        owner: list[int] = []
+        engine: list[int] = []
+        host: list[int] = []
+        for i, slot in pairs:
+            item = self._items[i]
+            first = self._layout.value_offset(slot) // self._layout.align + item.first
+            engine.extend(item.engine_blocks)
+            host.extend(range(first, first + len(item.engine_blocks)))
+            owner.extend([i] * len(item.engine_blocks))
+        everything = {i for i, _ in pairs}
+        if self._mover is None:
+            return everything
+        try:
+            job = self._mover.submit_after(BlockTransfer(direction, engine, host), self._mark)
+        except (InvalidSpecError, UsageError) as exc:
+            log.warning("kvcore: LMCache block copy refused: %s", exc)
+            return everything
+        # The job may not end while a copy of it can still touch an engine block: wait it out.
+        while True:
+            try:
+                (result,) = self._mover.wait([job], self._patience)
+                break
+            except TransferTimeout:
+                log.warning("kvcore: LMCache block copy still running after %.1fs", self._patience)
+        if result.error is not None:
+            log.warning("kvcore: LMCache block copy failed: %s", result.error)
+            return everything
+        return {owner[k] for k in result.failed}
 
 
 def _positions(chain: Sequence[ChunkKey]) -> dict[ChunkKey, int]:
@@ -78,33 +194,38 @@ class _Hold:
 class LMCacheManagedTier:
     """A ``ManagedTier`` over an LMCache server, for values of at most ``value_bytes`` each.
 
-    ``host`` is the worker's host buffer (a writable buffer: ``bytearray``, a NumPy array's memory, a
-    pinned tensor's storage). Construction never fails because the server is absent (see
-    ``ServerLink``); it raises ``ConfigError`` when the server's chunk size is not ``chunk_tokens``.
+    ``host`` is the worker's host buffer for the ``ManagedTier`` calls (a writable buffer: ``bytearray``,
+    a NumPy array's memory, a pinned tensor's storage). With ``block_movers``, the tier also moves whole
+    chunks of ``value_bytes`` straight between the engine's blocks (``block_bytes`` each, every layer of
+    the shard) and its slots (``SupportsBlockTransfer``). Construction never fails because the server is
+    absent (see ``ServerLink``); it raises ``ConfigError`` when the server's chunk size is not
+    ``chunk_tokens``.
     """
 
     def __init__(
         self,
         config: LMCacheMPConfig,
-        host: memoryview | bytearray,
+        host: memoryview | bytearray | None,
         *,
         value_bytes: int,
         chunk_tokens: int,
         model_name: str,
+        block_movers: BlockMovers | None = None,
+        block_bytes: int = 1,
     ) -> None:
-        view = memoryview(host).cast("B")
-        if view.readonly:
+        view = memoryview(host).cast("B") if host is not None else None
+        if view is not None and view.readonly:
             raise InvalidSpecError("the host buffer must be writable")
         if value_bytes < 1:
             raise InvalidSpecError(f"value_bytes must be >= 1, got {value_bytes}")
+        if block_bytes < 1 or value_bytes % block_bytes:
+            raise InvalidSpecError(f"block_bytes must divide value_bytes ({value_bytes}), got {block_bytes}")
         self._host = view
         self.value_bytes = value_bytes
-        self.link = ServerLink(
-            config,
-            chunk_tokens,
-            model_name,
-            SlotLayout(value_bytes),
-        )
+        self.blocks_per_value = value_bytes // block_bytes
+        self._movers = block_movers
+        self._mapped: tuple[Segment, OrderedMover] | None = None  # the block mover of the current pool
+        self.link = ServerLink(config, chunk_tokens, model_name, SlotLayout(value_bytes, block_bytes))
         self._lookups = LookupBook(self.link)
         self._board = JobBoard()
         self._lock = threading.Lock()
@@ -176,22 +297,41 @@ class LMCacheManagedTier:
     def submit_store(
         self, session: RequestId, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
-        items, whole = self._checked(items), _chain_of(items, chain)
-        return self._submit(lambda job_id: self._store(job_id, session, items, whole))
+        values, whole = self._host_values(items), _chain_of(items, chain)
+        return self._submit(lambda job_id: self._store(job_id, session, values, whole))
 
     def submit_retrieve(
         self, session: RequestId, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
-        items, whole = self._checked(items), _chain_of(items, chain)
-        return self._submit(lambda job_id: self._retrieve(job_id, session, items, whole))
+        values, whole = self._host_values(items), _chain_of(items, chain)
+        return self._submit(lambda job_id: self._retrieve(job_id, session, values, whole))
+
+    def submit_store_blocks(
+        self, session: RequestId, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        values, whole = self._block_values(items, whole=True), _chain_of(items, chain)
+        return self._submit(lambda job_id: self._store(job_id, session, values, whole))
+
+    def submit_retrieve_blocks(
+        self, session: RequestId, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        values, whole = self._block_values(items, whole=False), _chain_of(items, chain)
+        return self._submit(lambda job_id: self._retrieve(job_id, session, values, whole))
 
     def close(self) -> None:
-        """Finish queued jobs (each bounded by the request timeout), then drop the connection."""
+        """Stop the block copies, finish queued jobs (each bounded by the request timeout; their block
+        copies fail), then drop the connection. Idempotent."""
+        with self.link.segment_lock:
+            mapped, self._mapped, self._movers = self._mapped, None, None
+        if mapped is not None:
+            close_quietly(mapped[1])
         self._queue.put(None)
         self._worker.join()
         self.link.close()
 
-    def _checked(self, items: Sequence[StoreItem]) -> tuple[StoreItem, ...]:
+    def _host_values(self, items: Sequence[StoreItem]) -> _HostValues:
+        if self._host is None:
+            raise InvalidSpecError("this tier has no host buffer: move engine blocks instead")
         size = len(self._host)
         for i, item in enumerate(items):
             if item.offset < 0 or item.length < 1 or item.offset + item.length > size:
@@ -203,7 +343,43 @@ class LMCacheManagedTier:
                 raise InvalidSpecError(
                     f"item {i} ({item.key}) has {item.length} bytes; slots hold {self.value_bytes}"
                 )
-        return tuple(items)
+        return _HostValues(self.link, self._host, tuple(items))
+
+    def _block_values(self, items: Sequence[BlockItem], *, whole: bool) -> _BlockValues:
+        """The items' values in engine blocks; a store moves whole chunks. On the engine's thread: the
+        copies are ordered after the engine's work queued now."""
+        if self._movers is None:
+            raise BackendError("this LMCache tier has no block mover (opened without one, or closed)")
+        size = self.blocks_per_value
+        for i, item in enumerate(items):
+            count = len(item.engine_blocks)
+            if (whole and (item.first or count != size)) or count < 1 or item.first + count > size:
+                raise InvalidSpecError(
+                    f"item {i} ({item.key}): blocks [{item.first}, {item.first + count}) of a chunk of {size}"
+                    + (" (a store moves whole chunks)" if whole else "")
+                )
+        mover = self._current_mover(self._movers)
+        mark = mover.mark() if mover is not None else None
+        return _BlockValues(mover, mark, tuple(items), self.link.layout, self.link.config.request_timeout_s)
+
+    def _current_mover(self, movers: BlockMovers) -> OrderedMover | None:
+        """The block mover over the server's current pool (``None`` while none is mapped), built anew
+        when the heartbeat mapped a restarted server's pool."""
+        with self.link.segment_lock:
+            segment, old = self.link.segment, self._mapped
+            if segment is None or self._movers is None:  # unmapped, or closed
+                return None
+            if old is not None and old[0] is segment:
+                return old[1]
+            try:
+                mover: OrderedMover | None = movers(segment.buffer)
+            except BackendError as exc:
+                log.warning("kvcore: no block mover over the LMCache pool: %s", exc)
+                mover = None
+            self._mapped = (segment, mover) if mover is not None else None
+        if old is not None:
+            close_quietly(old[1])
+        return mover
 
     def _submit(self, work: Callable[[JobId], JobResult]) -> JobId:
         job_id = self._board.new()
@@ -226,14 +402,14 @@ class LMCacheManagedTier:
 
     @staticmethod
     def _placed(
-        items: tuple[StoreItem, ...], chain: tuple[ChunkKey, ...]
+        keys: Sequence[ChunkKey], chain: tuple[ChunkKey, ...]
     ) -> tuple[dict[int, list[int]], list[int]]:
         """Item indices by chain position, and the items whose key is not in the chain."""
         where = _positions(chain)
         at: dict[int, list[int]] = {}
         missing: list[int] = []
-        for i, item in enumerate(items):
-            pos = where.get(item.key)
+        for i, key in enumerate(keys):
+            pos = where.get(key)
             if pos is None:
                 missing.append(i)
             else:
@@ -241,11 +417,11 @@ class LMCacheManagedTier:
         return at, missing
 
     def _store(
-        self, job_id: JobId, session: RequestId, items: tuple[StoreItem, ...], chain: tuple[ChunkKey, ...]
+        self, job_id: JobId, session: RequestId, values: _Values, chain: tuple[ChunkKey, ...]
     ) -> JobResult:
         if not self.link.available():
-            return JobResult(job_id, tuple(range(len(items))), "LMCache server unavailable")
-        at, failed = self._placed(items, chain)
+            return JobResult(job_id, tuple(range(len(values.keys))), "LMCache server unavailable")
+        at, failed = self._placed(values.keys, chain)
         codec, client, iid = self.link.codec, self.link.client, self.link.instance_id
         server = self.link.server_session(session, f"s{job_id}")
         runs = _runs(at)
@@ -261,14 +437,21 @@ class LMCacheManagedTier:
                 continue
             if not slots:  # every chunk of the run is stored already: a store is idempotent
                 continue
-            written: list[int] = []
+            filled: list[tuple[list[int], int]] = []  # the items of a slot, and the slot
             for slot, index in zip(slots, indices, strict=True):
-                targets = at.get(start + int(index), [])
-                if targets and self._write(items[targets[0]], slot):
-                    written.extend(targets)
-                else:  # never commit a slot whose header could read as this key's value
-                    self._poison(slot)
+                targets, offset = at.get(start + int(index), []), self._slot_offset(slot)
+                if targets and offset is not None:
+                    filled.append((targets, offset))
+                else:
                     failed.extend(targets)
+                    self._seal(slot, None)  # never commit a slot whose header could read as a value
+            bad = values.put([(targets[0], offset) for targets, offset in filled])
+            written: list[int] = []
+            for targets, offset in filled:
+                i = targets[0]
+                # the header last: a slot whose copy did not finish never reads as this key's value
+                self._seal(offset, None if i in bad else header(values.keys[i], values.lengths[i]))
+                (failed if i in bad else written).extend(targets)
             commits.append((written, client.commit_store(key, iid, b"")))
         for written, commit in commits:
             if not self._reply(commit, "commit_store"):
@@ -277,11 +460,11 @@ class LMCacheManagedTier:
         return JobResult(job_id, tuple(sorted(set(failed))))
 
     def _retrieve(
-        self, job_id: JobId, session: RequestId, items: tuple[StoreItem, ...], chain: tuple[ChunkKey, ...]
+        self, job_id: JobId, session: RequestId, values: _Values, chain: tuple[ChunkKey, ...]
     ) -> JobResult:
         if not self.link.available():
-            return JobResult(job_id, tuple(range(len(items))), "LMCache server unavailable")
-        at, failed = self._placed(items, chain)
+            return JobResult(job_id, tuple(range(len(values.keys))), "LMCache server unavailable")
+        at, failed = self._placed(values.keys, chain)
         if not at:
             return JobResult(job_id, tuple(failed))
         codec, client, iid = self.link.codec, self.link.client, self.link.instance_id
@@ -314,8 +497,15 @@ class LMCacheManagedTier:
             if slots is None or len(slots) != end - start:
                 failed.extend(i for pos in range(start, end) for i in at[pos])
                 continue
+            found: list[tuple[int, int]] = []  # (item, slot) of every item whose slot holds its key
             for pos, slot in zip(range(start, end), slots, strict=True):
-                failed.extend(i for i in at[pos] if not self._read(items[i], slot))
+                offset = self._slot_offset(slot)
+                for i in at[pos]:
+                    if offset is not None and self._holds(offset, values.keys[i], values.lengths[i]):
+                        found.append((i, offset))
+                    else:
+                        failed.append(i)
+            failed.extend(values.get(found))
         for commit in commits:
             self._reply(commit, "commit_retrieve")
         if lookup is not None:
@@ -379,44 +569,30 @@ class LMCacheManagedTier:
             log.warning("kvcore: %s", exc)
             return False
 
-    def _slot_span(self, slot: Any) -> tuple[int, int] | None:
+    def _slot_offset(self, slot: Any) -> int | None:
+        """A slot's offset in the pool, if the slot is one of this layout's and lies inside the pool."""
         try:
             offset, length = int(slot["offset"]), int(slot["length"])
         except (KeyError, TypeError, ValueError):
             return None
-        if length != self.link.layout.slot_bytes:
-            return None
-        return offset, length
-
-    def _write(self, item: StoreItem, slot: Any) -> bool:
-        span = self._slot_span(slot)
         with self.link.segment_lock:
             segment = self.link.segment
-            if span is None or segment is None or span[0] + span[1] > segment.size:
-                return False
-            base = span[0]
-            value = self._host[item.offset : item.offset + item.length]
-            segment.view[base + HEADER_BYTES : base + HEADER_BYTES + item.length] = value
-            # the header last: a slot whose copy did not finish never reads as this key's value
-            segment.view[base : base + HEADER_BYTES] = header(item.key, item.length)
-        return True
+            inside = segment is not None and offset >= 0 and offset + length <= segment.size
+        return offset if inside and length == self.link.layout.slot_bytes else None
 
-    def _poison(self, slot: Any) -> None:
-        span = self._slot_span(slot)
+    def _seal(self, slot: Any, raw: bytes | None) -> None:
+        """Write a slot's header (``slot``: its offset, or the server's descriptor); ``None`` writes a
+        zeroed one, which never reads as a value."""
+        offset = slot if isinstance(slot, int) else self._slot_offset(slot)
         with self.link.segment_lock:
             segment = self.link.segment
-            if span is not None and segment is not None and span[0] + HEADER_BYTES <= segment.size:
-                segment.view[span[0] : span[0] + HEADER_BYTES] = bytes(HEADER_BYTES)
+            if offset is not None and segment is not None and offset + HEADER_BYTES <= segment.size:
+                segment.view[offset : offset + HEADER_BYTES] = raw if raw is not None else bytes(HEADER_BYTES)
 
-    def _read(self, item: StoreItem, slot: Any) -> bool:
-        span = self._slot_span(slot)
+    def _holds(self, offset: int, key: ChunkKey, length: int) -> bool:
+        """Whether the slot at ``offset`` holds a ``length``-byte value stored under ``key``."""
         with self.link.segment_lock:
             segment = self.link.segment
-            if span is None or segment is None or span[0] + span[1] > segment.size:
+            if segment is None or offset + HEADER_BYTES > segment.size:
                 return False
-            base = span[0]
-            if not check_header(item.key, item.length, bytes(segment.view[base : base + HEADER_BYTES])):
-                return False
-            source = segment.view[base + HEADER_BYTES : base + HEADER_BYTES + item.length]
-            self._host[item.offset : item.offset + item.length] = source
-        return True
+            return check_header(key, length, bytes(segment.view[offset : offset + HEADER_BYTES]))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.config import ByteSize, CPUBackendConfig, LMCacheMPConfig, MooncakeStoreConfig
+from kvcore.config import ByteCount, ByteSize, CPUBackendConfig, LMCacheMPConfig, MooncakeStoreConfig
 from kvcore.errors import ConfigError, UnsupportedConfiguration
 from kvcore_vllm.compat import check_vllm
 from kvcore_vllm.settings import StorePolicy, read_extra_config, transfer_config
@@ -76,7 +76,9 @@ def test_one_knob_transfer_config() -> None:
 
 def test_one_knob_transfer_config_for_remote_tiers() -> None:
     lmcache = read_extra_config(transfer_config(backend="lmcache")["kv_connector_extra_config"]).core
-    assert lmcache.backend == LMCacheMPConfig(url="tcp://localhost:5555", local_size=ByteSize(8 << 30))
+    assert lmcache.backend == LMCacheMPConfig(url="tcp://localhost:5555", local_size=ByteCount(0))
+    pooled = transfer_config(backend="lmcache", size="8GiB")["kv_connector_extra_config"]
+    assert read_extra_config(pooled).core.backend == LMCacheMPConfig(local_size=ByteCount(8 << 30))
     mooncake = transfer_config(backend="mooncake", size="1GiB", endpoint="10.0.0.5:50051")
     core = read_extra_config(mooncake["kv_connector_extra_config"]).core
     assert core.backend == MooncakeStoreConfig(master="10.0.0.5:50051", local_size=ByteSize(1 << 30))

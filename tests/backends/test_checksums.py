@@ -39,6 +39,7 @@ def _save_then_load(checksums: bool, damage: bool) -> tuple[CacheScheduler, CPUW
     _step(sched, worker)
     sched.finish(RequestId("a"))
     if damage:  # out of band: flip every byte the pool holds
+        assert worker.host is not None
         worker.host.buffer.bitwise_not_()
     assert sched.lookup(RequestId("b"), tokens=TOKENS) == 96
     sched.start_load(RequestId("b"), list(range(10, 17)))

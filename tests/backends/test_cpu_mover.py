@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Iterator
 
@@ -20,6 +21,7 @@ from kvcore.ports import BlockTransfer, Direction
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover, pool_slots
 from kvcore_cpu.cpu_copy import ByteRows, RowTask, copy_rows
 from kvcore_cpu.rows import IntArray
+from kvcore_cpu.tier import MappedMover
 
 SETTLE = 10.0
 ENGINE_BLOCKS = 24
@@ -308,6 +310,23 @@ def test_host_memory_must_hold_one_block_of_every_layer() -> None:
         TorchBlockMover(
             engine, HostMemory.allocate(4, engine.host_block_bytes, engine.device), copy_threads=0
         )
+
+
+def test_a_mapped_mover_copies_into_memory_it_does_not_own_and_leaves_it_mapped() -> None:
+    layout = make_layout(LayoutKind.FLASH_ATTN)
+    engine = EngineKV.register(random_kv(layout, shared=False), layout)
+    pool = mmap.mmap(-1, 3 * engine.host_block_bytes + 7)  # as a server's pool: not a whole number of blocks
+    mover = MappedMover(engine, pool)
+    assert mover.host.num_blocks == 3
+    job = mover.submit_after(BlockTransfer(Direction.SAVE, [5], [2]), mover.mark())
+    (result,) = mover.wait([job], 5.0)
+    assert result.ok
+    at = 2 * engine.host_block_bytes
+    expected = b"".join(plane[5].numpy().tobytes() for plane in engine.planes)
+    assert pool[at : at + engine.host_block_bytes] == expected
+    mover.close()
+    with pytest.raises(ConfigError, match="at least one block"):
+        MappedMover(engine, mmap.mmap(-1, engine.host_block_bytes - 1))
 
 
 # -- threads, waits, failures, close -------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -11,6 +13,7 @@ import torch
 from kvcore.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.ports import BlockTransfer, Direction
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
+from kvcore_cpu.tier import MappedMover
 
 pytestmark = [
     pytest.mark.gpu,
@@ -143,6 +146,44 @@ def test_save_reads_blocks_after_the_compute_that_wrote_them(rig: Rig) -> None:
     (result,) = rig.mover.wait([job], SETTLE)
     assert result.ok
     assert rig.host_block(0) == bytes([7]) * rig.engine.host_block_bytes
+
+
+def test_a_save_submitted_from_another_thread_after_a_mark_reads_the_computed_blocks(rig: Rig) -> None:
+    # a tier submits from its own thread: the mark taken on the engine's thread orders the copy
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        busy = busy @ busy / 64
+    for plane in rig.engine.planes:
+        plane[4].fill_(9)
+    mark = rig.mover.mark()
+    jobs = []
+    thread = threading.Thread(
+        target=lambda: jobs.append(rig.mover.submit_after(BlockTransfer(Direction.SAVE, [4], [1]), mark))
+    )
+    thread.start()
+    thread.join(SETTLE)
+    (result,) = rig.mover.wait(jobs, SETTLE)
+    assert result.ok
+    assert rig.host_block(1) == bytes([9]) * rig.engine.host_block_bytes
+
+
+def test_host_memory_over_a_shared_mapping_is_page_locked_and_round_trips() -> None:
+    # as over an LMCache server's shared-memory pool
+    made = Rig(layout(LayoutKind.FLASH_ATTN), 2, shared=False)
+    pool = mmap.mmap(-1, 8 * made.engine.host_block_bytes + 100)
+    mover = MappedMover(made.engine, pool)
+    try:
+        assert mover.host.pinned
+        assert mover.host.num_blocks == 8
+        saved = mover.submit(BlockTransfer(Direction.SAVE, [6, 7], [2, 5]))
+        assert all(r.ok for r in mover.wait([saved], SETTLE))
+        assert mover.host.blocks[5].numpy().tobytes() == made.engine_block(7)
+        loaded = mover.submit(BlockTransfer(Direction.LOAD, [6], [5]))
+        assert all(r.ok for r in mover.wait([loaded], SETTLE))
+        assert made.engine_block(6) == made.engine_block(7)
+    finally:
+        mover.close()
+        made.close()
 
 
 def test_wait_loaded_orders_the_engine_after_the_load(rig: Rig) -> None:

@@ -6,9 +6,19 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from kvcore_cpu.host_memory import HostMemory
 from kvcore_vllm.worker_side import WorkerSide
 
-__all__ = ["external_hits", "host_digests", "kvcore_metric", "loaded_digests", "worker_side"]
+__all__ = [
+    "damage_pool",
+    "engine_digests",
+    "external_hits",
+    "host_digests",
+    "kvcore_metric",
+    "loaded_digests",
+    "rank_pool",
+    "worker_side",
+]
 
 
 def external_hits(llm: Any) -> int:
@@ -35,20 +45,39 @@ def worker_side(worker: Any) -> WorkerSide:
     return connector.worker_side
 
 
+def rank_pool(worker: Any) -> HostMemory:
+    """In the worker process: the host pool of the rank (a backend with one)."""
+    host = worker_side(worker).worker.host
+    assert host is not None, "this backend has no host pool"
+    return host
+
+
+def damage_pool(worker: Any) -> bool:
+    """In the worker process: overwrite every byte the rank's host pool holds (out of band)."""
+    rank_pool(worker).buffer.bitwise_not_()
+    return True
+
+
 def host_digests(worker: Any) -> set[str]:
     """In the worker process: digests of every host block of the rank's pool."""
     tier = worker_side(worker).worker
-    return {hashlib.sha256(tier.host_block_bytes(b)).hexdigest() for b in range(tier.host.num_blocks)}
+    return {hashlib.sha256(tier.host_block_bytes(b)).hexdigest() for b in range(rank_pool(worker).num_blocks)}
+
+
+def engine_digests(worker: Any) -> set[str]:
+    """In the worker process: digests of every engine block of the rank (what a tier can have saved)."""
+    tier = worker_side(worker).worker
+    return {hashlib.sha256(tier.engine_block_bytes(b)).hexdigest() for b in range(tier.engine_kv.num_blocks)}
 
 
 def loaded_digests(worker: Any) -> tuple[list[str], bool]:
-    """In the worker process: digests of the last loaded blocks, and whether the engine blocks hold exactly
-    the host bytes they were loaded from."""
+    """In the worker process: digests of the last loaded engine blocks, and whether they hold exactly the
+    host bytes they were loaded from (with no host pool, the tier moved them itself: true)."""
     side = worker_side(worker)
     engine_blocks, host_blocks = side.last_load
     tier = side.worker
-    same = all(
+    same = not host_blocks or all(
         tier.engine_block_bytes(e) == tier.host_block_bytes(h)
         for e, h in zip(engine_blocks, host_blocks, strict=True)
     )
-    return [hashlib.sha256(tier.host_block_bytes(h)).hexdigest() for h in host_blocks], same
+    return [hashlib.sha256(tier.engine_block_bytes(e)).hexdigest() for e in engine_blocks], same

@@ -23,7 +23,9 @@ pytestmark = VLLM_MARKS
 
 
 def _copier(worker: Any) -> BlockCopier:
-    copier = worker_side(worker).worker.mover._copier
+    mover = worker_side(worker).worker.mover
+    assert mover is not None
+    copier = mover._copier
     if copier is None:
         raise AssertionError("vLLM's CPU engine copies on the mover's worker thread")
     return copier

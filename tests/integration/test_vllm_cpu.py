@@ -17,7 +17,7 @@ from tests.integration.conftest import (
     start_engine,
     stop_engine,
 )
-from tests.integration.probes import external_hits, kvcore_metric, loaded_digests, worker_side
+from tests.integration.probes import damage_pool, external_hits, kvcore_metric, loaded_digests, worker_side
 
 pytestmark = VLLM_MARKS
 
@@ -49,18 +49,12 @@ def test_external_hit_after_eviction_matches_local_hit(kvcore_engine: Any) -> No
     assert same
 
 
-def _damage_pool(worker: Any) -> bool:
-    """Runs in the worker process: overwrite every byte the CPU tier holds (out of band)."""
-    worker_side(worker).worker.host.buffer.bitwise_not_()
-    return True
-
-
 def _evicted_and_served_again(llm: Any, tokens: list[int], seed: int) -> tuple[Any, Any]:
     """Serve ``tokens`` (saving their KV), push them out of vLLM's cache, damage the pool, serve again."""
     first = generate(llm, tokens)
     for i in range(3):
         generate(llm, prompt(seed + i, 1500), max_tokens=1)
-    assert llm.collective_rpc(_damage_pool) == [True]
+    assert llm.collective_rpc(damage_pool) == [True]
     return first, generate(llm, tokens, max_tokens=16)
 
 
@@ -95,7 +89,7 @@ def test_preemption_and_reset_leak_nothing(kvcore_engine: Any) -> None:
 
 def _close_backend(worker: Any) -> bool:
     """Runs in the worker process: the CPU tier's mover stops taking copies (a dead backend)."""
-    worker_side(worker).worker.mover.close()
+    worker_side(worker).worker.halt()
     return True
 
 

@@ -22,7 +22,7 @@ from tests.integration.conftest import (
     start_engine,
     stop_engine,
 )
-from tests.integration.probes import external_hits, kvcore_metric, worker_side
+from tests.integration.probes import damage_pool, external_hits, kvcore_metric
 
 pytestmark = VLLM_MARKS
 
@@ -128,18 +128,13 @@ def test_lazy_saves_only_at_eviction_and_serves_exact(lazy_engine: tuple[Any, Ev
     assert cpu_hashes <= {h for e in removed for h in e.block_hashes}
 
 
-def _damage_pool(worker: Any) -> bool:
-    worker_side(worker).worker.host.buffer.bitwise_not_()
-    return True
-
-
 def test_chunk_failing_to_load_is_not_served_again(lazy_engine: tuple[Any, Events]) -> None:
     llm, _ = lazy_engine
     tokens = prompt(1200, 4 * BLOCK + 60)
     generate(llm, tokens)
     local = generate(llm, tokens)
     _push_out(llm, 1300)  # saved at eviction
-    assert llm.collective_rpc(_damage_pool) == [True]
+    assert llm.collective_rpc(damage_pool) == [True]
     failed_before = kvcore_metric(llm, "failed_load_blocks")
     damaged = generate(llm, tokens)  # the checksums catch it: recomputed
     assert kvcore_metric(llm, "failed_load_blocks") - failed_before == 4

@@ -430,11 +430,21 @@ def test_a_scan_flushes_frequent_keys_under_lru_but_not_under_arc(policy: str, s
 # -- bad input -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("num_slots", [0, -1, True])
-def test_num_slots_must_be_a_positive_integer(num_slots: int) -> None:
+@pytest.mark.parametrize("num_slots", [-1, True])
+def test_num_slots_must_be_a_non_negative_integer(num_slots: int) -> None:
     with pytest.raises(ConfigError) as info:
         BlockPool(num_slots)
     assert info.value.field == "num_slots"
+
+
+def test_a_pool_of_no_slots_holds_nothing() -> None:
+    pool = BlockPool(0)
+    plan = pool.prepare_store(keys("a b"))
+    assert plan.slots == ()
+    pool.complete_store(keys("a b"), success=True)
+    assert pool.lookup(keys("a")) == 0
+    assert pool.usage().capacity == 0
+    assert pool.take_events() == ()
 
 
 def test_policy_must_start_empty() -> None:

@@ -1,0 +1,229 @@
+"""The scheduler and worker with a remote tier and no local pool (``num_slots=0``): every load and save is
+one remote job that moves the engine's blocks itself. The remote tier here is an in-memory fake; the same
+paths run against a real LMCache server in ``tests/lmcache/test_direct.py``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Sequence
+
+import pytest
+
+from kvcore.config import load_config
+from kvcore.engine import EngineSpec
+from kvcore.errors import ConfigError
+from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
+from kvcore.jobs import JobBoard, JobResult
+from kvcore.layout import KVLayout, LayoutKind
+from kvcore.lookup import leading_complete
+from kvcore.ports import BlockItem, StoreItem
+from kvcore.remote import ManagedRemote, StoreRemote
+from kvcore.scheduler import CacheScheduler
+from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore, InMemoryManagedTier
+from kvcore.worker import BlockWorker
+
+LAYOUT = KVLayout(
+    kind=LayoutKind.VLLM_CPU, num_blocks=64, block_tokens=4, num_kv_heads=2, head_size=2, dtype_size=1
+)
+ENGINE = EngineSpec(model_id="tiny", kv_dtype="int8", num_layers=2, total_kv_heads=2, layout=LAYOUT)
+CONFIG = load_config({"backend": {"kind": "lmcache_mp"}, "chunk_tokens": 8})
+TOKENS = list(range(100, 130))  # 30 tokens: 3 full chunks of 8 (2 blocks each), then 6 tokens
+PER_CHUNK = 2
+
+
+class DirectTier:
+    """A remote tier keeping whole chunk values, moving them to and from an engine's blocks itself."""
+
+    def __init__(self, values: dict[ChunkKey, bytes], engine: InMemoryBlockMover) -> None:
+        self.values = values
+        self.engine = engine
+        self.board = JobBoard()
+        self.fail: int | None = None  # the index of an item the next fetch fails
+
+    def submit_fetch_blocks(
+        self, session: str, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        size = self.engine.host_block_bytes
+        failed = []
+        for i, item in enumerate(items):
+            value = self.values.get(item.key)
+            if value is None or i == self.fail:
+                failed.append(i)
+                continue
+            for n, block in enumerate(item.engine_blocks):
+                at = (item.first + n) * size
+                self.engine.write_engine_block(block, value[at : at + size])
+        return self._finish(failed)
+
+    def submit_publish_blocks(
+        self, session: str, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        for item in items:
+            assert (item.first, len(item.engine_blocks)) == (0, PER_CHUNK)  # whole chunks only
+            self.values.setdefault(
+                item.key, b"".join(self.engine.read_engine_block(b) for b in item.engine_blocks)
+            )
+        return self._finish([])
+
+    def submit_fetch(self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()) -> JobId:
+        raise AssertionError("a direct op never names host bytes")
+
+    submit_publish = submit_fetch
+
+    def end_session(self, session: str) -> None:
+        pass
+
+    def poll(self) -> tuple[JobResult, ...]:
+        return self.board.poll()
+
+    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
+        return self.board.wait(job_ids, timeout)
+
+    def _finish(self, failed: list[int]) -> JobId:
+        job = self.board.new()
+        self.board.finish(JobResult(job, tuple(failed)))
+        return job
+
+
+class ValueIndex:
+    """The remote index answering from the tier's values."""
+
+    def __init__(self, values: dict[ChunkKey, bytes]) -> None:
+        self.values = values
+
+    def submit_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
+        self.answer = leading_complete([k in self.values for c in chunks for k in c], len(chunks[0]))
+        return LookupId(1)
+
+    def poll_lookup(self, lookup_id: LookupId) -> int | None:
+        return self.answer
+
+    def cancel_lookup(self, lookup_id: LookupId) -> None:
+        pass
+
+
+class Engine:
+    """A scheduler with no pool and its worker with no mover, over a shared value store."""
+
+    def __init__(self, values: dict[ChunkKey, bytes]) -> None:
+        self.kv = InMemoryBlockMover(
+            num_engine_blocks=64, num_host_blocks=1, layer_block_bytes=LAYOUT.block_bytes, num_layers=2
+        )
+        self.tier = DirectTier(values, self.kv)
+        self.sched = CacheScheduler(CONFIG, ENGINE, 0, remote=ValueIndex(values))
+        self.worker = BlockWorker(None, remote=self.tier)
+
+    def step(self) -> None:
+        plan = self.sched.take_plan()
+        for op in plan.ops:
+            assert op.host_blocks == ()
+            assert all(c.slot is None for c in op.remote)
+        self.worker.execute(plan)
+        self.sched.complete(self.worker.wait(plan.op_ids(), 5.0))
+
+    def lookup(self, rid: str, tokens: Sequence[int] = TOKENS, local_tokens: int = 0) -> int:
+        for _ in range(100):
+            hits = self.sched.lookup(RequestId(rid), tokens=tokens, local_tokens=local_tokens)
+            if hits is not None:
+                return hits
+        raise AssertionError("the lookup never answered")
+
+    def fill(self, blocks: Sequence[int]) -> list[bytes]:
+        data = [os.urandom(self.kv.host_block_bytes) for _ in blocks]
+        for block, value in zip(blocks, data, strict=True):
+            self.kv.write_engine_block(block, value)
+        return data
+
+    def read(self, blocks: Sequence[int]) -> list[bytes]:
+        return [self.kv.read_engine_block(b) for b in blocks]
+
+
+def _saved(values: dict[ChunkKey, bytes]) -> tuple[Engine, list[bytes]]:
+    a = Engine(values)
+    assert a.lookup("a") == 0
+    data = a.fill(range(6))
+    assert a.sched.save(RequestId("a"), range(7), num_tokens=30) == 3
+    a.step()
+    a.sched.finish(RequestId("a"))
+    assert a.sched.stats().saved_blocks == 6
+    return a, data
+
+
+def test_blocks_go_from_one_engine_to_another_through_the_remote_tier_alone() -> None:
+    values: dict[ChunkKey, bytes] = {}
+    a, data = _saved(values)
+    assert len(values) == 3
+    b = Engine(values)
+    rid = RequestId("b")
+    assert b.lookup("b") == 24
+    assert b.sched.start_load(rid, range(30, 37)) == 24
+    b.step()
+    assert b.read(range(30, 36)) == data
+    assert b.sched.take_load_errors() == {}
+    assert b.sched.extra_cached_tokens(rid) == 24
+    usage = b.sched.stats().pool
+    assert (usage.capacity, usage.used, usage.pinned, usage.storing) == (0, 0, 0, 0)
+    b.sched.finish(rid)
+    assert (b.sched.stats().requests, b.sched.in_flight(), a.sched.in_flight()) == (0, 0, 0)
+
+
+def test_a_load_starting_inside_a_chunk_moves_the_rest_of_it() -> None:
+    values: dict[ChunkKey, bytes] = {}
+    _, data = _saved(values)
+    b = Engine(values)
+    assert b.lookup("b", local_tokens=4) == 20  # the engine holds the first block
+    b.sched.start_load(RequestId("b"), range(40, 47))
+    b.step()
+    assert b.read(range(41, 46)) == data[1:]
+    assert b.read([40]) == [bytes(b.kv.host_block_bytes)]  # never written
+
+
+def test_chunks_the_lookup_found_are_not_saved_again() -> None:
+    values: dict[ChunkKey, bytes] = {}
+    a, _ = _saved(values)
+    assert a.lookup("again", tokens=list(range(100, 132))) == 24  # 4 full chunks, 3 of them held
+    assert a.sched.save(RequestId("again"), range(8), num_tokens=32) == 1  # only the 4th one is new
+    a.step()
+    assert len(values) == 4
+
+
+def test_a_failed_fetch_is_recomputed_and_not_counted_as_served() -> None:
+    values: dict[ChunkKey, bytes] = {}
+    _saved(values)
+    b = Engine(values)
+    rid = RequestId("b")
+    assert b.lookup("b") == 24
+    b.sched.start_load(rid, range(30, 37))
+    b.tier.fail = 2  # the last chunk's value is lost on the way
+    b.step()
+    assert set(b.sched.take_load_errors()[rid]) == {34, 35}
+    assert b.sched.extra_cached_tokens(rid) == 16
+
+
+def test_a_remote_tier_that_cannot_move_blocks_fails_the_op_and_leaks_nothing() -> None:
+    values: dict[ChunkKey, bytes] = {}
+    _saved(values)
+    b = Engine(values)
+    mover = InMemoryBlockMover(num_engine_blocks=64, num_host_blocks=2, layer_block_bytes=LAYOUT.block_bytes)
+    b.worker = BlockWorker(None, remote=StoreRemote(InMemoryChunkStore(mover.host)))  # misconfigured
+    rid = RequestId("b")
+    assert b.lookup("b") == 24
+    b.sched.start_load(rid, range(30, 37))
+    b.step()
+    assert set(b.sched.take_load_errors()[rid]) == set(range(30, 36))
+    b.sched.finish(rid)
+    assert (b.sched.stats().requests, b.sched.in_flight()) == (0, 0)
+
+
+def test_a_managed_tier_without_block_moves_refuses_them() -> None:
+    remote = ManagedRemote(InMemoryManagedTier(bytearray(64)))
+    with pytest.raises(Exception, match="cannot move engine blocks"):
+        remote.submit_fetch_blocks("s", [BlockItem(ChunkKey("k"), (0,))])
+
+
+def test_no_pool_and_no_remote_tier_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        CacheScheduler(CONFIG, ENGINE, 0)
+    assert info.value.field == "num_slots"
