@@ -215,6 +215,15 @@ def _eviction(_: object, attribute: Attribute[Any], value: str) -> None:
         raise _BadValue(value, f"one of {', '.join(map(repr, _EVICTIONS))}", attribute.name)
 
 
+def _checksummed(config: KVCoreConfig, attribute: Attribute[Any], value: bool) -> None:
+    backend = config.backend
+    if value and backend.DIRECT and backend.host_bytes == 0:
+        expected = (
+            f"false with no backend.{backend.HOST_FIELD} (checksums cover the host pool, and there is none)"
+        )
+        raise _BadValue(value, expected, attribute.name)
+
+
 @frozen
 class KVCoreConfig:
     """Everything kvcore needs to know that the engine does not tell it."""
@@ -230,7 +239,7 @@ class KVCoreConfig:
     hash_seed: str = "kvcore"
     epoch: str = "0"
     secret: str | None = field(default=None, repr=False)
-    checksums: bool = False
+    checksums: bool = field(default=False, validator=_checksummed)
     pd: PDConfig | None = None
 
 

@@ -301,6 +301,11 @@ class SupportsBlockTransfer(Protocol):
         touch an engine block any more. Failure: failed items' engine blocks are undefined (recompute)."""
         ...
 
+    def abandon(self, job_id: JobId) -> None:
+        """The engine may overwrite the blocks of store ``job_id`` from now on (they were freed): unless
+        its copies have finished already, it stores nothing. Unknown or finished jobs are ignored."""
+        ...
+
 
 class PeerTransport(JobQueue, Protocol):
     """Pushes bytes into a peer's registered memory (prefill -> decode)."""

@@ -75,6 +75,10 @@ class BlockRemote(RemoteTier, Protocol):
         ``BackendError`` when the tier cannot reach engine blocks."""
         ...
 
+    def abandon(self, job_id: JobId) -> None:
+        """A publish's engine blocks may be overwritten from now on (``SupportsBlockTransfer.abandon``)."""
+        ...
+
 
 class StoreRemote:
     """A ``ChunkStore`` as a remote tier (sessions mean nothing to it)."""
@@ -126,6 +130,10 @@ class ManagedRemote:
         self, session: str, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
         return self._blocks().submit_store_blocks(RequestId(session), items, chain)
+
+    def abandon(self, job_id: JobId) -> None:
+        if isinstance(self.tier, SupportsBlockTransfer):
+            self.tier.abandon(job_id)
 
     def _blocks(self) -> SupportsBlockTransfer:
         if not isinstance(self.tier, SupportsBlockTransfer):

@@ -45,6 +45,10 @@ from kvcore.remote import close_quietly
 
 __all__ = ["CacheScheduler", "SchedulerStats"]
 
+_MIN_SIGHTINGS = 1024
+"""Chunks whose sightings are remembered at least (a quarter of it): a pool of a few slots, or none,
+must still count the sightings of more than one request's chunks."""
+
 log = logging.getLogger(__name__)
 
 
@@ -203,7 +207,7 @@ class CacheScheduler:
         # How often each chunk was looked up (bounded, oldest forgotten first): with
         # save_after_sightings = N > 1 a chunk is saved only once N requests asked for it.
         self._sightings: OrderedDict[ChunkKey, int] = OrderedDict()
-        self._sightings_bound = 4 * num_slots
+        self._sightings_bound = 4 * max(num_slots, _MIN_SIGHTINGS)
         self._counters = dict.fromkeys(
             (
                 "lookups",

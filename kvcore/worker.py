@@ -36,10 +36,11 @@ class _Stage(enum.Enum):
 class _Run:
     """One op on its way through its stages."""
 
-    __slots__ = ("error", "failed", "op", "stage", "staged")
+    __slots__ = ("abandoned", "error", "failed", "op", "stage", "staged")
 
     def __init__(self, op: BlockOp) -> None:
         self.op = op
+        self.abandoned = False  # a save whose engine blocks may be overwritten from now on
         self.stage = _Stage.COPY
         self.failed: set[int] = set()
         self.error: str | None = None
@@ -98,6 +99,22 @@ class BlockWorker:
         for request_id in plan.ended:
             self._ending.add(request_id)
             self._end_session(request_id)
+
+    def abandon(self, op_ids: Collection[int]) -> None:
+        """The engine may overwrite the blocks of these save ops from now on (a preempted request's, an
+        evicted chain's, freed while the copy was late): what a copy that has not finished by now reads
+        is not their KV, so it is neither kept nor published. The ops are still reported (failed)."""
+        for op_id in op_ids:
+            run = self._runs.get(op_id)
+            if run is None or run.op.direction is not Direction.SAVE:
+                continue
+            current = self._current.get(op_id)
+            if run.stage is _Stage.PUBLISH and not _direct(run.op):
+                continue  # its copy into the host slot finished before now: the bytes are the KV
+            run.abandoned = True
+            run.failed.update(range(len(run.op.engine_blocks)))
+            if current is not None and current[0] == self._REMOTE and isinstance(self._remote, BlockRemote):
+                self._remote.abandon(current[1])
 
     def reports(self) -> tuple[OpReport, ...]:
         """Ops finished since the last call (never blocks)."""
@@ -243,7 +260,13 @@ class BlockWorker:
         op = run.op
         if run.stage is _Stage.FETCH and not _direct(op):
             self._start_copy(run)
-        elif run.stage is _Stage.COPY and op.direction is Direction.SAVE and op.remote and self._remote:
+        elif (
+            run.stage is _Stage.COPY
+            and op.direction is Direction.SAVE
+            and op.remote
+            and self._remote
+            and not run.abandoned
+        ):
             intact = [c for c in op.remote if not run.failed.intersection(range(c.first, c.first + c.count))]
             self._start_remote(run, _Stage.PUBLISH, intact)
         else:

@@ -22,7 +22,7 @@ from kvcore.scheduler import CacheScheduler
 from kvcore_cpu.amx import claim_amx
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_cpu.host_memory import HostMemory
-from kvcore_cpu.tier import CPUWorker, MappedMover, RemoteFactory, open_worker, pool_slots, slot_bytes
+from kvcore_cpu.tier import CPUWorker, MappedMovers, RemoteFactory, open_worker, pool_slots, slot_bytes
 
 __all__ = ["RankWorker", "open_rank_worker", "scheduler_core", "staging_shortfall"]
 
@@ -118,7 +118,7 @@ def _remote_factory(config: KVCoreConfig, engine: EngineSpec) -> RemoteFactory |
                 value_bytes=slot_bytes(config, engine),
                 chunk_tokens=config.chunk_tokens,
                 model_name=engine.model_id,
-                block_movers=(lambda pool: MappedMover(kv, pool)) if host is None else None,
+                block_movers=MappedMovers(kv) if host is None else None,
                 block_bytes=_lmcache_block_bytes(config, engine),
             )
             return ManagedRemote(tier)

@@ -166,16 +166,23 @@ class SchedulerSide:
         rid = RequestId(f"{EVICTED_PREFIX}{next(self._eviction_ids)}")
         hashes = chain.hashes[: full * per]
         # one token past the chain, so that the answer can cover all of it (a load never covers a whole
-        # prompt); it counts the leading chunks the pool holds already
+        # prompt); it counts the leading chunks the tiers hold already. A remote tier answers later
+        # (``None``): then the save starts after the leading chunks vLLM no longer holds (saved when they
+        # were evicted), and the pool or the remote tier drops what it holds already.
         held = self.core.lookup(
             rid,
             block_hashes=hashes,
             hash_block_tokens=self._hash_block_tokens,
             num_tokens=full * chunk + 1,
         )
-        start = (held or 0) // chunk
+        if held is None:
+            start = 0
+            while start < full and None in chain.block_ids[start * per : (start + 1) * per]:
+                start += 1
+        else:
+            start = held // chunk
         stop = start
-        while held is not None and stop < full and None not in chain.block_ids[stop * per : (stop + 1) * per]:
+        while stop < full and None not in chain.block_ids[stop * per : (stop + 1) * per]:
             stop += 1
         if stop > start:
             blocks = [_UNUSED_BLOCK if b is None else b for b in chain.block_ids[: stop * per]]

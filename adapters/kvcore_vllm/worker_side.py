@@ -128,7 +128,10 @@ class WorkerSide:
         return ops
 
     def _abandon(self, ops: Iterable[BlockOp]) -> None:
-        self._abandoned.update(op.op_id for op in ops)
+        ids = [op.op_id for op in ops]
+        self._abandoned.update(ids)
+        if self._worker is not None:
+            self._worker.abandon(ids)  # their blocks are vLLM's again: late copies keep nothing
 
     def _collect(self, reports: Iterable[OpReport]) -> None:
         for report in reports:

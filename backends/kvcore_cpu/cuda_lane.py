@@ -28,7 +28,7 @@ from kvcore.ports import Direction
 from kvcore_cpu.host_memory import HostMemory
 from kvcore_cpu.rows import IntArray, Route
 
-__all__ = ["CudaLane"]
+__all__ = ["CudaLane", "stream_mark"]
 
 _LOWEST_PRIORITY = 1 << 10
 """torch maps priorities past CUDA's range to the lowest one; copies never outrank the engine's compute."""
@@ -60,6 +60,13 @@ def _runs(first: IntArray, second: IntArray | None = None) -> list[tuple[int, in
 def _wide(rows: torch.Tensor) -> torch.Tensor:
     """The same bytes as 8-byte elements when rows allow it: the index kernels copy 8x fewer items."""
     return rows.view(torch.int64) if rows.shape[-1] % 8 == 0 else rows
+
+
+def stream_mark(device: torch.device) -> torch.cuda.Event:
+    """An event after the work queued so far on the calling thread's current stream of ``device``."""
+    ready = _event(blocking=False)
+    ready.record(torch.cuda.current_stream(device))
+    return ready
 
 
 def _stream(device: torch.device) -> torch.cuda.Stream:
@@ -96,22 +103,22 @@ class CudaLane:
             reaper.start()
 
     def mark(self) -> torch.cuda.Event:
-        """An event after the work queued on the calling thread's current stream."""
-        ready = _event(blocking=False)
-        ready.record(torch.cuda.current_stream(self._device))
-        return ready
+        return stream_mark(self._device)
 
     def start(
         self, job_id: JobId, direction: Direction, engine_ids: IntArray, host_ids: IntArray, after: object
     ) -> None:
-        """Queue the job's copies behind ``after`` (a ``mark``; anything else: the engine's work queued
-        now); never raises for device failures."""
+        """Queue the job's copies behind ``after`` (a ``stream_mark``; anything else fails the job, since
+        nothing would order it after the engine's work); never raises."""
+        if not isinstance(after, torch.cuda.Event):
+            unordered = f"a CUDA copy is ordered after a CUDA event, not {after!r}"
+            self._board.finish(JobResult(job_id, tuple(range(len(engine_ids))), unordered))
+            return
         stream = self._streams[direction]
         error = None
         try:
-            ready = after if isinstance(after, torch.cuda.Event) else self.mark()
             with torch.cuda.stream(stream):
-                stream.wait_event(ready)
+                stream.wait_event(after)
                 self._enqueue(direction, engine_ids, host_ids)
         # A failure to queue fails the job; what was queued still runs, so the job is reported only
         # once the stream has passed it.

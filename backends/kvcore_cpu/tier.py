@@ -18,11 +18,20 @@ from kvcore.errors import ConfigError, InvalidSpecError, UsageError
 from kvcore.remote import RemoteTier, close_quietly
 from kvcore.worker import BlockWorker
 from kvcore_cpu.checksums import ChecksummedMover
+from kvcore_cpu.cuda_lane import stream_mark
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_cpu.host_memory import HostMemory
 from kvcore_cpu.mover import TorchBlockMover
 
-__all__ = ["CPUWorker", "MappedMover", "RemoteFactory", "open_worker", "pool_slots", "slot_bytes"]
+__all__ = [
+    "CPUWorker",
+    "MappedMover",
+    "MappedMovers",
+    "RemoteFactory",
+    "open_worker",
+    "pool_slots",
+    "slot_bytes",
+]
 
 
 RemoteFactory = Callable[[EngineKV, HostMemory | None], RemoteTier]
@@ -56,17 +65,44 @@ def pool_slots(config: KVCoreConfig, engine: EngineSpec, world_size: int = 1) ->
 
 class MappedMover(TorchBlockMover):
     """A mover between the engine's blocks and host memory that another owner maps here (a remote tier's
-    own: an LMCache server's shared-memory pool), page-locked for a CUDA engine until ``close``."""
+    own: an LMCache server's shared-memory pool), page-locked for a CUDA engine until ``close``.
+
+    It holds an export of the mapping, so that its owner cannot unmap it under a copy (an ``mmap``'s
+    ``close`` refuses while one exists); the mapping goes once the mover is closed and dropped.
+    """
 
     def __init__(self, engine: EngineKV, buffer: mmap.mmap | bytearray) -> None:
+        self._export = memoryview(buffer)
         self.host = HostMemory.wrap(
             torch.frombuffer(buffer, dtype=torch.uint8), engine.host_block_bytes, engine.device
         )
-        super().__init__(engine, self.host)
+        try:
+            super().__init__(engine, self.host)
+        except BaseException:
+            self.host.close()
+            raise
 
     def close(self, timeout: float = 5.0) -> None:
         super().close(timeout)
         self.host.close()
+        self._export.release()
+
+
+class MappedMovers:
+    """Movers over memory that a remote tier maps, for one engine's KV (``kvcore_lmcache``'s
+    ``BlockMovers``), and marks of that engine's queued work."""
+
+    def __init__(self, engine: EngineKV) -> None:
+        self._engine = engine
+
+    def mark(self) -> object:
+        """A CUDA event after the engine's queued work on the calling thread's stream (``None`` on a CPU
+        engine, whose work is done when it calls kvcore)."""
+        device = self._engine.device
+        return stream_mark(device) if device.type == "cuda" else None
+
+    def over(self, pool: mmap.mmap) -> MappedMover:
+        return MappedMover(self._engine, pool)
 
 
 class CPUWorker(BlockWorker):

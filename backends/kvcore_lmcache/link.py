@@ -75,6 +75,7 @@ class Segment:
         finally:
             os.close(fd)
         self.view = memoryview(self._map)
+        self.closed = False
 
     def stale(self) -> bool:
         try:
@@ -89,7 +90,9 @@ class Segment:
 
     def close(self) -> None:
         """Unmap, or, while a block mover still holds the mapping, leave it to go with the mover's last
-        reference (the tier replaces its mover at its next transfer)."""
+        reference (the tier replaces its mover at its next transfer). Either way ``closed`` from now on:
+        nothing more is written here."""
+        self.closed = True
         self.view.release()
         try:
             self._map.close()

@@ -14,9 +14,8 @@ of a job are pipelined. The server cannot remove or clear single keys: the tier 
 
 from __future__ import annotations
 
-import abc
+import itertools
 import logging
-import mmap
 import queue
 import threading
 import time
@@ -29,10 +28,11 @@ from kvcore.config import LMCacheMPConfig
 from kvcore.errors import BackendError, InvalidSpecError, TransferTimeout, UsageError
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.jobs import JobBoard, JobResult
-from kvcore.ports import BlockItem, BlockTransfer, Direction, OrderedMover, StoreItem
+from kvcore.ports import BlockItem, OrderedMover, StoreItem
 from kvcore.remote import close_quietly
 from kvcore_lmcache.link import Segment, ServerLink, SlotLayout
 from kvcore_lmcache.lookups import LookupBook
+from kvcore_lmcache.values import BlockMovers, BlockValues, HostValues, Values
 from kvcore_lmcache.wire import HEADER_BYTES, check_header, header
 
 __all__ = ["LMCacheManagedTier"]
@@ -59,117 +59,6 @@ def _runs(positions: Iterable[int]) -> list[tuple[int, int]]:
 def _chain_of(items: Sequence[StoreItem | BlockItem], chain: Sequence[ChunkKey]) -> tuple[ChunkKey, ...]:
     """The chain a call names; none: its items' keys, in order (the port's default)."""
     return tuple(chain) if chain else tuple(item.key for item in items)
-
-
-BlockMovers = Callable[[mmap.mmap], OrderedMover]
-"""Builds a block mover between the engine's KV blocks and the server's mapped pool, seen as host blocks
-of the layout's ``align`` bytes (``kvcore_cpu.tier.MappedMover``)."""
-
-
-class _Values(abc.ABC):
-    """Where a job's values come from and go to; ``put`` and ``get`` copy items ``i`` into and out of the
-    value of the slot at pool offset ``slot`` for each ``(i, slot)`` pair, and return the items that
-    failed. Slots are checked against the pool before; headers are the job's."""
-
-    def __init__(self, keys: Sequence[ChunkKey], lengths: Sequence[int]) -> None:
-        self.keys = tuple(keys)
-        self.lengths = tuple(lengths)  # each item's value length, as its header states it
-
-    @abc.abstractmethod
-    def put(self, pairs: Sequence[tuple[int, int]]) -> set[int]: ...
-
-    @abc.abstractmethod
-    def get(self, pairs: Sequence[tuple[int, int]]) -> set[int]: ...
-
-
-class _HostValues(_Values):
-    """Values in the worker's host buffer (``StoreItem`` offsets)."""
-
-    def __init__(self, link: ServerLink, host: memoryview, items: Sequence[StoreItem]) -> None:
-        super().__init__([item.key for item in items], [item.length for item in items])
-        self._link = link
-        self._host = host
-        self._items = items
-
-    def put(self, pairs: Sequence[tuple[int, int]]) -> set[int]:
-        return self._copy(pairs, into_pool=True)
-
-    def get(self, pairs: Sequence[tuple[int, int]]) -> set[int]:
-        return self._copy(pairs, into_pool=False)
-
-    def _copy(self, pairs: Sequence[tuple[int, int]], *, into_pool: bool) -> set[int]:
-        failed: set[int] = set()
-        layout = self._link.layout
-        with self._link.segment_lock:
-            segment = self._link.segment
-            for i, slot in pairs:
-                item, at = self._items[i], layout.value_offset(slot)
-                if segment is None or at + item.length > segment.size:
-                    failed.add(i)
-                elif into_pool:
-                    segment.view[at : at + item.length] = self._host[item.offset : item.offset + item.length]
-                else:
-                    self._host[item.offset : item.offset + item.length] = segment.view[at : at + item.length]
-        return failed
-
-
-class _BlockValues(_Values):
-    """Values in the engine's KV blocks, copied by a block mover over the server's pool; a value is
-    ``blocks`` host blocks of the pool. ``mark`` orders the copies after the engine work queued when the
-    job was submitted."""
-
-    def __init__(
-        self,
-        mover: OrderedMover | None,
-        mark: object,
-        items: Sequence[BlockItem],
-        layout: SlotLayout,
-        patience: float,
-    ) -> None:
-        super().__init__([item.key for item in items], [layout.value_bytes] * len(items))
-        self._mover = mover
-        self._mark = mark
-        self._items = items
-        self._layout = layout
-        self._patience = patience
-
-    def put(self, pairs: Sequence[tuple[int, int]]) -> set[int]:
-        return self._copy(pairs, Direction.SAVE)
-
-    def get(self, pairs: Sequence[tuple[int, int]]) -> set[int]:
-        return self._copy(pairs, Direction.LOAD)
-
-    def _copy(self, pairs: Sequence[tuple[int, int]], direction: Direction) -> set[int]:
-        if not pairs:
-            return set()
-        owner: list[int] = []
-        engine: list[int] = []
-        host: list[int] = []
-        for i, slot in pairs:
-            item = self._items[i]
-            first = self._layout.value_offset(slot) // self._layout.align + item.first
-            engine.extend(item.engine_blocks)
-            host.extend(range(first, first + len(item.engine_blocks)))
-            owner.extend([i] * len(item.engine_blocks))
-        everything = {i for i, _ in pairs}
-        if self._mover is None:
-            return everything
-        try:
-            job = self._mover.submit_after(BlockTransfer(direction, engine, host), self._mark)
-        except (InvalidSpecError, UsageError) as exc:
-            log.warning("kvcore: LMCache block copy refused: %s", exc)
-            return everything
-        # The job may not end while a copy of it can still touch an engine block: wait it out.
-        while True:
-            try:
-                (result,) = self._mover.wait([job], self._patience)
-                break
-            except TransferTimeout:
-                log.warning("kvcore: LMCache block copy still running after %.1fs", self._patience)
-        if result.error is not None:
-            log.warning("kvcore: LMCache block copy failed: %s", result.error)
-            return everything
-        return {owner[k] for k in result.failed}
 
 
 def _positions(chain: Sequence[ChunkKey]) -> dict[ChunkKey, int]:
@@ -224,13 +113,18 @@ class LMCacheManagedTier:
         self.value_bytes = value_bytes
         self.blocks_per_value = value_bytes // block_bytes
         self._movers = block_movers
-        self._mapped: tuple[Segment, OrderedMover] | None = None  # the block mover of the current pool
+        # on the job thread: the block mover over the pool it was built for (None: none could be)
+        self._mapped: tuple[Segment, OrderedMover | None] | None = None
         self.link = ServerLink(config, chunk_tokens, model_name, SlotLayout(value_bytes, block_bytes))
         self._lookups = LookupBook(self.link)
         self._board = JobBoard()
         self._lock = threading.Lock()
         self._held: dict[RequestId, dict[ChunkKey, _Hold]] = {}  # locked hits, by session and key
-        self._queue: queue.SimpleQueue[tuple[JobId, _Job] | None] = queue.SimpleQueue()
+        self._stores: dict[JobId, Values] = {}  # store jobs not finished, for ``abandon``
+        self._closing = False
+        self._order = itertools.count()
+        # retrieves (an engine waits on them) before stores; each kind in submission order
+        self._queue: queue.PriorityQueue[tuple[int, int, JobId | None, _Job | None]] = queue.PriorityQueue()
         self._worker = threading.Thread(target=self._run, name="kvcore-lmcache-jobs", daemon=True)
         self._worker.start()
 
@@ -297,39 +191,48 @@ class LMCacheManagedTier:
     def submit_store(
         self, session: RequestId, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
-        values, whole = self._host_values(items), _chain_of(items, chain)
-        return self._submit(lambda job_id: self._store(job_id, session, values, whole))
+        return self._submit(
+            self._store, session, self._host_values(items), _chain_of(items, chain), store=True
+        )
 
     def submit_retrieve(
         self, session: RequestId, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
-        values, whole = self._host_values(items), _chain_of(items, chain)
-        return self._submit(lambda job_id: self._retrieve(job_id, session, values, whole))
+        return self._submit(self._retrieve, session, self._host_values(items), _chain_of(items, chain))
 
     def submit_store_blocks(
         self, session: RequestId, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
-        values, whole = self._block_values(items, whole=True), _chain_of(items, chain)
-        return self._submit(lambda job_id: self._store(job_id, session, values, whole))
+        values = self._block_values(items, whole=True)
+        return self._submit(self._store, session, values, _chain_of(items, chain), store=True)
 
     def submit_retrieve_blocks(
         self, session: RequestId, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
-        values, whole = self._block_values(items, whole=False), _chain_of(items, chain)
-        return self._submit(lambda job_id: self._retrieve(job_id, session, values, whole))
+        values = self._block_values(items, whole=False)
+        return self._submit(self._retrieve, session, values, _chain_of(items, chain))
+
+    def abandon(self, job_id: JobId) -> None:
+        """The engine may overwrite the blocks of store ``job_id`` from now on: unless its copies have
+        already finished, it stores nothing (its slots get no valid header). Unknown jobs are ignored."""
+        with self._lock:
+            values = self._stores.get(job_id)
+        if values is not None:
+            values.abandoned.set()
 
     def close(self) -> None:
-        """Stop the block copies, finish queued jobs (each bounded by the request timeout; their block
-        copies fail), then drop the connection. Idempotent."""
-        with self.link.segment_lock:
-            mapped, self._mapped, self._movers = self._mapped, None, None
-        if mapped is not None:
-            close_quietly(mapped[1])
-        self._queue.put(None)
-        self._worker.join()
+        """Fail the queued jobs at once (a job running now finishes, each wait bounded by the request
+        timeout), stop the block mover, then drop the connection. Idempotent."""
+        self._closing = True
+        if self._worker.is_alive():
+            self._queue.put((2, next(self._order), None, None))
+            self._worker.join()
+        if self._mapped is not None:
+            close_quietly(self._mapped[1])
+            self._mapped = None
         self.link.close()
 
-    def _host_values(self, items: Sequence[StoreItem]) -> _HostValues:
+    def _host_values(self, items: Sequence[StoreItem]) -> HostValues:
         if self._host is None:
             raise InvalidSpecError("this tier has no host buffer: move engine blocks instead")
         size = len(self._host)
@@ -343,13 +246,14 @@ class LMCacheManagedTier:
                 raise InvalidSpecError(
                     f"item {i} ({item.key}) has {item.length} bytes; slots hold {self.value_bytes}"
                 )
-        return _HostValues(self.link, self._host, tuple(items))
+        return HostValues(self._host, tuple(items), self.link.layout, self.link.segment_lock)
 
-    def _block_values(self, items: Sequence[BlockItem], *, whole: bool) -> _BlockValues:
+    def _block_values(self, items: Sequence[BlockItem], *, whole: bool) -> BlockValues:
         """The items' values in engine blocks; a store moves whole chunks. On the engine's thread: the
         copies are ordered after the engine's work queued now."""
-        if self._movers is None:
-            raise BackendError("this LMCache tier has no block mover (opened without one, or closed)")
+        movers = self._movers
+        if movers is None:
+            raise BackendError("this LMCache tier was opened without a block mover")
         size = self.blocks_per_value
         for i, item in enumerate(items):
             count = len(item.engine_blocks)
@@ -358,44 +262,58 @@ class LMCacheManagedTier:
                     f"item {i} ({item.key}): blocks [{item.first}, {item.first + count}) of a chunk of {size}"
                     + (" (a store moves whole chunks)" if whole else "")
                 )
-        mover = self._current_mover(self._movers)
-        mark = mover.mark() if mover is not None else None
-        return _BlockValues(mover, mark, tuple(items), self.link.layout, self.link.config.request_timeout_s)
+        patience = self.link.config.request_timeout_s
+        return BlockValues(movers.mark(), tuple(items), self.link.layout, self._mover_over, patience)
 
-    def _current_mover(self, movers: BlockMovers) -> OrderedMover | None:
-        """The block mover over the server's current pool (``None`` while none is mapped), built anew
-        when the heartbeat mapped a restarted server's pool."""
-        with self.link.segment_lock:
-            segment, old = self.link.segment, self._mapped
-            if segment is None or self._movers is None:  # unmapped, or closed
-                return None
-            if old is not None and old[0] is segment:
-                return old[1]
-            try:
-                mover: OrderedMover | None = movers(segment.buffer)
-            except BackendError as exc:
-                log.warning("kvcore: no block mover over the LMCache pool: %s", exc)
-                mover = None
-            self._mapped = (segment, mover) if mover is not None else None
-        if old is not None:
-            close_quietly(old[1])
+    def _mover_over(self, pool: Segment) -> OrderedMover | None:
+        """On the job thread: the block mover over ``pool``, built the first time it is asked for (the
+        mover of a pool the heartbeat replaced is closed then)."""
+        mapped = self._mapped
+        if mapped is not None and mapped[0] is pool:
+            return mapped[1]
+        if self._movers is None or pool.closed:
+            return None
+        try:
+            mover: OrderedMover | None = self._movers.over(pool.buffer)
+        except BackendError as exc:
+            log.warning("kvcore: no block mover over the LMCache pool: %s", exc)
+            mover = None
+        self._mapped = (pool, mover)
+        if mapped is not None and mapped[1] is not None:
+            close_quietly(mapped[1])
         return mover
 
-    def _submit(self, work: Callable[[JobId], JobResult]) -> JobId:
+    def _submit(
+        self,
+        job: Callable[[JobId, RequestId, Values, tuple[ChunkKey, ...]], JobResult],
+        session: RequestId,
+        values: Values,
+        chain: tuple[ChunkKey, ...],
+        *,
+        store: bool = False,
+    ) -> JobId:
         job_id = self._board.new()
-        self._queue.put((job_id, lambda: work(job_id)))
+        if store:
+            with self._lock:
+                self._stores[job_id] = values
+        work = lambda: job(job_id, session, values, chain)  # noqa: E731  (the queue's entry)
+        self._queue.put((1 if store else 0, next(self._order), job_id, work))
         return job_id
 
     def _run(self) -> None:
-        while (entry := self._queue.get()) is not None:
-            job_id, work = entry
+        while True:
+            _, _, job_id, work = self._queue.get()
+            if job_id is None or work is None:
+                return
             try:
-                result = work()
+                result = work() if not self._closing else JobResult(job_id, error="the LMCache tier closed")
             except BackendError as exc:
                 result = JobResult(job_id, error=str(exc))
             except Exception as exc:  # a bug must fail its job, not stop the thread every job waits on
                 log.exception("kvcore: LMCache job %s failed", job_id)
                 result = JobResult(job_id, error=repr(exc))
+            with self._lock:
+                self._stores.pop(job_id, None)
             self._board.finish(result)
 
     # -- store and retrieve (on the job thread) ----------------------------------------------------
@@ -416,10 +334,20 @@ class LMCacheManagedTier:
                 at.setdefault(pos, []).append(i)
         return at, missing
 
+    def _pool(self, values: Values) -> Segment | None:
+        """The server's pool a job works in, if the server is up and the values can reach it; ``None``
+        fails the job before the server is asked for anything."""
+        with self.link.segment_lock:
+            pool = self.link.segment
+        if not self.link.available() or pool is None or pool.closed or not values.ready(pool):
+            return None
+        return pool
+
     def _store(
-        self, job_id: JobId, session: RequestId, values: _Values, chain: tuple[ChunkKey, ...]
+        self, job_id: JobId, session: RequestId, values: Values, chain: tuple[ChunkKey, ...]
     ) -> JobResult:
-        if not self.link.available():
+        pool = self._pool(values)
+        if pool is None:
             return JobResult(job_id, tuple(range(len(values.keys))), "LMCache server unavailable")
         at, failed = self._placed(values.keys, chain)
         codec, client, iid = self.link.codec, self.link.client, self.link.instance_id
@@ -439,19 +367,21 @@ class LMCacheManagedTier:
                 continue
             filled: list[tuple[list[int], int]] = []  # the items of a slot, and the slot
             for slot, index in zip(slots, indices, strict=True):
-                targets, offset = at.get(start + int(index), []), self._slot_offset(slot)
+                targets, offset = at.get(start + int(index), []), self._slot_offset(slot, pool)
                 if targets and offset is not None:
                     filled.append((targets, offset))
                 else:
                     failed.extend(targets)
-                    self._seal(slot, None)  # never commit a slot whose header could read as a value
-            bad = values.put([(targets[0], offset) for targets, offset in filled])
+                    if offset is not None:  # never commit a slot whose header could read as a value
+                        self._seal(offset, None, pool)
+            bad = values.put([(targets[0], offset) for targets, offset in filled], pool)
             written: list[int] = []
             for targets, offset in filled:
                 i = targets[0]
                 # the header last: a slot whose copy did not finish never reads as this key's value
-                self._seal(offset, None if i in bad else header(values.keys[i], values.lengths[i]))
-                (failed if i in bad else written).extend(targets)
+                raw = None if i in bad else header(values.keys[i], values.lengths[i])
+                ok = self._seal(offset, raw, pool) and raw is not None
+                (written if ok else failed).extend(targets)
             commits.append((written, client.commit_store(key, iid, b"")))
         for written, commit in commits:
             if not self._reply(commit, "commit_store"):
@@ -460,9 +390,10 @@ class LMCacheManagedTier:
         return JobResult(job_id, tuple(sorted(set(failed))))
 
     def _retrieve(
-        self, job_id: JobId, session: RequestId, values: _Values, chain: tuple[ChunkKey, ...]
+        self, job_id: JobId, session: RequestId, values: Values, chain: tuple[ChunkKey, ...]
     ) -> JobResult:
-        if not self.link.available():
+        pool = self._pool(values)
+        if pool is None:
             return JobResult(job_id, tuple(range(len(values.keys))), "LMCache server unavailable")
         at, failed = self._placed(values.keys, chain)
         if not at:
@@ -481,37 +412,63 @@ class LMCacheManagedTier:
         runs = _runs(wanted)
         keys = [codec.ipc_key(server, chain, start, end, 0) for start, end in runs]
         prepared = [client.prepare_retrieve(key, iid) for key in keys]
-        # Every prepare gets its commit (a no-op when nothing is pending): a reply that came too late
-        # still leaves the server's read pending, and the commit, on the same server thread, ends it.
-        commits = [client.commit_retrieve(key, iid) for key in keys]
         leftover = set(range(locked_here))
-        for (start, end), future in zip(runs, prepared, strict=True):
-            slots, consumed = self._prepared_slots(future)
-            if consumed:  # a prepare consumed one lock per chunk of its run, whatever it found
-                for pos in range(start, end):
-                    hold = holds.get(pos)
-                    if hold is None:
-                        leftover.discard(pos)
-                    else:
-                        self._unhold(session, hold, pos)
-            if slots is None or len(slots) != end - start:
-                failed.extend(i for pos in range(start, end) for i in at[pos])
-                continue
-            found: list[tuple[int, int]] = []  # (item, slot) of every item whose slot holds its key
-            for pos, slot in zip(range(start, end), slots, strict=True):
-                offset = self._slot_offset(slot)
-                for i in at[pos]:
-                    if offset is not None and self._holds(offset, values.keys[i], values.lengths[i]):
-                        found.append((i, offset))
-                    else:
-                        failed.append(i)
-            failed.extend(values.get(found))
+        commits: list[MessagingFuture[bool]] = []
+        try:
+            for (start, end), key, future in zip(runs, keys, prepared, strict=True):
+                try:
+                    failed.extend(
+                        self._read_run(session, values, pool, at, holds, leftover, (start, end), future)
+                    )
+                finally:
+                    # Every prepare gets its commit, after the run's copies: the commit ends the server's
+                    # read, and the slot may be reused from then on. A reply that came too late still
+                    # leaves the read pending, and the commit, on the same server thread, ends it.
+                    commits.append(client.commit_retrieve(key, iid))
+        finally:
+            commits.extend(client.commit_retrieve(key, iid) for key in keys[len(commits) :])
         for commit in commits:
             self._reply(commit, "commit_retrieve")
         if lookup is not None:
             self.link.release(lookup, chain, _runs(leftover))
         self.link.release(server, chain, ())
         return JobResult(job_id, tuple(sorted(set(failed))))
+
+    def _read_run(
+        self,
+        session: RequestId,
+        values: Values,
+        pool: Segment,
+        at: dict[int, list[int]],
+        holds: dict[int, _Hold],
+        leftover: set[int],
+        run: tuple[int, int],
+        future: MessagingFuture[Any],
+    ) -> list[int]:
+        """Copy out the chain positions ``run`` (``[start, end)``) that ``future`` prepared; returns the
+        items that failed. The locks the prepare consumed leave ``holds`` or ``leftover``."""
+        start, end = run
+        slots, consumed = self._prepared_slots(future)
+        if consumed:  # a prepare consumed one lock per chunk of its run, whatever it found
+            for pos in range(start, end):
+                hold = holds.get(pos)
+                if hold is None:
+                    leftover.discard(pos)
+                else:
+                    self._unhold(session, hold, pos)
+        if slots is None or len(slots) != end - start:
+            return [i for pos in range(start, end) for i in at[pos]]
+        failed: list[int] = []
+        found: list[tuple[int, int]] = []  # (item, slot) of every item whose slot holds its key
+        for pos, slot in zip(range(start, end), slots, strict=True):
+            offset = self._slot_offset(slot, pool)
+            for i in at[pos]:
+                if offset is not None and self._holds(offset, values.keys[i], values.lengths[i], pool):
+                    found.append((i, offset))
+                else:
+                    failed.append(i)
+        failed.extend(values.get(found, pool))
+        return failed
 
     def _prepared_slots(self, future: MessagingFuture[Any]) -> tuple[list[Any] | None, bool]:
         """A retrieve's slots (``None``: nothing to read) and whether it consumed its run's locks: all
@@ -569,30 +526,27 @@ class LMCacheManagedTier:
             log.warning("kvcore: %s", exc)
             return False
 
-    def _slot_offset(self, slot: Any) -> int | None:
-        """A slot's offset in the pool, if the slot is one of this layout's and lies inside the pool."""
+    def _slot_offset(self, slot: Any, pool: Segment) -> int | None:
+        """A slot's offset in ``pool``, if the slot is one of this layout's and lies inside the pool."""
         try:
             offset, length = int(slot["offset"]), int(slot["length"])
         except (KeyError, TypeError, ValueError):
             return None
-        with self.link.segment_lock:
-            segment = self.link.segment
-            inside = segment is not None and offset >= 0 and offset + length <= segment.size
+        inside = offset >= 0 and offset + length <= pool.size
         return offset if inside and length == self.link.layout.slot_bytes else None
 
-    def _seal(self, slot: Any, raw: bytes | None) -> None:
-        """Write a slot's header (``slot``: its offset, or the server's descriptor); ``None`` writes a
-        zeroed one, which never reads as a value."""
-        offset = slot if isinstance(slot, int) else self._slot_offset(slot)
+    def _seal(self, offset: int, raw: bytes | None, pool: Segment) -> bool:
+        """Write the header of the slot at ``offset``; ``None`` writes a zeroed one, which never reads as
+        a value. False: the pool was unmapped meanwhile (nothing written)."""
         with self.link.segment_lock:
-            segment = self.link.segment
-            if offset is not None and segment is not None and offset + HEADER_BYTES <= segment.size:
-                segment.view[offset : offset + HEADER_BYTES] = raw if raw is not None else bytes(HEADER_BYTES)
+            if pool.closed:
+                return False
+            pool.view[offset : offset + HEADER_BYTES] = raw if raw is not None else bytes(HEADER_BYTES)
+        return True
 
-    def _holds(self, offset: int, key: ChunkKey, length: int) -> bool:
+    def _holds(self, offset: int, key: ChunkKey, length: int, pool: Segment) -> bool:
         """Whether the slot at ``offset`` holds a ``length``-byte value stored under ``key``."""
         with self.link.segment_lock:
-            segment = self.link.segment
-            if segment is None or offset + HEADER_BYTES > segment.size:
+            if pool.closed:
                 return False
-            return check_header(key, length, bytes(segment.view[offset : offset + HEADER_BYTES]))
+            return check_header(key, length, bytes(pool.view[offset : offset + HEADER_BYTES]))

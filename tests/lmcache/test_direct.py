@@ -7,6 +7,8 @@ its own, byte for byte, with no host memory of either engine in between.
 
 from __future__ import annotations
 
+import mmap
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -15,14 +17,18 @@ from typing import Any
 import pytest
 import torch
 
-from kvcore.config import KVCoreConfig, load_config
+from kvcore.config import KVCoreConfig, LMCacheMPConfig, load_config
 from kvcore.engine import EngineSpec
-from kvcore.ids import RequestId
+from kvcore.ids import ChunkKey, RequestId
 from kvcore.layout import KVLayout, LayoutKind
 from kvcore.plan import StepPlan
+from kvcore.ports import BlockItem, Direction
 from kvcore.scheduler import CacheScheduler
 from kvcore.testing.support import SETTLE_S
-from kvcore_cpu.tier import CPUWorker
+from kvcore_cpu.engine_kv import EngineKV
+from kvcore_cpu.rows import IntArray
+from kvcore_cpu.tier import CPUWorker, MappedMover, MappedMovers
+from kvcore_lmcache import LMCacheManagedTier
 from kvcore_vllm.compose import open_rank_worker, scheduler_core
 from tests.lmcache.conftest import CHUNK_TOKENS, LMCacheServer
 
@@ -183,3 +189,78 @@ def test_a_restarted_server_is_mapped_again_and_serves_new_saves(
     b.step()
     assert b.sched.take_load_errors() == {}
     assert b.blocks(0, range(10, 10 + CHUNKS * PER_CHUNK)) == a.blocks(0, range(CHUNKS * PER_CHUNK))
+
+
+class GatedMover(MappedMover):
+    """Copies only once ``gate`` is open; ``entered`` is set when a copy waits at it."""
+
+    def __init__(self, engine: EngineKV, pool: mmap.mmap) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        super().__init__(engine, pool)
+
+    def _copy_on_worker(
+        self, direction: Direction, engine_ids: IntArray, host_ids: IntArray
+    ) -> tuple[int, ...]:
+        self.entered.set()
+        if not self.gate.wait(SETTLE_S):
+            raise RuntimeError("the test never opened the gate")
+        return super()._copy_on_worker(direction, engine_ids, host_ids)
+
+
+class GatedMovers(MappedMovers):
+    def __init__(self, engine: EngineKV) -> None:
+        super().__init__(engine)
+        self.made: list[GatedMover] = []
+
+    def over(self, pool: mmap.mmap) -> GatedMover:
+        self.made.append(GatedMover(self._engine, pool))
+        return self.made[-1]
+
+
+def test_a_store_abandoned_during_its_copy_never_serves_what_it_read(lmcache_server: LMCacheServer) -> None:
+    spec = _spec(1)
+    config = LMCacheMPConfig(url=lmcache_server.url, request_timeout_s=SETTLE_S)
+    value_bytes = PER_CHUNK * spec.host_block_bytes
+    tiers, kvs = [], []
+    for seed in (8, 9):
+        bits = torch.randint(
+            -(2**15), 2**15, spec.layout.shape, dtype=torch.int16, generator=torch.manual_seed(seed)
+        )
+        kv = EngineKV.register(
+            [bits.view(torch.bfloat16).clone() for _ in range(spec.num_layers)], spec.layout
+        )
+        movers = GatedMovers(kv) if seed == 8 else MappedMovers(kv)
+        tier = LMCacheManagedTier(
+            config,
+            None,
+            value_bytes=value_bytes,
+            chunk_tokens=CHUNK_TOKENS,
+            model_name=spec.model_id,
+            block_movers=movers,
+            block_bytes=spec.host_block_bytes,
+        )
+        tiers.append((tier, movers))
+        kvs.append(kv)
+    (a, gated), (b, _) = tiers
+    try:
+        keys = [ChunkKey(f"abandoned/{uuid.uuid4().hex}/{i}") for i in range(2)]
+        items = [BlockItem(k, range(i * PER_CHUNK, (i + 1) * PER_CHUNK)) for i, k in enumerate(keys)]
+        job = a.submit_store_blocks(RequestId("a"), items)
+        assert isinstance(gated, GatedMovers)
+        deadline = time.monotonic() + SETTLE_S
+        while not (gated.made and gated.made[0].entered.is_set()):
+            assert time.monotonic() < deadline, "the copy never started"
+            time.sleep(0.01)
+        a.abandon(job)  # the engine may overwrite these blocks from now on
+        gated.made[0].gate.set()
+        (result,) = a.wait([job], SETTLE_S)
+        assert result.failed == (0, 1)
+        before = [bytes(p[40 : 40 + 2 * PER_CHUNK].numpy().tobytes()) for p in kvs[1].planes]
+        into = [BlockItem(k, range(40 + i * PER_CHUNK, 40 + (i + 1) * PER_CHUNK)) for i, k in enumerate(keys)]
+        (loaded,) = b.wait([b.submit_retrieve_blocks(RequestId("b"), into)], SETTLE_S)
+        assert loaded.failed == (0, 1)  # a miss: nothing of what the abandoned copy read is served
+        assert [bytes(p[40 : 40 + 2 * PER_CHUNK].numpy().tobytes()) for p in kvs[1].planes] == before
+    finally:
+        for tier, _ in tiers:
+            tier.close()

@@ -39,6 +39,9 @@ class DirectTier:
         self.engine = engine
         self.board = JobBoard()
         self.fail: int | None = None  # the index of an item the next fetch fails
+        self.abandoned: list[JobId] = []
+        self.hold = False  # jobs stay in flight until ``release``
+        self.held: list[JobResult] = []
 
     def submit_fetch_blocks(
         self, session: str, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
@@ -70,6 +73,9 @@ class DirectTier:
 
     submit_publish = submit_fetch
 
+    def abandon(self, job_id: JobId) -> None:
+        self.abandoned.append(job_id)
+
     def end_session(self, session: str) -> None:
         pass
 
@@ -81,8 +87,16 @@ class DirectTier:
 
     def _finish(self, failed: list[int]) -> JobId:
         job = self.board.new()
-        self.board.finish(JobResult(job, tuple(failed)))
+        if self.hold:
+            self.held.append(JobResult(job, tuple(failed)))
+        else:
+            self.board.finish(JobResult(job, tuple(failed)))
         return job
+
+    def release(self) -> None:
+        for result in self.held:
+            self.board.finish(result)
+        self.held.clear()
 
 
 class ValueIndex:
@@ -215,6 +229,23 @@ def test_a_remote_tier_that_cannot_move_blocks_fails_the_op_and_leaks_nothing() 
     assert set(b.sched.take_load_errors()[rid]) == set(range(30, 36))
     b.sched.finish(rid)
     assert (b.sched.stats().requests, b.sched.in_flight()) == (0, 0)
+
+
+def test_an_abandoned_save_in_flight_is_abandoned_on_the_tier_and_reported_failed() -> None:
+    values: dict[ChunkKey, bytes] = {}
+    a = Engine(values)
+    rid = RequestId("a")
+    assert a.lookup("a") == 0
+    a.sched.save(rid, range(7), num_tokens=30)
+    plan = a.sched.take_plan()
+    a.tier.hold = True
+    a.worker.execute(plan)
+    (op,) = plan.ops
+    a.worker.abandon([op.op_id])  # e.g. the request was preempted and the copy is late
+    assert len(a.tier.abandoned) == 1
+    a.tier.release()
+    (report,) = a.worker.wait([op.op_id], 5.0)
+    assert report.failed == tuple(range(6))
 
 
 def test_a_managed_tier_without_block_moves_refuses_them() -> None:

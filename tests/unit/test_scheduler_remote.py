@@ -261,6 +261,21 @@ def test_a_session_ends_after_the_last_op_of_its_request() -> None:
     assert remote.ended == [a]  # once
 
 
+def test_a_save_abandoned_before_its_copy_finished_is_not_published() -> None:
+    rig = Rig(slots=3)
+    a = RequestId("a")
+    assert rig.lookup("a", TOKENS) == 0
+    rig.sched.save(a, range(8), num_tokens=30)
+    plan = rig.sched.take_plan()
+    with rig.mover.stall():
+        rig.worker.execute(plan)
+        rig.worker.abandon(plan.op_ids())  # the engine may overwrite the blocks from now on
+    reports = rig.worker.wait(plan.op_ids(), 5.0)
+    assert [r.failed for r in reports] == [tuple(range(6))]
+    rig.sched.complete(reports)
+    assert rig.lookup("b", TOKENS) == 0  # neither kept in the pool nor published
+
+
 def test_a_worker_without_the_remote_tier_fails_the_chunks_it_cannot_fetch() -> None:
     rig = Rig(slots=3)
     rig.serve_and_save("a", TOKENS, range(8))

@@ -1,0 +1,157 @@
+"""Where the values of an LMCache job come from and go to: the worker's host buffer (the ``ManagedTier``
+calls) or the engine's KV blocks (``SupportsBlockTransfer``), copied by a block mover over the server's
+mapped pool.
+
+A job resolves the server's pool once, on its own thread (``Segment``), and does every copy, header and
+check of the job in it: a pool the heartbeat replaced meanwhile is still mapped (a block mover holds it),
+and a header written there is harmless, since no server hands out its slots any more.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import mmap
+import threading
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from kvcore.errors import InvalidSpecError, TransferTimeout, UsageError
+from kvcore.ids import ChunkKey
+from kvcore.ports import BlockItem, BlockTransfer, Direction, OrderedMover, StoreItem
+from kvcore_lmcache.link import Segment, SlotLayout
+
+__all__ = ["BlockMovers", "BlockValues", "HostValues", "Values"]
+
+log = logging.getLogger(__name__)
+
+
+class BlockMovers(Protocol):
+    """What the tier needs to move engine blocks itself (``kvcore_cpu.tier.MappedMovers``)."""
+
+    def mark(self) -> object:
+        """The engine's work queued so far, taken on the engine's thread (see ``OrderedMover``)."""
+        ...
+
+    def over(self, pool: mmap.mmap) -> OrderedMover:
+        """A mover between the engine's blocks and the server's mapped pool, as host blocks of the
+        layout's ``align`` bytes. Raises ``BackendError`` when the pool cannot be used (page-locking)."""
+        ...
+
+
+class Values(abc.ABC):
+    """A job's values: ``put`` and ``get`` copy item ``i`` into and out of the value of the slot at pool
+    offset ``slot``, for each ``(i, slot)`` pair, in ``pool``, and return the items that failed."""
+
+    def __init__(self, keys: Sequence[ChunkKey], lengths: Sequence[int]) -> None:
+        self.keys = tuple(keys)
+        self.lengths = tuple(lengths)  # each item's value length, as its header states it
+        self.abandoned = threading.Event()  # a store's engine blocks may be overwritten from now on
+
+    @abc.abstractmethod
+    def put(self, pairs: Sequence[tuple[int, int]], pool: Segment) -> set[int]: ...
+
+    @abc.abstractmethod
+    def get(self, pairs: Sequence[tuple[int, int]], pool: Segment) -> set[int]: ...
+
+    def ready(self, pool: Segment) -> bool:
+        """Whether values can move to and from ``pool`` at all (checked before the server is asked)."""
+        return True
+
+
+class HostValues(Values):
+    """Values in the worker's host buffer (``StoreItem`` offsets)."""
+
+    def __init__(
+        self, host: memoryview, items: Sequence[StoreItem], layout: SlotLayout, lock: threading.Lock
+    ):
+        super().__init__([item.key for item in items], [item.length for item in items])
+        self._host = host
+        self._items = items
+        self._layout = layout
+        self._lock = lock  # the link's segment lock: a pool is not unmapped during a copy
+
+    def put(self, pairs: Sequence[tuple[int, int]], pool: Segment) -> set[int]:
+        return self._copy(pairs, pool, into_pool=True)
+
+    def get(self, pairs: Sequence[tuple[int, int]], pool: Segment) -> set[int]:
+        return self._copy(pairs, pool, into_pool=False)
+
+    def _copy(self, pairs: Sequence[tuple[int, int]], pool: Segment, *, into_pool: bool) -> set[int]:
+        failed: set[int] = set()
+        with self._lock:
+            for i, slot in pairs:
+                item, at = self._items[i], self._layout.value_offset(slot)
+                host = slice(item.offset, item.offset + item.length)
+                if pool.closed or at + item.length > pool.size:
+                    failed.add(i)
+                elif into_pool:
+                    pool.view[at : at + item.length] = self._host[host]
+                else:
+                    self._host[host] = pool.view[at : at + item.length]
+        return failed
+
+
+class BlockValues(Values):
+    """Values in the engine's KV blocks; a value is whole host blocks of the pool. ``mark`` orders the
+    copies after the engine work queued when the job was submitted; ``mover_over`` gives the mover over a
+    pool (``None``: none can be had). A copy is waited out, however long it takes (``patience`` between
+    warnings): a job may not end while a copy of it can still touch an engine block."""
+
+    def __init__(
+        self,
+        mark: object,
+        items: Sequence[BlockItem],
+        layout: SlotLayout,
+        mover_over: Callable[[Segment], OrderedMover | None],
+        patience: float,
+    ) -> None:
+        super().__init__([item.key for item in items], [layout.value_bytes] * len(items))
+        self._mark = mark
+        self._items = items
+        self._layout = layout
+        self._mover_over = mover_over
+        self._patience = patience
+
+    def ready(self, pool: Segment) -> bool:
+        return self._mover_over(pool) is not None
+
+    def put(self, pairs: Sequence[tuple[int, int]], pool: Segment) -> set[int]:
+        return self._copy(pairs, pool, Direction.SAVE)
+
+    def get(self, pairs: Sequence[tuple[int, int]], pool: Segment) -> set[int]:
+        return self._copy(pairs, pool, Direction.LOAD)
+
+    def _copy(self, pairs: Sequence[tuple[int, int]], pool: Segment, direction: Direction) -> set[int]:
+        if not pairs:
+            return set()
+        owner: list[int] = []
+        engine: list[int] = []
+        host: list[int] = []
+        for i, slot in pairs:
+            item = self._items[i]
+            first = self._layout.value_offset(slot) // self._layout.align + item.first
+            engine.extend(item.engine_blocks)
+            host.extend(range(first, first + len(item.engine_blocks)))
+            owner.extend([i] * len(item.engine_blocks))
+        everything = {i for i, _ in pairs}
+        mover = self._mover_over(pool)
+        if mover is None:
+            return everything
+        try:
+            job = mover.submit_after(BlockTransfer(direction, engine, host), self._mark)
+        except (InvalidSpecError, UsageError) as exc:
+            log.warning("kvcore: LMCache block copy refused: %s", exc)
+            return everything
+        while True:
+            try:
+                (result,) = mover.wait([job], self._patience)
+                break
+            except TransferTimeout:
+                log.warning("kvcore: LMCache block copy still running after %.1fs", self._patience)
+        if result.error is not None:
+            log.warning("kvcore: LMCache block copy failed: %s", result.error)
+            return everything
+        if direction is Direction.SAVE and self.abandoned.is_set():
+            return everything  # the copy may have read blocks the engine was already overwriting
+        return {owner[k] for k in result.failed}
