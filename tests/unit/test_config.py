@@ -67,6 +67,7 @@ def test_defaults_and_values() -> None:
         ({"backend": {"kind": "cpu", "size": 1}, "eviction": "mru"}, "eviction", "mru"),
         ({"backend": {"kind": "cpu", "size": 1}, "hash_algorithm": "md5"}, "hash_algorithm", "md5"),
         ({"backend": {"kind": "cpu", "size": 1}, "checksums": "yes"}, "checksums", "yes"),
+        ({"backend": {"kind": "lmcache_mp"}, "checksums": True}, "checksums", True),  # no pool to check
         ({"backend": {"kind": "cpu", "size": 1}, "lookup_timeout_s": -1}, "lookup_timeout_s", -1),
         ({"chunk_tokens": 256}, "backend", "<missing>"),
         ({"backend": {"kind": "cpu", "size": 1}, "chunk_tokenz": 256}, "chunk_tokenz", "<unknown key>"),

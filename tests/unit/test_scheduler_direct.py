@@ -203,6 +203,18 @@ def test_chunks_the_lookup_found_are_not_saved_again() -> None:
     assert len(values) == 4
 
 
+def test_sightings_are_counted_without_a_pool() -> None:
+    config = load_config({"backend": {"kind": "lmcache_mp"}, "chunk_tokens": 8, "save_after_sightings": 2})
+    sched = CacheScheduler(config, ENGINE, 0, remote=ValueIndex({}))
+    saved = []
+    for rid in ("first", "second"):
+        for _ in range(100):
+            if sched.lookup(RequestId(rid), tokens=TOKENS) is not None:
+                break
+        saved.append(sched.save(RequestId(rid), range(7), num_tokens=30))
+    assert saved == [0, 3]  # saved once a second request asked for the chunks
+
+
 def test_a_failed_fetch_is_recomputed_and_not_counted_as_served() -> None:
     values: dict[ChunkKey, bytes] = {}
     _saved(values)
