@@ -135,36 +135,26 @@ def test_jobs_larger_than_one_staging_batch() -> None:
     rig.close()
 
 
-def test_save_reads_blocks_after_the_compute_that_wrote_them(rig: Rig) -> None:
-    # queue a long computation, then write block 3 on the same stream, then save at once
+@pytest.mark.parametrize("submitter", ["engine thread", "tier thread after a mark"])
+def test_save_reads_blocks_after_the_compute_that_wrote_them(rig: Rig, submitter: str) -> None:
+    # queue a long computation, then write block 3 on the same stream, then save at once: from the
+    # engine's thread, or (as a tier does) from another thread, after a mark taken on the engine's
     busy = torch.randn(4096, 4096, device="cuda")
     for _ in range(20):
         busy = busy @ busy / 64
     for plane in rig.engine.planes:
         plane[3].fill_(7)
-    job = rig.mover.submit(BlockTransfer(Direction.SAVE, [3], [0]))
-    (result,) = rig.mover.wait([job], SETTLE)
-    assert result.ok
-    assert rig.host_block(0) == bytes([7]) * rig.engine.host_block_bytes
-
-
-def test_a_save_submitted_from_another_thread_after_a_mark_reads_the_computed_blocks(rig: Rig) -> None:
-    # a tier submits from its own thread: the mark taken on the engine's thread orders the copy
-    busy = torch.randn(4096, 4096, device="cuda")
-    for _ in range(20):
-        busy = busy @ busy / 64
-    for plane in rig.engine.planes:
-        plane[4].fill_(9)
-    mark = rig.mover.mark()
-    jobs = []
-    thread = threading.Thread(
-        target=lambda: jobs.append(rig.mover.submit_after(BlockTransfer(Direction.SAVE, [4], [1]), mark))
-    )
-    thread.start()
-    thread.join(SETTLE)
+    transfer = BlockTransfer(Direction.SAVE, [3], [0])
+    if submitter == "engine thread":
+        jobs = [rig.mover.submit(transfer)]
+    else:
+        mark, jobs = rig.mover.mark(), []
+        thread = threading.Thread(target=lambda: jobs.append(rig.mover.submit_after(transfer, mark)))
+        thread.start()
+        thread.join(SETTLE)
     (result,) = rig.mover.wait(jobs, SETTLE)
     assert result.ok
-    assert rig.host_block(1) == bytes([9]) * rig.engine.host_block_bytes
+    assert rig.host_block(0) == bytes([7]) * rig.engine.host_block_bytes
 
 
 def test_host_memory_over_a_shared_mapping_is_page_locked_and_round_trips() -> None:
