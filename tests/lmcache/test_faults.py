@@ -11,14 +11,19 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
+import torch
 
 from kvcore.config import LMCacheMPConfig
 from kvcore.errors import BackendError, BackendUnavailable, ConfigError
-from kvcore.ids import ChunkKey, RequestId
+from kvcore.ids import ChunkKey, JobId, RequestId
+from kvcore.layout import KVLayout, LayoutKind
 from kvcore.lookup import PendingLookup, PrefixLookup
-from kvcore.ports import StoreItem
+from kvcore.ports import BlockItem, StoreItem
+from kvcore_cpu.engine_kv import EngineKV
+from kvcore_cpu.tier import MappedMovers
 from kvcore_lmcache import LMCacheChunkIndex, LMCacheManagedTier
 from tests.lmcache.conftest import CHUNK_TOKENS, LMCacheServer
 
@@ -38,16 +43,79 @@ def _config(url: str) -> LMCacheMPConfig:
     )
 
 
-@contextlib.contextmanager
-def _tier(url: str, model: str) -> Iterator[tuple[LMCacheManagedTier, bytearray]]:
-    host = bytearray(SLOTS * VALUE)
-    tier = LMCacheManagedTier(
-        _config(url), host, value_bytes=VALUE, chunk_tokens=CHUNK_TOKENS, model_name=model
+class HostSide:
+    """Values through the worker's host buffer (the ``ManagedTier`` calls)."""
+
+    def __init__(self, tier_args: dict[str, Any]) -> None:
+        self.host = bytearray(SLOTS * VALUE)
+        self.tier = LMCacheManagedTier(host=self.host, value_bytes=VALUE, **tier_args)
+
+    def store(self, keys: list[ChunkKey]) -> bool:
+        for i, key in enumerate(keys):
+            self.host[i * VALUE : (i + 1) * VALUE] = key.encode().ljust(VALUE, b".")
+        items = [StoreItem(key, i * VALUE, VALUE) for i, key in enumerate(keys)]
+        return _ok(self.tier, lambda: self.tier.submit_store(RequestId("store"), items))
+
+    def retrieved(self, keys: list[ChunkKey]) -> bool:
+        """Whether every key's value comes back byte for byte (into a zeroed host buffer)."""
+        self.host[:] = bytes(len(self.host))
+        session = RequestId(f"r-{uuid.uuid4().hex[:8]}")
+        items = [StoreItem(key, i * VALUE, VALUE) for i, key in enumerate(keys)]
+        try:
+            ok = _ok(self.tier, lambda: self.tier.submit_retrieve(session, items))
+        finally:
+            self.tier.end_session(session)
+        expected = [key.encode().ljust(VALUE, b".") for key in keys]
+        return ok and [bytes(self.host[i * VALUE : (i + 1) * VALUE]) for i in range(len(keys))] == expected
+
+
+class BlockSide:
+    """Values moved straight between engine blocks (a CPU engine's) and the server's slots."""
+
+    LAYOUT = KVLayout(
+        LayoutKind.VLLM_CPU, num_blocks=4 * SLOTS, block_tokens=16, num_kv_heads=1, head_size=8, dtype_size=2
     )
+
+    def __init__(self, tier_args: dict[str, Any]) -> None:
+        self.kv = EngineKV.register([torch.zeros(self.LAYOUT.shape, dtype=torch.bfloat16)], self.LAYOUT)
+        block = self.kv.host_block_bytes
+        self.tier = LMCacheManagedTier(
+            host=None, value_bytes=block, block_movers=MappedMovers(self.kv), block_bytes=block, **tier_args
+        )
+
+    def store(self, keys: list[ChunkKey]) -> bool:
+        (plane,) = self.kv.planes
+        for i, key in enumerate(keys):
+            plane[i].view(torch.uint8).fill_(1 + sum(key.encode()) % 250)
+        items = [BlockItem(key, [i]) for i, key in enumerate(keys)]
+        return _ok(self.tier, lambda: self.tier.submit_store_blocks(RequestId("store"), items))
+
+    def retrieved(self, keys: list[ChunkKey]) -> bool:
+        """Whether every key's value comes back byte for byte (into zeroed engine blocks)."""
+        (plane,) = self.kv.planes
+        plane[SLOTS : 2 * SLOTS].zero_()
+        session = RequestId(f"r-{uuid.uuid4().hex[:8]}")
+        items = [BlockItem(key, [SLOTS + i]) for i, key in enumerate(keys)]
+        try:
+            ok = _ok(self.tier, lambda: self.tier.submit_retrieve_blocks(session, items))
+        finally:
+            self.tier.end_session(session)
+        return ok and all(bool(torch.equal(plane[SLOTS + i], plane[i])) for i in range(len(keys)))
+
+
+def _ok(tier: LMCacheManagedTier, submit: Callable[[], JobId]) -> bool:
+    (result,) = tier.wait([submit()], 4 * TIMEOUT_S)
+    return result.ok
+
+
+@contextlib.contextmanager
+def _side(url: str, model: str, kind: str = "host") -> Iterator[HostSide | BlockSide]:
+    args: dict[str, Any] = {"config": _config(url), "chunk_tokens": CHUNK_TOKENS, "model_name": model}
+    side = HostSide(args) if kind == "host" else BlockSide(args)
     try:
-        yield tier, host
+        yield side
     finally:
-        tier.close()
+        side.tier.close()
 
 
 def _lookup(tier: LMCacheManagedTier, keys: list[ChunkKey]) -> int:
@@ -64,32 +132,6 @@ def _lookup(tier: LMCacheManagedTier, keys: list[ChunkKey]) -> int:
     finally:
         tier.end_session(session)
     return hits
-
-
-def _value(key: ChunkKey) -> bytes:
-    return key.encode().ljust(VALUE, b".")
-
-
-def _items(keys: list[ChunkKey]) -> list[StoreItem]:
-    return [StoreItem(key, i * VALUE, VALUE) for i, key in enumerate(keys)]
-
-
-def _store(tier: LMCacheManagedTier, host: bytearray, keys: list[ChunkKey]) -> bool:
-    for i, key in enumerate(keys):
-        host[i * VALUE : (i + 1) * VALUE] = _value(key)
-    (result,) = tier.wait([tier.submit_store(RequestId("store"), _items(keys))], 4 * TIMEOUT_S)
-    return result.ok
-
-
-def _retrieved(tier: LMCacheManagedTier, host: bytearray, keys: list[ChunkKey]) -> bool:
-    """Whether every key's value comes back byte for byte (into a zeroed host buffer)."""
-    host[:] = bytes(len(host))
-    session = RequestId(f"r-{uuid.uuid4().hex[:8]}")
-    try:
-        (result,) = tier.wait([tier.submit_retrieve(session, _items(keys))], 4 * TIMEOUT_S)
-    finally:
-        tier.end_session(session)
-    return result.ok and all(host[i * VALUE : (i + 1) * VALUE] == _value(key) for i, key in enumerate(keys))
 
 
 def _keys(n: int) -> list[ChunkKey]:
@@ -112,43 +154,45 @@ def _bounded(action: Callable[[], object], within: float) -> object:
     return result
 
 
-def test_server_absent_at_start_then_killed_then_restarted(server_factory: Factory) -> None:
+@pytest.mark.parametrize("kind", ["host", "blocks"])
+def test_server_absent_at_start_then_killed_then_restarted(server_factory: Factory, kind: str) -> None:
     server = server_factory(CHUNK_TOKENS)
     started = time.monotonic()
-    with _tier(server.url, "lifecycle") as (tier, host):
+    with _side(server.url, f"lifecycle-{kind}", kind) as side:
+        tier = side.tier
         # absent at start: no long timeout, misses and failed stores at once
         assert time.monotonic() - started < CONNECT_S + 1.0
         assert not tier.link.connected
         with pytest.raises(BackendUnavailable):
             tier.submit_lookup(RequestId("r"), _keys(1))
         first = _keys(2)
-        assert not _bounded(lambda: _store(tier, host, first), 0.1)
+        assert not _bounded(lambda: side.store(first), 0.1)
 
         server.start()  # it appears: the heartbeat joins it
         _eventually(lambda: tier.link.connected, REJOIN_S)
-        assert _store(tier, host, first)
+        assert side.store(first)
         assert _lookup(tier, first) == 2
-        assert _retrieved(tier, host, first)
+        assert side.retrieved(first)
 
         server.kill()  # mid-run: every call ends within its timeout, as a miss or a failed item
         assert _bounded(lambda: _lookup(tier, first), 4 * TIMEOUT_S) == 0
-        assert not _bounded(lambda: _store(tier, host, _keys(1)), 4 * TIMEOUT_S)
+        assert not _bounded(lambda: side.store(_keys(1)), 4 * TIMEOUT_S)
         _eventually(lambda: not tier.link.available(), 4 * TIMEOUT_S)
 
         server.start()  # restarted: same URL, empty cache, a new shared-memory segment
         second = _keys(2)
-        _eventually(lambda: _store(tier, host, second), REJOIN_S)
+        _eventually(lambda: side.store(second), REJOIN_S)
         assert _lookup(tier, second) == 2
-        assert _retrieved(tier, host, second)  # through the re-mapped segment
+        assert side.retrieved(second)  # through the re-mapped segment
         assert _lookup(tier, first) == 0  # the restart lost them; never garbage
 
 
 def test_silent_server_times_out_opens_the_breaker_and_rejoins(server_factory: Factory) -> None:
     server = server_factory(CHUNK_TOKENS)
     server.start()
-    with _tier(server.url, "silent") as (tier, host):
-        keys = _keys(2)
-        assert _store(tier, host, keys)
+    with _side(server.url, "silent") as side:
+        tier, keys = side.tier, _keys(2)
+        assert side.store(keys)
         server.pause()
         try:
             assert _bounded(lambda: _lookup(tier, keys), 4 * TIMEOUT_S) == 0
@@ -182,9 +226,9 @@ def test_unreachable_url_is_a_miss_through_the_core_lookup() -> None:
 
 def test_index_counts_leading_chunks_only(lmcache_server: LMCacheServer) -> None:
     model = f"index-{uuid.uuid4().hex[:8]}"
-    with _tier(lmcache_server.url, model) as (tier, host):
+    with _side(lmcache_server.url, model) as side:
         keys = _keys(3)
-        assert _store(tier, host, [keys[0], keys[2]])
+        assert side.store([keys[0], keys[2]])
         index = LMCacheChunkIndex(
             _config(lmcache_server.url), value_bytes=VALUE, chunk_tokens=CHUNK_TOKENS, model_name=model
         )
