@@ -16,7 +16,12 @@ Both sides copy between the same kind of host buffer and the same shared-memory 
 each repeat, and use fresh keys every time (the server ignores re-stores). Throughputs and latencies are
 medians; a ratio is the median of per-repeat ratios (> 1: kvcore faster).
 
-    python -m benchmarks.bench_lmcache [--quick] [--chunks 32] [--url tcp://127.0.0.1:5555]
+``--blocks``: kvcore moves the values between a CPU engine's KV blocks (one block of one layer per
+chunk, as large as the value) and the slots with its block mover (``submit_store_blocks`` /
+``submit_retrieve_blocks``, the default deployment: no host pool), against the same raw client copying
+from and into a host buffer.
+
+    python -m benchmarks.bench_lmcache [--quick] [--blocks] [--chunks 32] [--url tcp://127.0.0.1:5555]
 """
 
 from __future__ import annotations
@@ -40,13 +45,17 @@ from pathlib import Path
 
 with warnings.catch_warnings():  # lmcache's OpenTelemetry handler warns of its own deprecation
     warnings.simplefilter("ignore", DeprecationWarning)
+    import torch
     from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
     from lmcache.v1.multiprocess.transport.base import RequestClient
     from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
     from kvcore.config import LMCacheMPConfig
     from kvcore.ids import ChunkKey, RequestId
-    from kvcore.ports import StoreItem
+    from kvcore.layout import KVLayout, LayoutKind
+    from kvcore.ports import BlockItem, StoreItem
+    from kvcore_cpu.engine_kv import EngineKV
+    from kvcore_cpu.tier import MappedMovers
     from kvcore_lmcache import LMCacheChunkIndex, LMCacheManagedTier
     from kvcore_lmcache.link import register_slots
 
@@ -193,21 +202,33 @@ class RawSide:
 
 
 class KVCoreSide:
-    """kvcore's tier (worker) and index (scheduler) on one server."""
+    """kvcore's tier (worker) and index (scheduler) on one server; with ``engine``, values move between its
+    blocks (stores from ``[0, chunks)``, loads into ``[chunks, 2 * chunks)``) and the slots directly."""
 
-    def __init__(self, url: str, value_bytes: int, host: bytearray) -> None:
+    def __init__(self, url: str, value_bytes: int, host: bytearray, engine: EngineKV | None = None) -> None:
         config = LMCacheMPConfig(url=url, request_timeout_s=TIMEOUT_S, connect_timeout_s=TIMEOUT_S)
-        model = f"kvcore-bench-{value_bytes}"
+        model = f"kvcore-bench-{value_bytes}{'-blocks' if engine else ''}"
         self.value_bytes = value_bytes
+        self.engine = engine
+        block = value_bytes if engine is not None else 1
         self.tier = LMCacheManagedTier(
-            config, host, value_bytes=value_bytes, chunk_tokens=CHUNK_TOKENS, model_name=model
+            config,
+            host if engine is None else None,
+            value_bytes=value_bytes,
+            chunk_tokens=CHUNK_TOKENS,
+            model_name=model,
+            block_movers=MappedMovers(engine) if engine is not None else None,
+            block_bytes=block,
         )
         self.index = LMCacheChunkIndex(
-            config, value_bytes=value_bytes, chunk_tokens=CHUNK_TOKENS, model_name=model
+            config, value_bytes=value_bytes, chunk_tokens=CHUNK_TOKENS, model_name=model, block_bytes=block
         )
 
     def items(self, keys: list[ChunkKey]) -> list[StoreItem]:
         return [StoreItem(key, i * self.value_bytes, self.value_bytes) for i, key in enumerate(keys)]
+
+    def blocks(self, keys: list[ChunkKey], first: int) -> list[BlockItem]:
+        return [BlockItem(key, (first + i,)) for i, key in enumerate(keys)]
 
     def ops(self, keys: list[ChunkKey]) -> dict[str, Callable[[], int]]:
         """The timed operations on one round's chunks; each returns how many chunks it handled."""
@@ -218,7 +239,12 @@ class KVCoreSide:
         }
 
     def store(self, keys: list[ChunkKey]) -> int:
-        (result,) = self.tier.wait([self.tier.submit_store(RequestId("bench"), self.items(keys))], TIMEOUT_S)
+        session = RequestId("bench")
+        if self.engine is None:
+            job = self.tier.submit_store(session, self.items(keys))
+        else:
+            job = self.tier.submit_store_blocks(session, self.blocks(keys, 0))
+        (result,) = self.tier.wait([job], TIMEOUT_S)
         return len(keys) - len(result.failed)
 
     def load(self, keys: list[ChunkKey]) -> int:
@@ -226,7 +252,11 @@ class KVCoreSide:
         lookup = self.tier.submit_lookup(session, keys)
         while (hits := self.tier.poll_lookup(lookup)) is None:
             time.sleep(POLL_S)
-        (result,) = self.tier.wait([self.tier.submit_retrieve(session, self.items(keys[:hits]))], TIMEOUT_S)
+        if self.engine is None:
+            job = self.tier.submit_retrieve(session, self.items(keys[:hits]))
+        else:
+            job = self.tier.submit_retrieve_blocks(session, self.blocks(keys[:hits], len(keys)))
+        (result,) = self.tier.wait([job], TIMEOUT_S)
         self.tier.end_session(session)
         return hits - len(result.failed)
 
@@ -254,11 +284,25 @@ def _fill(host: bytearray, rng: random.Random) -> None:
     host[:] = rng.randbytes(len(host))
 
 
-def run_size(url: str, size: int, chunks: int, repeats: int) -> dict[str, tuple[float, float, float]]:
+def _engine(size: int, chunks: int) -> EngineKV:
+    """A CPU engine of one layer whose block (K and V of 16 tokens, one head) is ``size`` bytes."""
+    layout = KVLayout(LayoutKind.VLLM_CPU, 2 * chunks, 16, 1, size // 64, dtype_size=2)
+    return EngineKV.register([torch.empty(layout.shape, dtype=torch.bfloat16)], layout)
+
+
+def _engine_bytes(engine: EngineKV, first: int, count: int) -> bytes:
+    (plane,) = engine.planes
+    return bytes(plane[first : first + count].contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def run_size(
+    url: str, size: int, chunks: int, repeats: int, blocks: bool
+) -> dict[str, tuple[float, float, float]]:
     """Per operation: kvcore seconds, LMCache seconds (medians), median per-repeat ratio."""
     rng = random.Random(size)
     kv_host, raw_host = bytearray(chunks * size), bytearray(chunks * size)
-    kv, raw = KVCoreSide(url, size, kv_host), RawSide(url, size, raw_host)
+    engine = _engine(size, chunks) if blocks else None
+    kv, raw = KVCoreSide(url, size, kv_host, engine), RawSide(url, size, raw_host)
     times: dict[str, tuple[list[float], list[float]]] = {op: ([], []) for op in ("store", "load", "lookup")}
     try:
         for repeat in range(repeats + 1):  # the first round warms both sides up
@@ -267,6 +311,9 @@ def run_size(url: str, size: int, chunks: int, repeats: int) -> dict[str, tuple[
             tokens = tuple(rng.randrange(1, 1 << 30) for _ in range(chunks * CHUNK_TOKENS))
             _fill(kv_host, rng)
             raw_host[:] = kv_host
+            if engine is not None:
+                (plane,) = engine.planes
+                plane[:chunks].view(torch.uint8).view(-1).copy_(torch.frombuffer(kv_host, dtype=torch.uint8))
             kv_ops, raw_ops = kv.ops(keys), raw.ops(tokens)
             for op in times:
                 pair = [(kv_ops[op], 0), (raw_ops[op], 1)]
@@ -278,7 +325,8 @@ def run_size(url: str, size: int, chunks: int, repeats: int) -> dict[str, tuple[
                 if repeat:
                     times[op][0].append(measured[0])
                     times[op][1].append(measured[1])
-            if kv_host != raw_host:
+            loaded = kv_host if engine is None else _engine_bytes(engine, chunks, chunks)
+            if loaded != raw_host:
                 raise RuntimeError("the two sides loaded different bytes")
     finally:
         kv.close()
@@ -299,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="one size, few repeats (seconds, plus the start)"
     )
     parser.add_argument("--chunks", type=int, default=32, help="chunks per operation")
+    parser.add_argument("--blocks", action="store_true", help="kvcore moves engine blocks to the slots")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument(
         "--url", help="use a running server (chunk size 256, --shm-name) instead of one's own"
@@ -313,10 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             url, start_s = stack.enter_context(lmcache_server(l1_gb))
         print(f"lmcache server {url} (answered after {start_s:.1f}s)")
-        print(f"{args.chunks} chunks per operation, {repeats} repeats")
+        kvcore = "engine blocks <-> slots (block mover)" if args.blocks else "host buffer <-> slots"
+        print(f"{args.chunks} chunks per operation, {repeats} repeats; kvcore: {kvcore}")
         print(f"{'value':>8} {'op':>7} {'kvcore':>12} {'lmcache':>12} {'ratio':>6}")
         for size in sizes:
-            results = run_size(url, size, args.chunks, repeats)
+            results = run_size(url, size, args.chunks, repeats, args.blocks)
             for op, (kv, raw, ratio) in results.items():
                 if op == "lookup":
                     cells = f"{kv * 1e6:>9.0f} us {raw * 1e6:>9.0f} us"
