@@ -8,8 +8,9 @@ Worker side. Values move between the server's shared-memory slots (engine-driven
 and each run is one server request. A store reserves a run's slots (``prepare_store``), copies the
 values in, writes each slot's header and commits; a retrieve maps the slots of a run of locked hits
 (``prepare_retrieve``), checks each header, copies the values out and commits, which releases the read
-locks. No tensor is ever pickled onto the socket. Jobs run in submission order on one thread; the runs
-of a job are pipelined. The server cannot remove or clear single keys: the tier does not offer either.
+locks. No tensor is ever pickled onto the socket. Jobs run on one thread, retrieves (an engine waits on
+them) before stores, each kind in submission order; the runs of a job are pipelined. The server cannot
+remove or clear single keys: the tier does not offer either.
 """
 
 from __future__ import annotations
@@ -271,13 +272,14 @@ class LMCacheManagedTier:
         mapped = self._mapped
         if mapped is not None and mapped[0] is pool:
             return mapped[1]
-        if self._movers is None or pool.closed:
-            return None
-        try:
-            mover: OrderedMover | None = self._movers.over(pool.buffer)
-        except BackendError as exc:
-            log.warning("kvcore: no block mover over the LMCache pool: %s", exc)
-            mover = None
+        mover: OrderedMover | None = None
+        with self.link.segment_lock:  # the heartbeat does not unmap the pool while the mover takes it
+            if self._movers is None or pool.closed:
+                return None
+            try:
+                mover = self._movers.over(pool.buffer)
+            except BackendError as exc:
+                log.warning("kvcore: no block mover over the LMCache pool: %s", exc)
         self._mapped = (pool, mover)
         if mapped is not None and mapped[1] is not None:
             close_quietly(mapped[1])

@@ -1,5 +1,7 @@
-"""Two real vLLM engines (CPU build, tiny model) on one LMCache server: blocks straight into and out of the
-server's slots (no ``local_size``), or through kvcore's host pool in front.
+"""Two real vLLM engines (CPU build, tiny model) on one LMCache server, blocks straight into and out of the
+server's slots (no ``local_size``, the default). The pool-in-front path runs the same connector code as
+the Mooncake engine test (``tests/mooncake/test_vllm_store.py``), with this backend's tier tested on its
+own in ``test_conformance.py`` and ``test_faults.py``.
 
 Engine A serves two prompts and publishes their KV to the server; vLLM's own prefix hit of each gives the
 reference tokens; A stops. Engine B, a separate engine with empty local caches, serves both prompts with
@@ -12,8 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     BLOCK,
     VLLM_MARKS,
@@ -25,7 +25,7 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     tiny_model,
     vllm_env,
 )
-from tests.integration.probes import engine_digests, external_hits, host_digests, loaded_digests
+from tests.integration.probes import engine_digests, external_hits, loaded_digests, worker_side
 from tests.lmcache.conftest import LMCacheServer
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
@@ -35,19 +35,22 @@ pytestmark = VLLM_MARKS
 CHUNKS = 4  # full chunks (= vLLM blocks) per prompt; each prompt also has a partial block
 
 
-def _engine(model: Path, server: LMCacheServer, local_size: str) -> Any:
-    backend = {"kind": "lmcache_mp", "url": server.url, "local_size": local_size, "request_timeout_s": 5.0}
+def has_host_pool(worker: Any) -> bool:
+    """In the worker process: whether kvcore's worker holds a host pool."""
+    return worker_side(worker).worker.host is not None
+
+
+def _engine(model: Path, server: LMCacheServer) -> Any:
+    backend = {"kind": "lmcache_mp", "url": server.url, "request_timeout_s": 5.0}
     return start_engine(model, kvcore_transfer_config(backend=backend, chunk_tokens=server.chunk_tokens))
 
 
-@pytest.mark.parametrize("local_size", ["0", "64MiB"], ids=["direct", "pool"])
 def test_a_second_engine_loads_what_the_first_published(
-    tiny_model: Path, lmcache_server: LMCacheServer, local_size: str
+    tiny_model: Path, lmcache_server: LMCacheServer
 ) -> None:
     assert lmcache_server.chunk_tokens % BLOCK == 0
-    seeds = (6161, 6262) if local_size == "0" else (7171, 7272)  # each run publishes its own prompts
-    prompts = [prompt(seed, CHUNKS * BLOCK + 60) for seed in seeds]
-    a = _engine(tiny_model, lmcache_server, local_size)
+    prompts = [prompt(seed, CHUNKS * BLOCK + 60) for seed in (6161, 6262)]
+    a = _engine(tiny_model, lmcache_server)
     try:
         reference = []
         for tokens in prompts:
@@ -55,12 +58,12 @@ def test_a_second_engine_loads_what_the_first_published(
             local = generate(a, tokens)  # vLLM's own prefix hit of CHUNKS blocks: the reference tokens
             assert (first.num_cached_tokens, local.num_cached_tokens) == (0, CHUNKS * BLOCK)
             reference.append(list(local.outputs[0].token_ids))
-        # what A can have published: its pool's blocks, or with no pool its engine blocks themselves
-        (saved,) = a.collective_rpc(engine_digests if local_size == "0" else host_digests)
+        (saved,) = a.collective_rpc(engine_digests)  # what A can have published: its own blocks
+        assert a.collective_rpc(has_host_pool) == [False]  # nothing of kvcore's between them and the server
     finally:
         stop_engine(a)  # what A published lives on in the server
 
-    b = _engine(tiny_model, lmcache_server, local_size)
+    b = _engine(tiny_model, lmcache_server)
     try:
         for n, (tokens, key) in enumerate(
             zip(prompts, ("num_extra_cached_tokens", "num_lmcache_extra_cached_tokens"), strict=True)
