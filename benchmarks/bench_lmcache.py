@@ -16,8 +16,8 @@ Both sides copy between the same kind of host buffer and the same shared-memory 
 each repeat, and use fresh keys every time (the server ignores re-stores). Throughputs and latencies are
 medians; a ratio is the median of per-repeat ratios (> 1: kvcore faster).
 
-``--blocks``: kvcore moves the values between a CPU engine's KV blocks (one block of one layer per
-chunk, as large as the value) and the slots with its block mover (``submit_store_blocks`` /
+``--blocks``: kvcore moves the values between a CPU engine's KV blocks (16 blocks of one layer per
+chunk) and the slots with its block mover (``submit_store_blocks`` /
 ``submit_retrieve_blocks``, the default deployment: no host pool), against the same raw client copying
 from and into a host buffer.
 
@@ -63,6 +63,7 @@ KiB = 1 << 10
 MiB = 1 << 20
 SIZES = (64 * KiB, 256 * KiB, 1 * MiB)
 CHUNK_TOKENS = 256
+BLOCKS_PER_CHUNK = 16  # with --blocks: engine blocks per chunk (vLLM's 16-token blocks, 256-token chunks)
 TIMEOUT_S = 10.0
 POLL_S = 20e-6
 READY_S = 120.0
@@ -210,7 +211,7 @@ class KVCoreSide:
         model = f"kvcore-bench-{value_bytes}{'-blocks' if engine else ''}"
         self.value_bytes = value_bytes
         self.engine = engine
-        block = value_bytes if engine is not None else 1
+        block = engine.host_block_bytes if engine is not None else 1
         self.tier = LMCacheManagedTier(
             config,
             host if engine is None else None,
@@ -228,7 +229,8 @@ class KVCoreSide:
         return [StoreItem(key, i * self.value_bytes, self.value_bytes) for i, key in enumerate(keys)]
 
     def blocks(self, keys: list[ChunkKey], first: int) -> list[BlockItem]:
-        return [BlockItem(key, (first + i,)) for i, key in enumerate(keys)]
+        per = BLOCKS_PER_CHUNK
+        return [BlockItem(key, range(first + i * per, first + (i + 1) * per)) for i, key in enumerate(keys)]
 
     def ops(self, keys: list[ChunkKey]) -> dict[str, Callable[[], int]]:
         """The timed operations on one round's chunks; each returns how many chunks it handled."""
@@ -255,7 +257,9 @@ class KVCoreSide:
         if self.engine is None:
             job = self.tier.submit_retrieve(session, self.items(keys[:hits]))
         else:
-            job = self.tier.submit_retrieve_blocks(session, self.blocks(keys[:hits], len(keys)))
+            job = self.tier.submit_retrieve_blocks(
+                session, self.blocks(keys[:hits], len(keys) * BLOCKS_PER_CHUNK)
+            )
         (result,) = self.tier.wait([job], TIMEOUT_S)
         self.tier.end_session(session)
         return hits - len(result.failed)
@@ -285,8 +289,10 @@ def _fill(host: bytearray, rng: random.Random) -> None:
 
 
 def _engine(size: int, chunks: int) -> EngineKV:
-    """A CPU engine of one layer whose block (K and V of 16 tokens, one head) is ``size`` bytes."""
-    layout = KVLayout(LayoutKind.VLLM_CPU, 2 * chunks, 16, 1, size // 64, dtype_size=2)
+    """A CPU engine of one layer whose blocks (K and V of 16 tokens, one head) hold a value of ``size``
+    bytes in ``BLOCKS_PER_CHUNK``."""
+    head = size // (64 * BLOCKS_PER_CHUNK)
+    layout = KVLayout(LayoutKind.VLLM_CPU, 2 * chunks * BLOCKS_PER_CHUNK, 16, 1, head, dtype_size=2)
     return EngineKV.register([torch.empty(layout.shape, dtype=torch.bfloat16)], layout)
 
 
@@ -313,7 +319,8 @@ def run_size(
             raw_host[:] = kv_host
             if engine is not None:
                 (plane,) = engine.planes
-                plane[:chunks].view(torch.uint8).view(-1).copy_(torch.frombuffer(kv_host, dtype=torch.uint8))
+                source = plane[: chunks * BLOCKS_PER_CHUNK].view(torch.uint8).view(-1)
+                source.copy_(torch.frombuffer(kv_host, dtype=torch.uint8))
             kv_ops, raw_ops = kv.ops(keys), raw.ops(tokens)
             for op in times:
                 pair = [(kv_ops[op], 0), (raw_ops[op], 1)]
@@ -325,7 +332,8 @@ def run_size(
                 if repeat:
                     times[op][0].append(measured[0])
                     times[op][1].append(measured[1])
-            loaded = kv_host if engine is None else _engine_bytes(engine, chunks, chunks)
+            per = BLOCKS_PER_CHUNK
+            loaded = kv_host if engine is None else _engine_bytes(engine, chunks * per, chunks * per)
             if loaded != raw_host:
                 raise RuntimeError("the two sides loaded different bytes")
     finally:
