@@ -64,7 +64,7 @@ class HostValues(Values):
 
     def __init__(
         self, host: memoryview, items: Sequence[StoreItem], layout: SlotLayout, lock: threading.Lock
-    ):
+    ) -> None:
         super().__init__([item.key for item in items], [item.length for item in items])
         self._host = host
         self._items = items
