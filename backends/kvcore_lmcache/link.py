@@ -342,6 +342,8 @@ class ServerLink:
     def close(self) -> None:
         """Stop the heartbeat, send the releases queued so far, unregister, unmap and close the socket.
         Idempotent."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if getattr(self, "_releaser", None) is not None and self._releaser.is_alive():
             self._releases.put(None)

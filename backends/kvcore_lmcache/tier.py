@@ -223,11 +223,13 @@ class LMCacheManagedTier:
 
     def close(self) -> None:
         """Fail the queued jobs at once (a job running now finishes, each wait bounded by the request
-        timeout), stop the block mover, then drop the connection. Idempotent."""
-        self._closing = True
-        if self._worker.is_alive():
-            self._queue.put((2, next(self._order), None, None))
-            self._worker.join()
+        timeout), stop the block mover, then drop the connection. Idempotent; a later submit raises
+        ``BackendError`` (the worker fails its chunks at once)."""
+        with self._lock:
+            first, self._closing = not self._closing, True
+            if first:
+                self._queue.put((2, next(self._order), None, None))
+        self._worker.join()
         if self._mapped is not None:
             close_quietly(self._mapped[1])
             self._mapped = None
@@ -294,12 +296,14 @@ class LMCacheManagedTier:
         *,
         store: bool = False,
     ) -> JobId:
-        job_id = self._board.new()
-        if store:
-            with self._lock:
+        with self._lock:  # a job queued before the closing sentinel is still answered; none after it
+            if self._closing:
+                raise BackendError("the LMCache tier is closed")
+            job_id = self._board.new()
+            if store:
                 self._stores[job_id] = values
-        work = lambda: job(job_id, session, values, chain)  # noqa: E731  (the queue's entry)
-        self._queue.put((1 if store else 0, next(self._order), job_id, work))
+            work = lambda: job(job_id, session, values, chain)  # noqa: E731  (the queue's entry)
+            self._queue.put((1 if store else 0, next(self._order), job_id, work))
         return job_id
 
     def _run(self) -> None:

@@ -187,6 +187,19 @@ def test_server_absent_at_start_then_killed_then_restarted(server_factory: Facto
         assert _lookup(tier, first) == 0  # the restart lost them; never garbage
 
 
+@pytest.mark.parametrize("kind", ["host", "blocks"])
+def test_a_closed_tier_refuses_new_jobs_at_once(lmcache_server: LMCacheServer, kind: str) -> None:
+    # e.g. the vLLM worker halted it after a late load: later ops must fail now, not wait forever
+    with _side(lmcache_server.url, f"closed-{kind}", kind) as side:
+        keys = _keys(1)
+        assert side.store(keys)
+        side.tier.close()
+        with pytest.raises(BackendError, match="closed"):
+            side.store(keys)
+        with pytest.raises(BackendError, match="closed"):
+            side.retrieved(keys)
+
+
 def test_silent_server_times_out_opens_the_breaker_and_rejoins(server_factory: Factory) -> None:
     server = server_factory(CHUNK_TOKENS)
     server.start()
