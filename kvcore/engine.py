@@ -2,26 +2,107 @@
 
 from __future__ import annotations
 
-from attrs import field, frozen
-from attrs.validators import ge, min_len
+from collections.abc import Mapping
+from typing import Any
 
-from kvcore.layout import KVLayout
+from attrs import Attribute, field, frozen
 
-__all__ = ["EngineSpec"]
+from kvcore.checks import SIZE_LIMIT, is_int_in, positive_count, text
+from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguration
+from kvcore.keys import Shard
+from kvcore.layout import KVLayout, LayoutKind
+
+__all__ = ["KV_DTYPE_SIZES", "EngineSpec"]
+
+KV_DTYPE_SIZES: Mapping[str, int] = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+"""The KV dtypes an engine may declare, by torch's name (``str(torch.bfloat16)`` without ``torch.``), and
+their size in bytes. Aliases (``"half"``, ``"fp8"``, ``"auto"``) are refused: the name is part of every key,
+so one dtype must have one spelling."""
+
+
+def _known_dtype(instance: EngineSpec, attribute: Attribute[Any], value: object) -> None:
+    if not isinstance(value, str) or value not in KV_DTYPE_SIZES:
+        raise InvalidSpecError(
+            f"EngineSpec.kv_dtype: got {value!r}, expected one of {', '.join(KV_DTYPE_SIZES)}"
+        )
+
+
+def _a_layout(instance: EngineSpec, attribute: Attribute[Any], value: object) -> None:
+    if not isinstance(value, KVLayout):
+        raise InvalidSpecError(f"EngineSpec.layout: got {value!r}, expected a KVLayout")
 
 
 @frozen
 class EngineSpec:
-    """One engine instance as kvcore sees it. ``layout`` describes one layer of one rank (all alike)."""
+    """One engine instance as kvcore sees it. ``layout`` describes one layer of one rank (all alike).
 
-    model_id: str = field(validator=min_len(1))
-    kv_dtype: str = field(validator=min_len(1))
-    num_layers: int = field(validator=ge(1))
-    total_kv_heads: int = field(validator=ge(1))
-    layout: KVLayout
-    tp_size: int = field(default=1, validator=ge(1))
+    The fields must agree, or ``InvalidSpecError`` names the disagreement: ``layout.dtype_size`` is the
+    size of ``kv_dtype``; ``layout.num_kv_heads`` is what one of ``tp_size`` ranks holds of
+    ``total_kv_heads`` by vLLM's rule (``total / tp`` heads, or one replicated head when there are fewer
+    heads than ranks; MLA: one latent); the KV of every layer is at most ``2**62`` bytes. Counts are ints
+    in ``[1, 2**62]``.
+    """
+
+    model_id: str = field(validator=text)
+    kv_dtype: str = field(validator=_known_dtype)
+    num_layers: int = field(validator=positive_count)
+    total_kv_heads: int = field(validator=positive_count)
+    layout: KVLayout = field(validator=_a_layout)
+    tp_size: int = field(default=1, validator=positive_count)
+
+    def __attrs_post_init__(self) -> None:
+        layout = self.layout
+        if layout.dtype_size != KV_DTYPE_SIZES[self.kv_dtype]:
+            raise InvalidSpecError(
+                f"EngineSpec: layout.dtype_size is {layout.dtype_size}, but kv_dtype {self.kv_dtype!r} "
+                f"has {KV_DTYPE_SIZES[self.kv_dtype]}-byte elements"
+            )
+        # vLLM's head ownership (one rule with the keys'); rank 0 holds as many heads as every rank
+        try:
+            shard = Shard.for_tp_rank(
+                self.num_layers, self.total_kv_heads, self.tp_size, 0, mla=layout.kind is LayoutKind.MLA
+            )
+        except UnsupportedConfiguration as exc:
+            raise UnsupportedConfiguration(
+                f"EngineSpec: total_kv_heads {self.total_kv_heads} and tp_size {self.tp_size}: {exc}"
+            ) from None
+        per_rank = shard.head_stop - shard.head_start
+        if layout.num_kv_heads != per_rank:
+            raise InvalidSpecError(
+                f"EngineSpec: layout.num_kv_heads is {layout.num_kv_heads}, but total_kv_heads "
+                f"{self.total_kv_heads} over tp_size {self.tp_size} gives {per_rank} head(s) per rank"
+            )
+        if self.num_layers * layout.nbytes > SIZE_LIMIT:
+            raise InvalidSpecError(
+                f"EngineSpec: num_layers {self.num_layers} x layout.nbytes {layout.nbytes} bytes, "
+                "expected at most 2**62"
+            )
 
     @property
     def host_block_bytes(self) -> int:
         """Bytes of one engine block over every layer of one rank: one host block."""
         return self.num_layers * self.layout.block_bytes
+
+    def blocks_per_chunk(self, chunk_tokens: int) -> int:
+        """Engine blocks in one chunk of ``chunk_tokens`` tokens.
+
+        Raises ``ConfigError`` for ``chunk_tokens`` that is not a positive multiple of the block size (a
+        chunk of a fraction of a block has no host slot), before anything divides by it.
+        """
+        block_tokens = self.layout.block_tokens
+        if not is_int_in(chunk_tokens, 1, SIZE_LIMIT) or chunk_tokens % block_tokens:
+            raise ConfigError(
+                "chunk_tokens", chunk_tokens, f"a multiple of the engine's block size {block_tokens}"
+            )
+        return chunk_tokens // block_tokens

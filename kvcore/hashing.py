@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from attrs import field, frozen
-from attrs.validators import and_, ge, instance_of, lt, min_len
 
+from kvcore.checks import instance, int_in, text
 from kvcore.errors import ConfigError, InvalidSpecError
 
 __all__ = [
@@ -45,6 +45,7 @@ _U64 = struct.Struct("<Q")
 _TOKEN_CODE = "I" if array("I").itemsize == 4 else "L"
 _BIG_ENDIAN = sys.byteorder == "big"
 _SEED_DOMAIN = b"kvcore.chunk-hash.v1"
+_FOLD_DOMAIN = b"kvcore.extra-fold.v1"
 _DIGEST_SIZE = 32
 
 
@@ -86,27 +87,46 @@ def _utf8(value: str, name: str) -> bytes:
         raise InvalidSpecError(f"{name}: {value!r} is not encodable as UTF-8") from exc
 
 
-def _none_if_empty(value: str | None) -> str | None:
-    # As in vLLM, an empty salt or LoRA name means none.
-    return value or None
+def _optional_text(name: str, value: object) -> str | None:
+    """An optional text key: as in vLLM, ``None`` or an empty string means none; anything that is not a
+    string is refused (a salt of ``0`` must not silently become "no salt")."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise InvalidSpecError(f"{name}: got {value!r}, expected a string or None")
+    return value
+
+
+def _salt(value: object) -> str | None:
+    return _optional_text("cache_salt", value)
+
+
+def _lora(value: object) -> str | None:
+    return _optional_text("lora_id", value)
+
+
+def _spans(value: object) -> tuple[MMSpan, ...]:
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise InvalidSpecError(f"mm: got {value!r}, expected a sequence of MMSpan")
+    spans = tuple(value)
+    for span in spans:
+        if not isinstance(span, MMSpan):
+            raise InvalidSpecError(f"mm: got {span!r}, expected MMSpan items")
+    return tuple(sorted(spans, key=lambda s: (s.offset, s.length, s.mm_hash)))
 
 
 @frozen
 class MMSpan:
     """One multimodal item: its content hash and the prompt tokens its placeholder occupies."""
 
-    mm_hash: str = field(validator=and_(instance_of(str), min_len(1)))
-    offset: int = field(validator=[ge(0), lt(2**64)])
-    length: int = field(validator=[ge(1), lt(2**64)])
+    mm_hash: str = field(validator=text)
+    offset: int = field(validator=int_in(0, 2**64 - 1))
+    length: int = field(validator=int_in(1, 2**64 - 1))
 
     @property
     def end(self) -> int:
         """One past the item's last token."""
         return self.offset + self.length
-
-
-def _sorted_spans(spans: Iterable[MMSpan]) -> tuple[MMSpan, ...]:
-    return tuple(sorted(spans, key=lambda s: (s.offset, s.length, s.mm_hash)))
 
 
 @frozen
@@ -117,9 +137,9 @@ class ExtraKeys:
     ``lora_id`` into every chunk, and each multimodal item into every chunk its tokens overlap.
     """
 
-    cache_salt: str | None = field(default=None, converter=_none_if_empty)
-    lora_id: str | None = field(default=None, converter=_none_if_empty)
-    mm: tuple[MMSpan, ...] = field(default=(), converter=_sorted_spans)
+    cache_salt: str | None = field(default=None, converter=_salt)
+    lora_id: str | None = field(default=None, converter=_lora)
+    mm: tuple[MMSpan, ...] = field(default=(), converter=_spans)
     _salt_record: bytes = field(init=False, repr=False, eq=False)
     _lora_record: bytes = field(init=False, repr=False, eq=False)
     _mm_records: tuple[bytes, ...] = field(init=False, repr=False, eq=False)
@@ -134,6 +154,11 @@ class ExtraKeys:
         object.__setattr__(self, "_salt_record", salt)
         object.__setattr__(self, "_lora_record", lora)
         object.__setattr__(self, "_mm_records", mm)
+
+    @property
+    def empty(self) -> bool:
+        """Whether there is no key at all (then hashes are those of the tokens alone)."""
+        return self.cache_salt is None and self.lora_id is None and not self.mm
 
 
 NO_EXTRA = ExtraKeys()
@@ -158,11 +183,11 @@ class ChunkHasher:
     Chunk hashes of a prefix are a prefix of the chunk hashes of the whole sequence.
     """
 
-    algorithm: HashAlgorithm = field(validator=instance_of(HashAlgorithm))
-    seed: bytes = field(validator=instance_of(bytes), repr=False)
-    chunk_tokens: int = field(default=DEFAULT_CHUNK_TOKENS, validator=ge(1))
+    algorithm: HashAlgorithm = field(validator=instance(HashAlgorithm))
+    seed: bytes = field(validator=instance(bytes), repr=False)
+    chunk_tokens: int = field(default=DEFAULT_CHUNK_TOKENS, validator=int_in(1, 2**40))
     partial: PartialChunkPolicy = field(
-        default=PartialChunkPolicy.DROP, validator=instance_of(PartialChunkPolicy)
+        default=PartialChunkPolicy.DROP, validator=instance(PartialChunkPolicy)
     )
     _new: Callable[[bytes], _Digest] = field(init=False, repr=False, eq=False)
     _root: bytes = field(init=False, repr=False, eq=False)
@@ -177,6 +202,37 @@ class ChunkHasher:
     def seed_digest(self) -> str:
         """Hex digest of the seed (the chain's root); goes into the namespace."""
         return self._root.hex()
+
+    def fold_extra(
+        self, chunk_hashes: Sequence[bytes], counts: Sequence[int], extra: ExtraKeys
+    ) -> tuple[bytes, ...]:
+        """Chunk hashes taken from an engine's chain, with per-request keys the chain may lack folded in.
+
+        An engine's block hashes (``regroup_block_hashes``) may or may not include a cache salt, LoRA or
+        multimodal items; when the caller passes ``extra`` they are folded in here, never dropped: chunk
+        ``i`` becomes ``H(domain || h_i || salt || LoRA || every item that starts before the chunk's
+        end)`` (the hash has a fixed size, each key record delimits itself). That keeps the hashes
+        prefix-monotone (an item later in the prompt changes no earlier chunk) and makes two salts,
+        adapters or images never share a chunk. ``counts`` are the chunks' token counts. Without keys
+        (``extra.empty``) the hashes are returned as they are.
+        """
+        if extra.empty:
+            return tuple(chunk_hashes)
+        if len(counts) != len(chunk_hashes):
+            raise InvalidSpecError(f"{len(chunk_hashes)} chunk hashes, but {len(counts)} token counts")
+        keys = extra._salt_record + extra._lora_record
+        spans = tuple(zip(extra.mm, extra._mm_records, strict=True))
+        folded: list[bytes] = []
+        end = 0
+        for chunk_hash, count in zip(chunk_hashes, counts, strict=True):
+            end += count
+            digest = self._new(_FOLD_DOMAIN + chunk_hash)
+            digest.update(keys)
+            for span, record in spans:
+                if span.offset < end:
+                    digest.update(record)
+            folded.append(digest.digest())
+        return tuple(folded)
 
     def chunk_token_counts(self, num_tokens: int) -> tuple[int, ...]:
         """Token count of each chunk hashed out of ``num_tokens`` tokens, per the partial policy."""

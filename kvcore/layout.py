@@ -12,13 +12,16 @@ per segment when heads are the outer axis (HND, vLLM CPU), one run per token whe
 from __future__ import annotations
 
 import enum
+from typing import TypeVar
 
 from attrs import field, frozen
-from attrs.validators import ge
 
+from kvcore.checks import SIZE_LIMIT, int_in, is_int_in, positive_count
 from kvcore.errors import InvalidSpecError
 
 __all__ = ["ByteRange", "HeadOrder", "KVLayout", "LayoutKind"]
+
+_non_negative = int_in(0)
 
 
 class LayoutKind(enum.Enum):
@@ -37,12 +40,35 @@ class HeadOrder(enum.Enum):
     HND = "hnd"  # [heads, block_tokens, head]: a head range is one contiguous run
 
 
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _member(cls: type[_E], name: str, value: object) -> _E:
+    """``value`` as a member of ``cls``: a member itself, or its documented string value (``"hnd"``)."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        for member in cls:
+            if member.value == value:
+                return member
+    accepted = ", ".join(repr(member.value) for member in cls)
+    raise InvalidSpecError(f"KVLayout.{name}: got {value!r}, expected a {cls.__name__} or one of {accepted}")
+
+
+def _layout_kind(value: LayoutKind | str) -> LayoutKind:
+    return _member(LayoutKind, "kind", value)
+
+
+def _head_order(value: HeadOrder | str) -> HeadOrder:
+    return _member(HeadOrder, "head_order", value)
+
+
 @frozen
 class ByteRange:
     """``length`` bytes starting ``offset`` bytes into a layer's tensor."""
 
-    offset: int = field(validator=ge(0))
-    length: int = field(validator=ge(1))
+    offset: int = field(validator=_non_negative)
+    length: int = field(validator=positive_count)
 
     @property
     def stop(self) -> int:
@@ -57,17 +83,27 @@ class KVLayout:
     ``num_kv_heads`` counts the heads this rank holds (for MLA: 1, and ``head_size`` is the latent
     width). ``dtype_size`` is bytes per element. ``head_order`` only matters for FlashAttention and
     FlashInfer (vLLM CPU is always heads-major; MLA has a single head, so both orders are the same bytes).
+
+    ``kind`` and ``head_order`` take their enum or the enum's value (``"flash_infer"``, ``"nhd"``: what a
+    configuration file or a peer's handshake carries); anything else is refused, never read as another
+    kind. Every count is an ``int`` in ``[1, 2**62]`` and the whole tensor is at most ``2**62`` bytes;
+    a violation raises ``InvalidSpecError`` naming the field and the value.
     """
 
-    kind: LayoutKind
-    num_blocks: int = field(validator=ge(1))
-    block_tokens: int = field(validator=ge(1))
-    num_kv_heads: int = field(validator=ge(1))
-    head_size: int = field(validator=ge(1))
-    dtype_size: int = field(validator=ge(1))
-    head_order: HeadOrder = HeadOrder.HND
+    kind: LayoutKind = field(converter=_layout_kind)
+    num_blocks: int = field(validator=positive_count)
+    block_tokens: int = field(validator=positive_count)
+    num_kv_heads: int = field(validator=positive_count)
+    head_size: int = field(validator=positive_count)
+    dtype_size: int = field(validator=positive_count)
+    head_order: HeadOrder = field(default=HeadOrder.HND, converter=_head_order)
 
     def __attrs_post_init__(self) -> None:
+        if self.nbytes > SIZE_LIMIT:
+            raise InvalidSpecError(
+                f"KVLayout: num_blocks {self.num_blocks} x block_bytes {self.block_bytes} = {self.nbytes} "
+                "bytes, expected at most 2**62"
+            )
         if self.kind is LayoutKind.MLA and self.num_kv_heads != 1:
             raise InvalidSpecError(
                 f"an MLA layout has one latent 'head': num_kv_heads must be 1, got {self.num_kv_heads}"
@@ -177,7 +213,8 @@ class KVLayout:
         Heads-major layouts give one run per segment; NHD gives one run per token per segment unless the
         range covers every head (then the runs touch and are merged into the segment).
         """
-        if not 0 <= head_start < head_stop <= self.num_kv_heads:
+        heads = self.num_kv_heads
+        if not (is_int_in(head_start, 0, heads - 1) and is_int_in(head_stop, head_start + 1, heads)):
             raise InvalidSpecError(
                 f"head range [{head_start}, {head_stop}) is not a non-empty part of "
                 f"[0, {self.num_kv_heads}) ({self.kind.value} layout)"
@@ -197,7 +234,7 @@ class KVLayout:
         )
 
     def _check_block(self, block: int) -> None:
-        if not 0 <= block < self.num_blocks:
+        if not is_int_in(block, 0, self.num_blocks - 1):
             raise InvalidSpecError(f"block {block} is outside [0, {self.num_blocks})")
 
 

@@ -13,9 +13,10 @@ from collections.abc import Collection, Sequence
 from attrs import field, frozen
 from attrs.validators import ge
 
+from kvcore.checks import is_int_in
 from kvcore.errors import InvalidSpecError
 
-__all__ = ["ChunkPiece", "LoadSpec", "hit_tokens", "plan_load"]
+__all__ = ["ChunkPiece", "LoadSpec", "check_local_tokens", "hit_tokens", "plan_load"]
 
 
 @frozen
@@ -89,19 +90,23 @@ def hit_tokens(hit_chunks: int, chunk_token_counts: Sequence[int]) -> int:
     return sum(chunk_token_counts[:hit_chunks])
 
 
+def check_local_tokens(prompt_tokens: int, local_tokens: int, block_tokens: int) -> None:
+    """Refuse (``InvalidSpecError``) an engine hit that is not whole blocks of a non-empty prompt."""
+    for name, value in (("block_tokens", block_tokens), ("prompt_tokens", prompt_tokens)):
+        if not is_int_in(value, 1):
+            raise InvalidSpecError(f"{name}: got {value!r}, expected an integer >= 1")
+    if not is_int_in(local_tokens, 0) or local_tokens > prompt_tokens or local_tokens % block_tokens:
+        raise InvalidSpecError(
+            f"local_tokens: got {local_tokens!r}, expected a multiple of block_tokens {block_tokens} "
+            f"within the prompt of {prompt_tokens} tokens"
+        )
+
+
 def plan_load(
     *, prompt_tokens: int, local_tokens: int, external_tokens: int, block_tokens: int, is_async: bool = False
 ) -> LoadSpec | None:
     """The load for one request, or ``None`` when the tier adds nothing to the engine's own hit."""
-    if block_tokens < 1:
-        raise InvalidSpecError(f"block_tokens must be >= 1, got {block_tokens}")
-    if prompt_tokens < 1:
-        raise InvalidSpecError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
-    if not 0 <= local_tokens <= prompt_tokens or local_tokens % block_tokens:
-        raise InvalidSpecError(
-            f"local_tokens {local_tokens} must be a multiple of block_tokens {block_tokens} "
-            f"within the prompt of {prompt_tokens} tokens"
-        )
+    check_local_tokens(prompt_tokens, local_tokens, block_tokens)
     if external_tokens < 0:
         raise InvalidSpecError(f"external_tokens must be >= 0, got {external_tokens}")
     usable = min(external_tokens, prompt_tokens - 1)

@@ -9,8 +9,9 @@ from __future__ import annotations
 from attrs import field, frozen
 from attrs.validators import ge, optional
 
+from kvcore.checks import instance
 from kvcore.ids import ChunkKey
-from kvcore.ports import Direction, int_tuple
+from kvcore.ports import Direction, int_ids, int_tuple
 
 __all__ = ["BlockOp", "OpReport", "RemoteChunk", "StepPlan"]
 
@@ -51,9 +52,9 @@ class BlockOp:
     """
 
     op_id: int
-    direction: Direction
-    engine_blocks: tuple[int, ...] = field(converter=int_tuple)
-    host_blocks: tuple[int, ...] = field(converter=int_tuple)
+    direction: Direction = field(validator=instance(Direction))
+    engine_blocks: tuple[int, ...] = field(converter=int_tuple, validator=int_ids)
+    host_blocks: tuple[int, ...] = field(converter=int_tuple, validator=int_ids)
     request_id: str = ""
     remote: tuple[RemoteChunk, ...] = ()
     chain_from: int = field(default=0, validator=ge(0))
@@ -62,11 +63,20 @@ class BlockOp:
 
 @frozen
 class StepPlan:
-    """The copies the scheduler decided in one step, in submission order, and the requests that ended
-    since the previous plan (a managed tier ends their sessions once their last op is done)."""
+    """The copies the scheduler decided in one step, in submission order, the requests that ended since
+    the previous plan (a managed tier ends their sessions once their last op is done), and the ops to
+    fence.
+
+    ``fenced`` are ops (of earlier plans, or of this one) whose engine blocks the engine no longer holds
+    for their request (it was preempted and its blocks freed): a save among them keeps and publishes
+    nothing a copy reads from now on, and a load among them writes nothing more. ``BlockWorker.execute``
+    fences them before it starts anything, so an engine that executes each plan before it reuses freed
+    blocks cannot save or load another request's KV.
+    """
 
     ops: tuple[BlockOp, ...] = ()
     ended: tuple[str, ...] = ()
+    fenced: tuple[int, ...] = field(default=(), converter=int_tuple, validator=int_ids)
 
     def op_ids(self, direction: Direction | None = None) -> tuple[int, ...]:
         return tuple(op.op_id for op in self.ops if direction is None or op.direction is direction)
@@ -74,9 +84,15 @@ class StepPlan:
 
 @frozen
 class OpReport:
-    """How one worker (``rank``) finished one op. ``failed`` indexes into the op's block lists."""
+    """How one worker (``rank``) finished one op. ``failed`` indexes into the op's block lists.
+
+    ``chunks_intact``: the failure says nothing of the chunks' bytes (the op was refused before any byte
+    moved, or fenced): the scheduler keeps serving them. Otherwise a failed load's chunks are suspect
+    (a copy error, a checksum mismatch) and are never served again.
+    """
 
     op_id: int
     rank: int = 0
     failed: tuple[int, ...] = ()
     error: str | None = None
+    chunks_intact: bool = False

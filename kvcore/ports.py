@@ -18,9 +18,10 @@ import enum
 from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
-from attrs import field, frozen
+from attrs import Attribute, field, frozen
 from attrs.validators import ge
 
+from kvcore.checks import block_id, instance
 from kvcore.errors import InvalidSpecError
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.jobs import JobResult
@@ -52,9 +53,32 @@ class Direction(enum.Enum):
     LOAD = "load"  # host -> engine KV
 
 
+class _NotIds:
+    """What ``int_tuple`` makes of a value that is not a collection of ids, for ``int_ids`` to refuse
+    with the field's name (a converter does not know it)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 def int_tuple(values: Iterable[int]) -> tuple[int, ...]:
-    """Converter for block-id fields: any iterable of ints in, a tuple out (values stay hashable)."""
+    """Converter for integer-id fields: any iterable in, a tuple out (values stay hashable); pair it with
+    the ``int_ids`` validator, which refuses what is not an integer id (a lone value, a string, None)."""
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        return (_NotIds(values),)  # type: ignore[return-value]  # int_ids refuses it, by name
     return tuple(values)
+
+
+def int_ids(_: object, attribute: Attribute[tuple[int, ...]], value: tuple[int, ...]) -> None:
+    """Validator of an integer-id field (after ``converter=tuple``): a bool, float or string among the
+    ids is refused with ``InvalidSpecError`` naming the field, never truncated."""
+    for item in value:
+        block_id(attribute.name, item)
 
 
 def _same_length(instance: BlockTransfer, attribute: object, value: tuple[int, ...]) -> None:
@@ -72,9 +96,9 @@ class BlockTransfer:
     ``blocks_per_chunk`` consecutive host blocks.
     """
 
-    direction: Direction
-    engine_blocks: tuple[int, ...] = field(converter=int_tuple)
-    host_blocks: tuple[int, ...] = field(converter=int_tuple, validator=_same_length)
+    direction: Direction = field(validator=instance(Direction))
+    engine_blocks: tuple[int, ...] = field(converter=int_tuple, validator=int_ids)
+    host_blocks: tuple[int, ...] = field(converter=int_tuple, validator=[int_ids, _same_length])
 
 
 @frozen
@@ -95,7 +119,7 @@ class BlockItem:
     """
 
     key: ChunkKey
-    engine_blocks: tuple[int, ...] = field(converter=int_tuple)
+    engine_blocks: tuple[int, ...] = field(converter=int_tuple, validator=int_ids)
     first: int = field(default=0, validator=ge(0))
 
 

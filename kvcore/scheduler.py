@@ -24,10 +24,12 @@ import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 from attrs import frozen
 
 from kvcore.block_pool import BlockPool, PoolEvent, PoolUsage
+from kvcore.checks import check_block_table, is_int_in
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError
@@ -35,8 +37,9 @@ from kvcore.eviction import make_policy
 from kvcore.hashing import NO_EXTRA, ChunkHasher, ExtraKeys, regroup_block_hashes
 from kvcore.ids import ChunkKey, JobId, RequestId
 from kvcore.keys import Keyspace, Namespace, Shard, writes
+from kvcore.layout import LayoutKind
 from kvcore.lifecycle import JobRole, Phase, RequestTable, RequestTracker
-from kvcore.load_spec import ChunkPiece, LoadSpec, hit_tokens, plan_load
+from kvcore.load_spec import ChunkPiece, LoadSpec, check_local_tokens, hit_tokens, plan_load
 from kvcore.lookup import PendingLookup, PrefixLookup
 from kvcore.plan import BlockOp, OpReport, RemoteChunk, StepPlan
 from kvcore.pool_index import PoolIndex
@@ -72,6 +75,7 @@ class _Request:
 
     __slots__ = (
         "answer",
+        "by_hashes",
         "chain_sent",
         "counts",
         "extra",
@@ -88,8 +92,9 @@ class _Request:
         "saved_chunks",
     )
 
-    def __init__(self, extra: ExtraKeys) -> None:
+    def __init__(self, extra: ExtraKeys, by_hashes: bool) -> None:
         self.extra = extra
+        self.by_hashes = by_hashes  # keyed by the engine's block hashes, not by tokens
         self.hashes: tuple[bytes, ...] = ()
         self.keys: tuple[ChunkKey, ...] = ()  # the local pool's key of each chunk
         self.rank_keys: tuple[tuple[ChunkKey, ...], ...] = ()  # with a remote tier: each rank's shard key
@@ -107,21 +112,38 @@ class _Request:
 
 
 class _InFlight:
-    __slots__ = ("failed", "fetched", "keys", "op", "ranks", "request_id")
+    __slots__ = (
+        "epoch",
+        "failed",
+        "fenced",
+        "fetched",
+        "keys",
+        "op",
+        "ranks",
+        "request_id",
+        "sizes",
+        "suspect",
+    )
 
     def __init__(
         self,
         request_id: RequestId,
         op: BlockOp,
         keys: tuple[ChunkKey, ...],
+        sizes: tuple[int, ...],
+        epoch: int,
         fetched: frozenset[ChunkKey] = frozenset(),
     ) -> None:
         self.request_id = request_id
         self.op = op
         self.keys = keys
+        self.sizes = sizes  # the op's blocks of each key, in order
+        self.fenced = False  # its request was preempted: its blocks are no longer the request's
+        self.epoch = epoch  # resets before the op was submitted: a load older than a reset fails
         self.fetched = fetched  # a load's chunks fetched from the remote tier (the others are pinned)
         self.ranks: set[int] = set()
         self.failed: set[int] = set()
+        self.suspect = False  # a rank's failure may mean bad chunk bytes (not a refusal or a fence)
 
 
 class CacheScheduler:
@@ -144,24 +166,31 @@ class CacheScheduler:
         engine: EngineSpec,
         num_slots: int,
         *,
-        world_size: int = 1,
+        world_size: int | None = None,
         hash_identity: str | None = None,
         remote: ChunkIndex | None = None,
     ) -> None:
         """``hash_identity`` names the chain of engine-provided block hashes (e.g. vLLM's algorithm and
         seed) when lookups pass ``block_hashes``; it replaces kvcore's own seed digest in the namespace,
         so that engines whose chains differ can never share keys. ``remote`` is a shared tier's index,
-        keyed by each rank's shard."""
-        block_tokens = engine.layout.block_tokens
-        if config.chunk_tokens % block_tokens:
-            raise ConfigError(
-                "chunk_tokens", config.chunk_tokens, f"a multiple of the engine's block size {block_tokens}"
+        keyed by each rank's shard. ``world_size`` (the ranks whose reports complete an op) is the
+        engine's ``tp_size``; giving another value is refused."""
+        if not isinstance(engine, EngineSpec):
+            raise InvalidSpecError(f"engine: got {engine!r}, expected an EngineSpec")
+        if world_size is None:
+            world_size = engine.tp_size
+        if not is_int_in(world_size, 1) or world_size != engine.tp_size:
+            raise InvalidSpecError(
+                f"world_size: got {world_size!r}, expected the engine's tensor-parallel size {engine.tp_size}"
             )
+        if not is_int_in(num_slots, 0):
+            raise ConfigError("num_slots", num_slots, "an integer >= 0")
         self.config = config
         self.engine = engine
         self.world_size = world_size
-        self.block_tokens = block_tokens
-        self.blocks_per_chunk = config.chunk_tokens // block_tokens
+        self.block_tokens = block_tokens = engine.layout.block_tokens
+        self.blocks_per_chunk = engine.blocks_per_chunk(config.chunk_tokens)
+        self._mla = engine.layout.kind is LayoutKind.MLA
         self.hasher = ChunkHasher(
             algorithm=config.hash_algorithm,
             seed=config.hash_seed.encode(),
@@ -188,7 +217,9 @@ class CacheScheduler:
         )
         if num_slots == 0 and remote is None:
             raise ConfigError("num_slots", num_slots, "at least 1 without a remote tier")
-        self._writers = tuple(writes(r, world_size, engine.total_kv_heads) for r in range(world_size))
+        self._writers = tuple(
+            writes(r, world_size, engine.total_kv_heads, mla=self._mla) for r in range(world_size)
+        )
         self._resets = 0
         self._use_namespace(namespace)
         self._direct = num_slots == 0
@@ -201,6 +232,7 @@ class CacheScheduler:
         self._requests: dict[RequestId, _Request] = {}
         self._op_ids = itertools.count(1)
         self._plan: list[BlockOp] = []
+        self._fenced: list[int] = []  # ops of preempted requests, for the next plan
         self._ended: list[RequestId] = []  # with a remote tier: requests whose sessions may end
         self._inflight: dict[int, _InFlight] = {}
         self._finished: list[RequestId] = []
@@ -237,20 +269,29 @@ class CacheScheduler:
         """Tokens the tier can load beyond the engine's own ``local_tokens`` hit; ``None``: ask again.
 
         Give the prompt's ``tokens``, or the engine's chained ``block_hashes`` (of ``hash_block_tokens``
-        tokens each) plus ``num_tokens``. The answer is cached per request: asking again each step is cheap.
+        tokens each) plus ``num_tokens``. ``extra`` (cache salt, LoRA, multimodal items) is folded into the
+        keys either way: two salts never share a chunk. The answer is cached per request: asking again
+        each step is cheap. Bad input raises ``InvalidSpecError`` before anything is recorded; a request
+        that has ended answers 0.
         """
+        if tokens is not None and block_hashes is not None:
+            raise InvalidSpecError("lookup: give tokens or block_hashes, not both")
+        if not isinstance(extra, ExtraKeys):
+            raise InvalidSpecError(f"extra: got {extra!r}, expected ExtraKeys")
+        total = self._prompt_tokens(tokens, block_hashes, hash_block_tokens, num_tokens)
+        check_local_tokens(total, local_tokens, self.block_tokens)
         req = self._requests.get(request_id)
         if req is None:
-            req = _Request(extra)
-            self._key(req, tokens, block_hashes, hash_block_tokens)
+            req = _Request(extra, by_hashes=block_hashes is not None)
+            self._key(req, tokens, block_hashes, hash_block_tokens)  # may raise: nothing is recorded yet
             self._requests[request_id] = req
             self._table.track(request_id)
             self._counters["lookups"] += 1
             if self.config.save_after_sightings > 1:
                 self._sight(req.keys)
-        total = len(tokens) if tokens is not None else num_tokens
-        if total is None:
-            raise InvalidSpecError("lookup needs tokens, or block_hashes with num_tokens")
+        tracker = self._table.get(request_id)
+        if tracker is None or tracker.ended:
+            return 0
         if req.answer is None:
             req.answer = self._answer(req)
             if req.answer is None:
@@ -265,26 +306,37 @@ class CacheScheduler:
         )
         return req.load.num_tokens if req.load is not None else 0
 
-    def start_load(self, request_id: RequestId, block_ids: Sequence[int]) -> int:
+    def start_load(self, request_id: RequestId, block_ids: Sequence[int | None]) -> int:
         """Queue the load decided by ``lookup`` into the request's engine blocks; returns tokens queued.
 
-        ``block_ids`` are the request's blocks from its first token on. Chunks that left the pool since the
-        lookup are not loaded: their blocks are reported by ``take_load_errors`` for recompute.
+        ``block_ids`` are the request's blocks from its first token on (``None`` for a block the engine
+        does not hold; the load never writes one). Chunks that left the pool since the lookup are not
+        loaded: their blocks are reported by ``take_load_errors`` for recompute. Bad block ids raise
+        ``InvalidSpecError`` and leave the decided load in place; a request that has ended loads nothing.
         """
+        table = check_block_table("block_ids", block_ids, self.engine.layout.num_blocks)
         req = self._requests.get(request_id)
+        tracker = self._table.get(request_id)
         spec = req.load if req is not None else None
-        if req is None or spec is None:
+        if req is None or spec is None or tracker is None or tracker.ended:
+            if req is not None:
+                req.load = None
             return 0
+        needed = table[spec.first_block : spec.first_block + spec.num_blocks]
+        if len(table) < spec.first_block + spec.num_blocks or None in needed:
+            raise InvalidSpecError(
+                f"block_ids: request {request_id}: the load writes blocks {spec.first_block} to "
+                f"{spec.first_block + spec.num_blocks - 1} of the request, got {len(table)} block ids "
+                f"({needed.count(None)} of those missing)"
+            )
+        ids = cast(tuple[int, ...], table)  # no hole in the load's range (checked above)
         req.load = None
         req.loaded = spec
-        if len(block_ids) < spec.first_block + spec.num_blocks:
-            raise InvalidSpecError(
-                f"request {request_id}: {len(block_ids)} blocks given, the load needs "
-                f"{spec.first_block + spec.num_blocks}"
-            )
+        req.failed_blocks = set()  # a new load: what failed in an earlier one no longer counts
         engine_blocks: list[int] = []
         host_blocks: list[int] = []
         keys: list[ChunkKey] = []
+        sizes: list[int] = []  # blocks of each key
         fetched: list[RemoteChunk] = []
         fetched_keys: set[ChunkKey] = set()
         through = 0
@@ -324,8 +376,9 @@ class CacheScheduler:
                 fetched_keys.add(key)
                 through = piece.chunk + 1
             keys.append(key)
+            sizes.append(piece.num_blocks)
             first = piece.chunk * self.blocks_per_chunk + piece.first_block
-            engine_blocks.extend(block_ids[first : first + piece.num_blocks])
+            engine_blocks.extend(ids[first : first + piece.num_blocks])
             if slot is not None:
                 base = slot * self.blocks_per_chunk + piece.first_block
                 host_blocks.extend(range(base, base + piece.num_blocks))
@@ -334,8 +387,8 @@ class CacheScheduler:
             log.warning("kvcore: request %s: %d blocks left the pool before loading", request_id, lost)
             lost_from = spec.first_block + len(engine_blocks)
             req.failed_blocks.update(range(lost_from, spec.first_block + spec.num_blocks))
-            req.load_errors.extend(block_ids[lost_from : spec.first_block + spec.num_blocks])
-            req.lost_blocks.extend(block_ids[lost_from : spec.first_block + spec.num_blocks])
+            req.load_errors.extend(ids[lost_from : spec.first_block + spec.num_blocks])
+            req.lost_blocks.extend(ids[lost_from : spec.first_block + spec.num_blocks])
         if not engine_blocks:
             return 0
         self._submit(
@@ -344,6 +397,7 @@ class CacheScheduler:
             engine_blocks,
             host_blocks,
             tuple(keys),
+            sizes,
             JobRole.LOAD,
             fetched,
             frozenset(fetched_keys),
@@ -380,7 +434,7 @@ class CacheScheduler:
     def save(
         self,
         request_id: RequestId,
-        block_ids: Sequence[int],
+        block_ids: Sequence[int | None],
         num_tokens: int,
         tokens: Sequence[int] | None = None,
         block_hashes: Sequence[bytes] | None = None,
@@ -388,31 +442,46 @@ class CacheScheduler:
     ) -> int:
         """Queue saves of the request's full chunks whose KV is computed; returns chunks queued.
 
-        ``num_tokens`` counts real computed tokens (never placeholders). When the request grew past its
-        prompt (decode tokens are reused by the next turn of a chat), ``tokens`` — or the engine's
-        ``block_hashes``, if lookups used them — extend the keys. Chunks the pool already holds are
-        skipped; chunks that do not fit are dropped (no room is not an error).
+        ``block_ids`` are the request's blocks from its first token on (``None`` for a block the engine
+        does not hold: a chunk with such a hole is not saved). ``num_tokens`` counts real computed
+        tokens (never placeholders). When the request grew past its prompt (decode tokens are reused by
+        the next turn of a chat), ``tokens`` — or the engine's ``block_hashes``, if the lookup used them —
+        extend the keys; a trailing partial chunk is keyed again once it is full. Chunks the pool
+        already holds are skipped; chunks that do not fit are dropped (no room is not an error). Bad
+        input (block ids out of range, repeated or not integers) raises ``InvalidSpecError``.
         """
+        table = check_block_table("block_ids", block_ids, self.engine.layout.num_blocks)
+        if not is_int_in(num_tokens, 0):
+            raise InvalidSpecError(f"num_tokens: got {num_tokens!r}, expected an integer >= 0")
         req = self._requests.get(request_id)
         tracker = self._table.get(request_id)
         if req is None or tracker is None or tracker.ended:
             return 0
+        if (tokens is not None and req.by_hashes) or (block_hashes is not None and not req.by_hashes):
+            given = "tokens" if tokens is not None else "block_hashes"
+            raise InvalidSpecError(
+                f"{given}: request {request_id} was looked up by the other kind of key; its keys cannot "
+                f"grow from {given}"
+            )
         full = num_tokens // self.config.chunk_tokens
-        if full > len(req.keys):
+        if full > self._full_chunks(req):
             if block_hashes is not None:
                 self._key(req, None, block_hashes, hash_block_tokens)
             elif tokens is not None:
                 self._extend(req, tokens)
-        full = min(full, len(req.keys), len(block_ids) // self.blocks_per_chunk)
+        full = min(full, self._full_chunks(req), len(table) // self.blocks_per_chunk)
         # without a local tier, the chunks the remote tier held at lookup are not sent to it again
         start = max(req.saved_chunks, req.answer or 0) if self._direct else req.saved_chunks
         if full <= start:
             return 0
-        wanted = req.keys[start:full]
+        per = self.blocks_per_chunk
+        whole = [i for i in range(start, full) if None not in table[i * per : (i + 1) * per]]
+        ids = cast(tuple[int, ...], table)  # only whole chunks (no hole) are read below
+        wanted = tuple(req.keys[i] for i in whole)
         if self.config.save_after_sightings > 1:
             needed = self.config.save_after_sightings
             wanted = tuple(itertools.takewhile(lambda k: self._sightings.get(k, 0) >= needed, wanted))
-        chunk_of = {req.keys[i]: i for i in range(start, full)}
+        chunk_of = {req.keys[i]: i for i in whole}
         slots: Sequence[tuple[ChunkKey, int | None]] = (
             [(key, None) for key in wanted] if self._direct else self.pool.prepare_store(wanted).slots
         )
@@ -432,7 +501,7 @@ class CacheScheduler:
                 published.append(RemoteChunk(slot, owned, len(engine_blocks), self.blocks_per_chunk))
                 through = chunk + 1
             first = chunk * self.blocks_per_chunk
-            engine_blocks.extend(block_ids[first : first + self.blocks_per_chunk])
+            engine_blocks.extend(ids[first : first + self.blocks_per_chunk])
             if slot is not None:
                 host_blocks.extend(range(slot * self.blocks_per_chunk, (slot + 1) * self.blocks_per_chunk))
         keys = tuple(key for key, _ in slots)
@@ -442,6 +511,7 @@ class CacheScheduler:
             engine_blocks,
             host_blocks,
             keys,
+            (self.blocks_per_chunk,) * len(keys),
             JobRole.SAVE,
             published,
             through=through,
@@ -451,9 +521,10 @@ class CacheScheduler:
     # -- steps, completions and request ends -------------------------------------------------------------
 
     def take_plan(self) -> StepPlan:
-        """The ops decided since the last call, for every worker."""
-        plan = StepPlan(tuple(self._plan), tuple(self._ended))
-        self._plan, self._ended = [], []
+        """The ops decided since the last call, for every worker, and the ops to fence first (see
+        ``preempt``). Execute it before the engine reuses any block it freed."""
+        plan = StepPlan(tuple(self._plan), tuple(self._ended), tuple(self._fenced))
+        self._plan, self._ended, self._fenced = [], [], []
         return plan
 
     def complete(self, reports: Iterable[OpReport]) -> None:
@@ -464,6 +535,7 @@ class CacheScheduler:
                 continue  # unknown or duplicate report
             entry.ranks.add(report.rank)
             entry.failed.update(report.failed)
+            entry.suspect |= bool(report.failed) and not report.chunks_intact
             if len(entry.ranks) == self.world_size:
                 del self._inflight[report.op_id]
                 self._finish_op(entry)
@@ -478,15 +550,27 @@ class CacheScheduler:
         return self._end(request_id, Phase.ABORTED)
 
     def preempt(self, request_id: RequestId) -> None:
-        """The engine preempted the request and freed its blocks: its cached answer is stale, and chunks
-        not yet saved will be saved again after it resumes. Copies in flight finish normally (the worker
-        fences saves that read the freed blocks)."""
+        """The engine preempted the request and freed its blocks: its cached answer is stale, and the
+        request is looked up again when it resumes.
+
+        Every op of the request not yet reported — submitted in earlier steps or in this one — is
+        fenced in the next plan (``StepPlan.fenced``): a save that has not copied yet keeps nothing
+        and a load writes nothing more, since the freed blocks may already hold another request's KV.
+        Block errors not yet taken (``take_load_errors``) name blocks the request no longer owns and are
+        dropped: take them before preempting if the engine needs them.
+        """
         req = self._requests.get(request_id)
         tracker = self._table.get(request_id)
         if req is None or tracker is None or tracker.ended:
             return
         self._abandon(req)
-        req.pending = req.answer = req.load = None
+        for op_id, entry in self._inflight.items():
+            if entry.request_id == request_id and not entry.fenced:
+                entry.fenced = True
+                self._fenced.append(op_id)
+        req.pending = req.answer = req.load = req.loaded = None
+        req.failed_blocks = set()
+        req.saved_chunks = 0  # saved again as it recomputes: the pool skips what it holds
         req.load_errors.clear()  # block ids the request no longer owns
         req.lost_blocks.clear()
         tracker.move(Phase.PREEMPTED)
@@ -508,18 +592,24 @@ class CacheScheduler:
         """Forget every stored chunk, correct with copies in flight (nothing lost, nothing resurrected).
 
         A remote tier is shared with other engines and is not wiped: this engine moves to a new namespace
-        epoch instead, so its old keys become unreachable (to it) and age out of the store.
+        epoch instead, so its old keys become unreachable (to it) and age out of the store. Live requests
+        are keyed again under the new epoch and looked up afresh (a lookup in flight is dropped), and a
+        load submitted before the reset is reported failed, so no request sees a pre-reset chunk.
         """
         self.pool.reset()
+        self._resets += 1
         if self._remote is not None:
-            self._resets += 1
             self._use_namespace(
                 self.keyspace.namespace.with_epoch(f"{self.config.epoch}~reset{self._resets}")
             )
+        self._sightings.clear()
         for req in self._requests.values():
-            req.answer = None
+            self._abandon(req)
+            req.pending = req.answer = None
+            req.keys = self.keyspace.keys(req.hashes)
+            req.rank_keys = self._shard_keys(req.hashes)
             req.saved_chunks = len(req.keys)  # chunks computed before the reset are not saved again
-            req.chain_sent = 0  # a request keyed again later (block hashes) starts a new chain: resend it
+            req.chain_sent = 0  # the chain is resent under the new keys
 
     def take_events(self) -> tuple[PoolEvent, ...]:
         return self.pool.take_events()
@@ -574,7 +664,10 @@ class CacheScheduler:
         self.keyspace = Keyspace(namespace, Shard(0, engine.num_layers, 0, engine.total_kv_heads))
         self._rank_keyspaces = tuple(
             Keyspace(
-                namespace, Shard.for_tp_rank(engine.num_layers, engine.total_kv_heads, self.world_size, r)
+                namespace,
+                Shard.for_tp_rank(
+                    engine.num_layers, engine.total_kv_heads, self.world_size, r, mla=self._mla
+                ),
             )
             for r in range(self.world_size)
         )
@@ -593,12 +686,16 @@ class CacheScheduler:
         hash_block_tokens: int | None,
     ) -> None:
         if block_hashes is not None:
-            if hash_block_tokens is None:
-                raise InvalidSpecError("block_hashes need hash_block_tokens")
-            req.hashes = regroup_block_hashes(
-                block_hashes, hash_block_tokens, self.config.chunk_tokens, self.config.partial_chunks
+            hashes = _check_block_hashes(block_hashes)
+            if not is_int_in(hash_block_tokens, 1):
+                raise InvalidSpecError(
+                    f"hash_block_tokens: got {hash_block_tokens!r}, expected an integer >= 1"
+                )
+            chain = regroup_block_hashes(
+                hashes, hash_block_tokens, self.config.chunk_tokens, self.config.partial_chunks
             )
-            req.counts = self.hasher.chunk_token_counts(len(block_hashes) * hash_block_tokens)
+            req.counts = self.hasher.chunk_token_counts(len(hashes) * hash_block_tokens)
+            req.hashes = self.hasher.fold_extra(chain, req.counts, req.extra)
         elif tokens is not None:
             req.hashes = self.hasher.hash_tokens(tokens, req.extra)
             req.counts = self.hasher.chunk_token_counts(len(tokens))
@@ -608,9 +705,14 @@ class CacheScheduler:
         req.rank_keys = self._shard_keys(req.hashes)
 
     def _extend(self, req: _Request, tokens: Sequence[int]) -> None:
+        """Key the request's chunks past its known ones; a trailing partial chunk is keyed again (its
+        key stands for fewer tokens than the chunk now holds)."""
+        full = self._full_chunks(req)
+        if full < len(req.counts):
+            req.hashes, req.counts = req.hashes[:full], req.counts[:full]
+            req.keys, req.rank_keys = req.keys[:full], req.rank_keys[:full]
+            req.chain_sent = min(req.chain_sent, full)
         known = sum(req.counts)
-        if req.counts and req.counts[-1] != self.config.chunk_tokens:
-            return  # a trailing partial chunk ends the chain; nothing can follow it
         parent = req.hashes[-1] if req.hashes else None
         more = self.hasher.hash_tokens(tokens[known:], req.extra, parent, start=known)
         req.hashes += more
@@ -625,6 +727,7 @@ class CacheScheduler:
         engine_blocks: list[int],
         host_blocks: list[int],
         keys: tuple[ChunkKey, ...],
+        sizes: Sequence[int],
         role: JobRole,
         remote: Sequence[RemoteChunk] = (),
         fetched: frozenset[ChunkKey] = frozenset(),
@@ -649,51 +752,90 @@ class CacheScheduler:
             chain,
         )
         self._table.add_job(request_id, JobId(op.op_id), role, keys)
-        self._inflight[op.op_id] = _InFlight(request_id, op, keys, fetched)
+        self._inflight[op.op_id] = _InFlight(request_id, op, keys, tuple(sizes), self._resets, fetched)
         self._plan.append(op)
 
     def _finish_op(self, entry: _InFlight) -> None:
         op = entry.op
+        if op.direction is Direction.LOAD and entry.epoch != self._resets:
+            entry.failed.update(range(len(op.engine_blocks)))  # loaded before a reset: pre-reset KV
+        failed = set(self._failed_chunks(entry))
         if op.direction is Direction.LOAD:
-            suspect = set(self._failed_chunks(entry)) if entry.failed else set()
             self.pool.unpin([k for k in entry.keys if k not in entry.fetched])
             fetched = [k for k in entry.keys if k in entry.fetched]
-            self.pool.complete_store([k for k in fetched if k not in suspect], success=True)
-            self.pool.complete_store([k for k in fetched if k in suspect], success=False)
-            if suspect:  # a chunk that failed to load is suspect: never serve it again
-                self.pool.remove([k for k in suspect if k not in entry.fetched])
+            self.pool.complete_store([k for k in fetched if k not in failed], success=True)
+            self.pool.complete_store([k for k in fetched if k in failed], success=False)
+            if entry.suspect:  # a chunk whose bytes failed to load is suspect: never serve it again
+                self.pool.remove([k for k in failed if k not in entry.fetched])
             self._counters["loaded_blocks"] += len(op.engine_blocks) - len(entry.failed)
-            if entry.failed:
-                self._counters["failed_load_blocks"] += len(entry.failed)
-                req = self._requests.get(entry.request_id)
-                if req is not None:
-                    req.load_errors.extend(op.engine_blocks[i] for i in sorted(entry.failed))
-                    if req.loaded is not None:
-                        req.failed_blocks.update(req.loaded.first_block + i for i in entry.failed)
+            self._counters["failed_load_blocks"] += len(entry.failed)
+            req = self._requests.get(entry.request_id)
+            if entry.failed and req is not None and not entry.fenced:
+                req.load_errors.extend(op.engine_blocks[i] for i in sorted(entry.failed))
+                if req.loaded is not None:
+                    req.failed_blocks.update(req.loaded.first_block + i for i in entry.failed)
         else:
-            bad = {i // self.blocks_per_chunk for i in entry.failed}
-            good = tuple(k for i, k in enumerate(entry.keys) if i not in bad)
-            dropped = tuple(k for i, k in enumerate(entry.keys) if i in bad)
+            good = tuple(k for k in entry.keys if k not in failed)
+            dropped = tuple(k for k in entry.keys if k in failed)
             self.pool.complete_store(good, success=True)
             if dropped:
                 self.pool.complete_store(dropped, success=False)
                 self._counters["failed_save_chunks"] += len(dropped)
+                self._save_again(entry, dropped)
             self._counters["saved_blocks"] += len(good) * self.blocks_per_chunk
         done = self._table.complete_job(JobId(op.op_id))
         if done is not None:
             self._retire(done[1])
 
-    def _failed_chunks(self, entry: _InFlight) -> tuple[ChunkKey, ...]:
-        """Keys of a load's chunks holding a failed block (the op's blocks run piece after piece)."""
+    def _save_again(self, entry: _InFlight, dropped: Sequence[ChunkKey]) -> None:
+        """A live request's next ``save`` retries the chunks a failed or fenced save dropped (from its
+        blocks then), unless a reset came between: what was computed before it is never saved."""
         req = self._requests.get(entry.request_id)
-        if req is None or req.loaded is None:
-            return entry.keys
+        tracker = self._table.get(entry.request_id)
+        if req is None or tracker is None or tracker.ended or entry.epoch != self._resets:
+            return
+        position = {key: i for i, key in enumerate(req.keys)}
+        first = min((position[k] for k in dropped if k in position), default=req.saved_chunks)
+        req.saved_chunks = min(req.saved_chunks, first)
+
+    def _failed_chunks(self, entry: _InFlight) -> tuple[ChunkKey, ...]:
+        """Keys of an op's chunks holding a failed block (the op's blocks run chunk after chunk)."""
+        if not entry.failed:
+            return ()
         out, start = [], 0
-        for piece, key in zip(req.loaded.pieces(self.config.chunk_tokens), entry.keys, strict=False):
-            if any(start <= i < start + piece.num_blocks for i in entry.failed):
+        for key, size in zip(entry.keys, entry.sizes, strict=True):
+            if any(start <= i < start + size for i in entry.failed):
                 out.append(key)
-            start += piece.num_blocks
+            start += size
         return tuple(out)
+
+    def _full_chunks(self, req: _Request) -> int:
+        """Leading chunks of the request keyed with all their tokens (a trailing partial one is not)."""
+        counts = req.counts
+        return len(counts) - 1 if counts and counts[-1] != self.config.chunk_tokens else len(counts)
+
+    def _prompt_tokens(
+        self,
+        tokens: Sequence[int] | None,
+        block_hashes: Sequence[bytes] | None,
+        hash_block_tokens: int | None,
+        num_tokens: int | None,
+    ) -> int:
+        """The prompt's length, from ``tokens`` or from ``num_tokens`` beside ``block_hashes``."""
+        if tokens is not None:
+            return _token_count(tokens)
+        if block_hashes is None:
+            raise InvalidSpecError(
+                "lookup needs tokens, or block_hashes with hash_block_tokens and num_tokens"
+            )
+        if not is_int_in(num_tokens, 0):
+            raise InvalidSpecError(f"num_tokens: got {num_tokens!r}, expected an integer >= 0")
+        if is_int_in(hash_block_tokens, 1) and num_tokens < len(block_hashes) * hash_block_tokens:
+            raise InvalidSpecError(
+                f"num_tokens: got {num_tokens}, but {len(block_hashes)} block hashes of {hash_block_tokens} "
+                "tokens cover more"
+            )
+        return num_tokens
 
     def _sight(self, keys: Sequence[ChunkKey]) -> None:
         sightings = self._sightings
@@ -719,3 +861,18 @@ class CacheScheduler:
         if not delayed:
             self._requests.pop(request_id, None)
         return delayed
+
+
+def _token_count(tokens: object) -> int:
+    if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence):
+        raise InvalidSpecError(f"tokens: got {tokens!r}, expected a sequence of token ids")
+    return len(tokens)
+
+
+def _check_block_hashes(block_hashes: object) -> Sequence[bytes]:
+    if isinstance(block_hashes, str | bytes) or not isinstance(block_hashes, Sequence):
+        raise InvalidSpecError(f"block_hashes: got {block_hashes!r}, expected a sequence of bytes")
+    for position, value in enumerate(block_hashes):
+        if not isinstance(value, bytes) or not value:
+            raise InvalidSpecError(f"block_hashes[{position}]: got {value!r}, expected non-empty bytes")
+    return block_hashes

@@ -20,7 +20,7 @@ from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobResult
 from kvcore.plan import BlockOp, OpReport, RemoteChunk, StepPlan
 from kvcore.ports import BlockItem, BlockMover, BlockTransfer, Direction, JobQueue, StoreItem
-from kvcore.remote import BlockRemote, RemoteTier
+from kvcore.remote import BlockRemote, RemoteTier, close_quietly
 
 __all__ = ["BlockWorker"]
 
@@ -36,11 +36,12 @@ class _Stage(enum.Enum):
 class _Run:
     """One op on its way through its stages."""
 
-    __slots__ = ("abandoned", "error", "failed", "op", "stage", "staged")
+    __slots__ = ("abandoned", "error", "failed", "op", "refused", "stage", "staged")
 
     def __init__(self, op: BlockOp) -> None:
         self.op = op
-        self.abandoned = False  # a save whose engine blocks may be overwritten from now on
+        self.abandoned = False  # fenced: its engine blocks are no longer the request's
+        self.refused = False  # refused before any byte moved (bad input, not bad chunks)
         self.stage = _Stage.COPY
         self.failed: set[int] = set()
         self.error: str | None = None
@@ -63,11 +64,16 @@ class BlockWorker:
         rank: int = 0,
         remote: RemoteTier | None = None,
         slot_bytes: int = 0,
+        *,
+        fence_timeout: float = 30.0,
     ) -> None:
         if mover is None and remote is None:
             raise UsageError("a worker needs a mover, a remote tier or both")
         if mover is not None and remote is not None and slot_bytes <= 0:
             raise UsageError("a remote tier needs the host slot size (slot_bytes > 0)")
+        if not 0 < fence_timeout < float("inf"):
+            raise UsageError(f"fence_timeout: got {fence_timeout!r}, expected a finite number of seconds > 0")
+        self._fence_timeout = fence_timeout
         self._mover = mover
         self._rank = rank
         self._remote = remote
@@ -80,12 +86,21 @@ class BlockWorker:
         self._chains: dict[str, list[ChunkKey]] = {}  # request id -> this rank's chain, with a remote tier
 
     def execute(self, plan: StepPlan) -> None:
-        """Start every op of the plan; returns at once."""
+        """Fence the plan's ``fenced`` ops, then start every op of the plan; returns at once (unless a
+        fenced load is still copying into engine blocks: that copy is waited for, see ``fence``)."""
+        fenced = set(plan.fenced)
+        if fenced:
+            self.fence(fenced)
         for op in plan.ops:
             if op.chain and self._remote is not None:
                 self._extend_chain(op)
             run = _Run(op)
             self._runs[op.op_id] = run
+            if op.op_id in fenced:  # its blocks were freed before it could start: it moves nothing
+                run.abandoned = True
+                run.failed.update(range(len(op.engine_blocks)))
+                self._done(run)
+                continue
             if _direct(op):
                 self._start_remote(run, _Stage.FETCH if op.direction is Direction.LOAD else _Stage.PUBLISH)
                 continue
@@ -100,21 +115,48 @@ class BlockWorker:
             self._ending.add(request_id)
             self._end_session(request_id)
 
-    def abandon(self, op_ids: Collection[int]) -> None:
-        """The engine may overwrite the blocks of these save ops from now on (a preempted request's, an
-        evicted chain's, freed while the copy was late): what a copy that has not finished by now reads
-        is not their KV, so it is neither kept nor published. The ops are still reported (failed)."""
+    def fence(self, op_ids: Collection[int], timeout: float | None = None) -> None:
+        """The engine no longer holds these ops' blocks for their request (freed, maybe reused already):
+        from now on no copy of theirs may read or write those blocks on the request's behalf.
+
+        A save whose copy has not finished by now reads bytes that are not the request's KV: it keeps
+        and publishes nothing. A load moves nothing more: a fetch still running is not followed by its
+        copy, and a copy already running into engine blocks is waited for (at most ``timeout``, default
+        the worker's ``fence_timeout``); one still running after that is stopped for good with the whole
+        worker (``halt``), as nothing else can keep it from writing blocks that now hold other KV.
+        Fenced ops are still reported, failed; unknown or reported ops are ignored.
+        """
+        writing: list[int] = []
         for op_id in op_ids:
             run = self._runs.get(op_id)
-            if run is None or run.op.direction is not Direction.SAVE:
+            if run is None or run.abandoned:
                 continue
-            current = self._current.get(op_id)
-            if run.stage is _Stage.PUBLISH and not _direct(run.op):
+            save = run.op.direction is Direction.SAVE
+            if save and run.stage is _Stage.PUBLISH and not _direct(run.op):
                 continue  # its copy into the host slot finished before now: the bytes are the KV
             run.abandoned = True
             run.failed.update(range(len(run.op.engine_blocks)))
-            if current is not None and current[0] == self._REMOTE and isinstance(self._remote, BlockRemote):
-                self._remote.abandon(current[1])
+            current = self._current.get(op_id)
+            if current is None:
+                continue
+            if save:
+                if current[0] == self._REMOTE and isinstance(self._remote, BlockRemote):
+                    self._remote.abandon(current[1])
+            elif run.stage is _Stage.COPY or _direct(run.op):
+                writing.append(op_id)
+        if not writing:
+            return
+        self._ready.extend(self.wait(writing, self._fence_timeout if timeout is None else timeout))
+        late = [op_id for op_id in writing if op_id in self._current]
+        if late:
+            log.error("kvcore: loads %s into freed blocks still copying after the fence; halting", late)
+            self.halt()
+
+    def halt(self) -> None:
+        """Stop for good every copy that could still write engine blocks (joining its thread): the
+        mover's, or, with no mover, the remote tier's, which then moves blocks itself. Jobs not yet run
+        fail; later ops fail (cache misses)."""
+        close_quietly(self._mover if self._mover is not None else self._remote)
 
     def reports(self) -> tuple[OpReport, ...]:
         """Ops finished since the last call (never blocks)."""
@@ -168,6 +210,7 @@ class BlockWorker:
             log.warning("kvcore: op %d refused by the mover: %s", op.op_id, exc)
             run.failed.update(range(len(op.engine_blocks)))
             run.error = str(exc)
+            run.refused = True
             self._done(run)
             return
         self._track(run, self._MOVER, job)
@@ -258,7 +301,7 @@ class BlockWorker:
     def _next(self, run: _Run) -> None:
         """Move a run whose current stage ended to its next stage, or report it."""
         op = run.op
-        if run.stage is _Stage.FETCH and not _direct(op):
+        if run.stage is _Stage.FETCH and not _direct(op) and not run.abandoned:
             self._start_copy(run)
         elif (
             run.stage is _Stage.COPY
@@ -278,7 +321,10 @@ class BlockWorker:
 
     def _done(self, run: _Run) -> None:
         del self._runs[run.op.op_id]
-        self._ready.append(OpReport(run.op.op_id, self._rank, tuple(sorted(run.failed)), run.error))
+        error = run.error or ("fenced" if run.abandoned else None)
+        intact = run.refused or run.abandoned  # its failure says nothing of the chunks' bytes
+        report = OpReport(run.op.op_id, self._rank, tuple(sorted(run.failed)), error, intact)
+        self._ready.append(report)
         if run.op.request_id in self._ending:
             self._end_session(run.op.request_id)
 

@@ -16,10 +16,10 @@ __all__ = ["KVCoreMetadata", "KVCoreWorkerMetadata"]
 
 @frozen
 class KVCoreMetadata(KVConnectorMetadata):
-    """One step's instructions for every worker.
+    """One step's instructions for every worker. ``plan.fenced`` (and ``evictions.fenced``) name the
+    copies of preempted requests, to be fenced before vLLM reuses their blocks.
 
     ``delayed``: finished requests whose blocks vLLM keeps until each worker reports them done.
-    ``preempted``: requests whose in-flight saves must be fenced before their blocks are reused.
     ``failed_blocks``: engine blocks the scheduler could not load (chunks gone since the lookup).
     ``evictions``: saves of blocks vLLM evicted in this step (lazy store policy): they must be done
     before the forward pass or any load writes those blocks.
@@ -27,7 +27,6 @@ class KVCoreMetadata(KVConnectorMetadata):
 
     plan: StepPlan
     delayed: tuple[str, ...] = ()
-    preempted: tuple[str, ...] = ()
     failed_blocks: tuple[int, ...] = ()
     evictions: StepPlan = field(factory=lambda: StepPlan(()))
 

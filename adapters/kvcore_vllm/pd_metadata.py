@@ -10,7 +10,7 @@ from __future__ import annotations
 from attrs import field, frozen
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvcore.ports import int_tuple
+from kvcore.ports import int_ids, int_tuple
 
 __all__ = ["Offer", "PDMetadata", "Receive"]
 
@@ -21,7 +21,7 @@ class Offer:
 
     request_id: str
     transfer_id: str
-    blocks: tuple[int, ...] = field(converter=int_tuple)
+    blocks: tuple[int, ...] = field(converter=int_tuple, validator=int_ids)
 
 
 @frozen
@@ -35,8 +35,8 @@ class Receive:
     request_id: str
     transfer_id: str
     addresses: tuple[str, ...]
-    src_blocks: tuple[int, ...] = field(converter=int_tuple)
-    dst_blocks: tuple[int, ...] = field(converter=int_tuple)
+    src_blocks: tuple[int, ...] = field(converter=int_tuple, validator=int_ids)
+    dst_blocks: tuple[int, ...] = field(converter=int_tuple, validator=int_ids)
 
     @property
     def is_release(self) -> bool:

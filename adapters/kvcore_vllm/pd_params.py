@@ -17,7 +17,7 @@ from typing import Any, TypeGuard
 from attrs import field, frozen
 from attrs.validators import ge, min_len
 
-from kvcore.ports import int_tuple
+from kvcore.ports import int_ids, int_tuple
 
 __all__ = ["RemotePrefill", "rank_addresses", "wants_remote_decode", "wants_remote_prefill"]
 
@@ -41,7 +41,7 @@ class RemotePrefill:
     transfer_id: str = field(validator=min_len(1))
     engine_id: str
     addresses: tuple[str, ...] = field(converter=_str_tuple, validator=min_len(1))
-    block_ids: tuple[int, ...] = field(converter=int_tuple)
+    block_ids: tuple[int, ...] = field(converter=int_tuple, validator=int_ids)
     num_tokens: int = field(validator=ge(0))
 
     def to_params(self) -> dict[str, Any]:

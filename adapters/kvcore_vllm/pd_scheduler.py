@@ -58,6 +58,10 @@ def producer_addresses(config: PDConfig, tp_size: int) -> tuple[str, ...]:
         raise ConfigError(
             "pd.port", 0, "a fixed side-channel port on a producer (rank r listens on port + r)"
         )
+    if config.port + tp_size - 1 > 65535:
+        raise ConfigError(
+            "pd.port", config.port, f"at most {65536 - tp_size}: ranks 0..{tp_size - 1} listen on port + rank"
+        )
     return tuple(f"tcp://{config.host}:{config.port + rank}" for rank in range(tp_size))
 
 

@@ -65,7 +65,9 @@ class PDWorker:
         if missing:
             raise InvalidSpecError(f"KV caches missing for layers {missing}")
         tensors = [kv_caches[name] for name in self._layers]
-        EngineKV.register(tensors, self._engine.layout)  # refuses tensors that differ from the layout
+        EngineKV.register(
+            tensors, self._engine.layout, kv_dtype=self._engine.kv_dtype
+        )  # refuses tensors that differ from the layout
         engine = self._engine
         spec = RankSpec(
             engine_id=self._engine_id,

@@ -41,7 +41,6 @@ __all__ = ["EVICTED_PREFIX", "EXTRA_CACHED_KEYS", "SchedulerSide"]
 log = logging.getLogger(__name__)
 
 EVICTED_PREFIX = "kvcore-evicted-"  # request ids of lazy saves
-_UNUSED_BLOCK = -1  # stands for blocks of chunks the pool already holds: never copied (a mover refuses it)
 
 # kv_transfer_params keys a request sets to get the tokens served from kvcore back (the second for
 # drop-in compatibility with LMCache's connector).
@@ -81,6 +80,11 @@ class SchedulerSide:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         rid = RequestId(request.request_id)
+        if request.request_id in self._blocks:
+            # vLLM asks only for waiting requests: one with a block table was running and has been
+            # preempted since (a cache reset preempts and resumes in one step, and names the request as
+            # preempted only in that step's output, after this lookup)
+            self._preempted(request.request_id)
         self._requests[request.request_id] = request
         hits = self.core.lookup(
             rid,
@@ -99,6 +103,12 @@ class SchedulerSide:
             self.core.start_load(RequestId(request.request_id), blocks.get_block_ids()[0])
 
     def build_connector_meta(self, out: SchedulerOutput) -> KVCoreMetadata:
+        # workers report their own failed copies in the step that detects them; only the blocks the
+        # scheduler gave up on before any copy travel to them, taken before a preemption drops them
+        lost = self.core.take_lost_blocks()
+        for rid in out.preempted_req_ids or ():  # before the scheduled: preempted and resumed at once
+            if rid in self._blocks:
+                self._preempted(rid)
         allocated: list[int] = []  # every block handed to a scheduled request in this step
         for new in out.scheduled_new_reqs:
             self._blocks[new.req_id] = list(new.block_ids[0])
@@ -114,27 +124,28 @@ class SchedulerSide:
             elif new_ids is not None:
                 self._blocks.setdefault(rid, []).extend(new_ids[0])
             self._save(rid, cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(rid, 0))
-        preempted = tuple(out.preempted_req_ids or ())
-        for rid in preempted:
-            self.core.preempt(RequestId(rid))
-            request, blocks = self._requests.get(rid), self._blocks.pop(rid, None)
-            if request is not None and blocks is not None:
-                self.evictions.freed(request.block_hashes, blocks)
-        # workers report their own failed copies in the step that detects them; only the blocks the
-        # scheduler gave up on before any copy travel to them
-        lost = self.core.take_lost_blocks()
         plan = self.core.take_plan()
         evictions = self._save_evicted(allocated) if self.lazy else StepPlan(())
-        meta = KVCoreMetadata(plan, tuple(self._delayed), preempted, lost, evictions)
+        meta = KVCoreMetadata(plan, tuple(self._delayed), lost, evictions)
         self._delayed.clear()
         return meta
+
+    def _preempted(self, rid: str) -> None:
+        """The request was preempted and its blocks freed: the core fences its copies in flight (in the
+        next plan), and its block table starts again when it resumes."""
+        self.core.preempt(RequestId(rid))
+        request, blocks = self._requests.get(rid), self._blocks.pop(rid, None)
+        if request is not None and blocks is not None:
+            self.evictions.freed(request.block_hashes, blocks)
 
     def _save(self, rid: str, computed_tokens: int) -> None:
         request = self._requests.get(rid)
         blocks = self._blocks.get(rid)
         if self.lazy or request is None or not blocks:
             return
-        real = min(computed_tokens, request.num_tokens) - request.num_output_placeholders
+        # KV is computed for positions below computed_tokens; only those whose token ids are known (and
+        # hashed) can be keyed: num_tokens counts them, never the async scheduler's placeholders
+        real = min(computed_tokens, request.num_tokens)
         named = self._named.get(rid, 0)
         self._named[rid] = self._names.name(request.block_hashes, named, real // self._chunk_tokens)
         self.core.save(
@@ -185,9 +196,8 @@ class SchedulerSide:
         while stop < full and None not in chain.block_ids[stop * per : (stop + 1) * per]:
             stop += 1
         if stop > start:
-            blocks = [_UNUSED_BLOCK if b is None else b for b in chain.block_ids[: stop * per]]
             self._names.name(hashes, start, stop)
-            self.core.save(rid, blocks, num_tokens=stop * chunk)
+            self.core.save(rid, chain.block_ids[: stop * per], num_tokens=stop * chunk)
         self.core.finish(rid)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

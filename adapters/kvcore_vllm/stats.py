@@ -54,29 +54,35 @@ class KVCoreStats(KVConnectorStats):
         return {key: value for key, value in self.data.items() if isinstance(value, int | float)}
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(key) for key in COUNTERS)
+        """Nothing to report: no counter moved and no gauge changed (vLLM drops empty stats, so a gauge
+        that changed in a quiet step must make them non-empty, or an idle server shows stale values)."""
+        return not any(self.data.get(key) for key in COUNTERS) and not any(key in self.data for key in GAUGES)
 
 
 class StatsDelta:
-    """Turns the scheduler's running totals into per-step deltas."""
+    """Turns the scheduler's running totals into per-step deltas, and its gauges into the values that
+    changed since the last report."""
 
     def __init__(self) -> None:
         self._last: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._gauges: dict[str, int] = {}
 
     def __call__(self, stats: SchedulerStats) -> KVCoreStats:
         totals = {k: v for k, v in asdict(stats).items() if k in COUNTERS}
         data: dict[str, Any] = {k: totals[k] - self._last[k] for k in COUNTERS}
         self._last = totals
         pool = stats.pool
-        data.update(
-            pool_capacity=pool.capacity,
-            pool_used=pool.used,
-            pool_pinned=pool.pinned,
-            pool_storing=pool.storing,
-            pool_evictions=pool.evictions,
-            requests=stats.requests,
-            ops_in_flight=stats.ops_in_flight,
-        )
+        gauges = {
+            "pool_capacity": pool.capacity,
+            "pool_used": pool.used,
+            "pool_pinned": pool.pinned,
+            "pool_storing": pool.storing,
+            "pool_evictions": pool.evictions,
+            "requests": stats.requests,
+            "ops_in_flight": stats.ops_in_flight,
+        }
+        data.update((k, v) for k, v in gauges.items() if self._gauges.get(k) != v)
+        self._gauges = gauges
         return KVCoreStats(data=data)
 
 

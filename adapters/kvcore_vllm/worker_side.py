@@ -90,11 +90,12 @@ class WorkerSide:
                 # the forward pass overwrites these blocks now: what a late copy reads is not their KV
                 log.warning("kvcore: %d saves of evicted blocks not done in time; dropped", len(late))
                 self._abandon(late)
-        preempted = set(meta.preempted)
-        fenced = [op for op in self._inflight.values() if op.request_id in preempted]
+        fenced_ids = (*meta.plan.fenced, *meta.evictions.fenced)
+        fenced = [self._inflight[i] for i in fenced_ids if i in self._inflight]
         if fenced and self._worker is not None:
+            # copies of preempted requests that finish in time keep what they moved
             self._collect(self._worker.wait([op.op_id for op in fenced], self._timeout))
-            # a save still running now reads blocks vLLM is about to reuse: its chunks must not be kept
+            # one still running now reads blocks vLLM is about to reuse: its chunks must not be kept
             self._abandon([op for op in fenced if op.op_id in self._inflight])
 
     def get_finished(self) -> set[str] | None:
@@ -131,7 +132,7 @@ class WorkerSide:
         ids = [op.op_id for op in ops]
         self._abandoned.update(ids)
         if self._worker is not None:
-            self._worker.abandon(ids)  # their blocks are vLLM's again: late copies keep nothing
+            self._worker.fence(ids)  # their blocks are vLLM's again: late copies keep nothing
 
     def _collect(self, reports: Iterable[OpReport]) -> None:
         for report in reports:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection
 from kvcore.ids import JobId
 from kvcore.jobs import JobResult
 from kvcore.ports import BlockMover, BlockTransfer, Direction
+from kvcore.remote import close_quietly
 
 __all__ = ["ChecksummedMover"]
 
@@ -60,6 +61,10 @@ class ChecksummedMover:
 
     def poll(self) -> tuple[JobResult, ...]:
         return self._account(self._inner.poll())
+
+    def close(self) -> None:
+        """Close the mover it wraps (its jobs still get results)."""
+        close_quietly(self._inner)
 
     def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
         return self._account(self._inner.wait(job_ids, timeout))

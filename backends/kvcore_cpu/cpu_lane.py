@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from attrs import frozen
 
-from kvcore.errors import TransferTimeout
+from kvcore.errors import TransferTimeout, UsageError
 from kvcore.ids import JobId
 from kvcore.jobs import JobBoard, JobResult
 from kvcore.ports import Direction
@@ -38,7 +38,12 @@ class _Job:
 
 
 class CpuLane:
-    """Runs jobs with ``copy`` on one worker thread and reports them to ``board``."""
+    """Runs jobs with ``copy`` on one worker thread and reports them to ``board``.
+
+    The worker is a daemon thread: it stops at ``close`` (once a copy in progress ends) and never keeps
+    the interpreter alive. ``start`` after ``close`` raises ``UsageError`` instead of queueing a job that
+    no thread would run.
+    """
 
     def __init__(self, board: JobBoard, copy: CopyFn) -> None:
         self._board = board
@@ -46,17 +51,24 @@ class CpuLane:
         self._queue: queue.PriorityQueue[tuple[int, int, _Job | None]] = queue.PriorityQueue()
         self._order = itertools.count()
         self._loads: dict[JobId, threading.Event] = {}
+        self._lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._serve, name="kvcore-mover", daemon=True)
         self._thread.start()
 
     def start(
         self, job_id: JobId, direction: Direction, engine_ids: IntArray, host_ids: IntArray, after: object
     ) -> None:
-        """Queue a job; ``after`` is ignored: a CPU engine's work is done when it calls kvcore."""
-        if direction is Direction.LOAD:
-            self._loads[job_id] = threading.Event()
+        """Queue a job; ``after`` is ignored: a CPU engine's work is done when it calls kvcore.
+
+        Raises ``UsageError`` (nothing queued) once the lane is closed."""
         job = _Job(job_id, direction, engine_ids, host_ids)
-        self._queue.put((_PRIORITY[direction], next(self._order), job))
+        with self._lock:
+            if self._closed:
+                raise UsageError("the mover's copy lane is closed")
+            if direction is Direction.LOAD:
+                self._loads[job_id] = threading.Event()
+            self._queue.put((_PRIORITY[direction], next(self._order), job))
 
     def mark(self) -> None:
         return None
@@ -68,7 +80,12 @@ class CpuLane:
             raise TransferTimeout(f"load job {job_id} not finished after {timeout:.3f}s")
 
     def close(self, timeout: float) -> None:
-        """Fail the jobs not yet started, let the running one finish, join the thread (bounded)."""
+        """Fail the jobs not yet started, let the running one finish, join the thread (at most
+        ``timeout`` s: a copy still running then ends on its own and is reported). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         while True:
             try:
                 _, _, job = self._queue.get_nowait()

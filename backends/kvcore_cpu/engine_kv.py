@@ -23,6 +23,9 @@ from kvcore.layout import KVLayout, LayoutKind
 
 __all__ = ["EngineKV", "SharedRows"]
 
+_DEVICES = frozenset({"cpu", "cuda"})
+"""Devices whose tensors hold memory that the mover's lanes copy (not ``meta``, which has none)."""
+
 _SHAPE_NAMES = {
     LayoutKind.VLLM_CPU: "[blocks, heads, block_tokens, 2*head]",
     LayoutKind.FLASH_ATTN: "[2, blocks, block_tokens, heads, head]",
@@ -52,22 +55,34 @@ class EngineKV:
     shared: SharedRows | None
 
     @classmethod
-    def register(cls, tensors: Sequence[torch.Tensor], layout: KVLayout) -> EngineKV:
+    def register(
+        cls, tensors: Sequence[torch.Tensor], layout: KVLayout, *, kv_dtype: str | None = None
+    ) -> EngineKV:
         """Check every layer's tensor against ``layout`` and build the byte views.
 
         A tensor is either the engine's view (``layout.shape`` with ``layout.strides``: HND keeps the NHD
-        axis order and permutes strides, as vLLM does) or a contiguous tensor of ``layout.physical_shape``.
+        axis order and permutes strides, as vLLM does) or a contiguous tensor of ``layout.physical_shape``
+        (when the two shapes coincide, as for HND with as many tokens a block as heads, either form is
+        taken). Tensors are dense (strided) CPU or CUDA tensors; with ``kv_dtype`` (an
+        ``EngineSpec.kv_dtype``, torch's dtype name) every tensor has that dtype.
 
-        Raises ``InvalidSpecError`` naming the layer, the field (shape, dtype size, dtype, device,
+        Raises ``InvalidSpecError`` naming the layer, the field (type, device, shape, dtype size, dtype,
         contiguity, memory), what it got and what it expected.
         """
+        if not isinstance(layout, KVLayout):
+            raise InvalidSpecError(f"layout: got {type(layout).__name__}, expected a KVLayout")
+        given: object = tensors  # checked as the anything a caller may pass
+        if isinstance(given, str | bytes) or not isinstance(given, Sequence):
+            raise InvalidSpecError(
+                f"tensors: got {type(tensors).__name__}, expected a sequence of torch.Tensor, one per layer"
+            )
         if not tensors:
             raise InvalidSpecError("tensors: got 0 layers, expected at least 1")
         first = tensors[0]
         for layer, tensor in enumerate(tensors):
-            _check_layer(layer, tensor, first, layout)
+            _check_layer(layer, tensor, first, layout, kv_dtype)
         _check_disjoint(tensors)
-        layers = tuple(_planes(t, layout) for t in tensors)
+        layers = tuple(_planes(layer, t, layout) for layer, t in enumerate(tensors))
         return cls(layout, layers, _shared_rows(first, [p for planes in layers for p in planes]))
 
     @property
@@ -102,24 +117,35 @@ def _fail(layer: int, field: str, got: object, expected: str) -> InvalidSpecErro
     return InvalidSpecError(f"layer {layer}: {field}: got {got}, expected {expected}")
 
 
-def _check_layer(layer: int, tensor: torch.Tensor, first: torch.Tensor, layout: KVLayout) -> None:
+def _check_layer(layer: int, tensor: object, first: object, layout: KVLayout, kv_dtype: str | None) -> None:
+    if not isinstance(tensor, torch.Tensor) or not isinstance(first, torch.Tensor):
+        raise _fail(layer, "type", type(tensor).__name__, "a torch.Tensor")
+    if tensor.device.type not in _DEVICES:
+        raise _fail(layer, "device", tensor.device, "cpu or cuda (a tensor with memory kvcore can copy)")
+    if tensor.layout is not torch.strided:
+        raise _fail(layer, "tensor layout", tensor.layout, "torch.strided (a dense tensor)")
     got = tuple(tensor.shape)
-    engine_form = got == layout.shape
-    if not engine_form and got != layout.physical_shape:
+    if got not in (layout.shape, layout.physical_shape):
         raise _fail(layer, "shape", got, _shape_hint(layout))
     if tensor.element_size() != layout.dtype_size:
         raise _fail(
             layer, "dtype size", f"{tensor.element_size()} ({tensor.dtype})", f"{layout.dtype_size} bytes"
         )
+    if kv_dtype is not None and str(tensor.dtype) != f"torch.{kv_dtype}":
+        raise _fail(layer, "dtype", tensor.dtype, f"torch.{kv_dtype} (the engine's kv_dtype)")
     if tensor.dtype != first.dtype:
         raise _fail(layer, "dtype", tensor.dtype, f"{first.dtype} (layer 0's)")
     if tensor.device != first.device:
         raise _fail(layer, "device", tensor.device, f"{first.device} (layer 0's)")
-    dense = _strides_match(tensor, layout.strides) if engine_form else tensor.is_contiguous()
-    if not dense:
-        expected = layout.strides if engine_form else "a contiguous tensor"
-        order = layout.head_order.value.upper()
-        raise _fail(layer, "contiguity", f"strides {tensor.stride()}", f"{expected} (dense, {order})")
+    # Either form is taken when the shapes coincide (HND with as many tokens a block as heads).
+    engine_form = got == layout.shape and _strides_match(tensor, layout.strides)
+    if not engine_form and not (got == layout.physical_shape and tensor.is_contiguous()):
+        accepted = (
+            [f"{layout.strides} (dense, {layout.head_order.value.upper()})"] if got == layout.shape else []
+        )
+        if got == layout.physical_shape:
+            accepted.append("a contiguous tensor")
+        raise _fail(layer, "contiguity", f"strides {tensor.stride()}", " or ".join(accepted))
 
 
 def _shape_hint(layout: KVLayout) -> str:
@@ -149,10 +175,15 @@ def _check_disjoint(tensors: Sequence[torch.Tensor]) -> None:
             )
 
 
-def _planes(tensor: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, ...]:
-    # The engine's HND form swaps the token and head axes in memory; its transpose is contiguous.
+def _planes(layer: int, tensor: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, ...]:
+    # A checked tensor is contiguous in memory order, or the engine's HND form, which swaps the token and
+    # head axes in memory: its transpose is contiguous.
     in_memory_order = tensor if tensor.is_contiguous() else tensor.transpose(2, 3)
-    data = in_memory_order.view(torch.uint8)
+    try:
+        data = in_memory_order.view(torch.uint8)
+    # torch refuses byte views of some tensors of a valid dtype size (a lazily conjugated complex view).
+    except RuntimeError as exc:
+        raise _fail(layer, "dtype", tensor.dtype, f"a tensor whose bytes can be viewed ({exc})") from None
     if layout.kind is LayoutKind.FLASH_ATTN:
         k_and_v = data.view(2, layout.num_blocks, -1)
         return (k_and_v[0], k_and_v[1])

@@ -8,12 +8,14 @@ copied, then hands the job to a lane and returns: a worker thread for a CPU engi
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
 import numpy as np
 
+from kvcore.checks import is_int_in
 from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguration, UsageError
 from kvcore.ids import JobId
 from kvcore.jobs import JobBoard, JobResult
@@ -25,7 +27,11 @@ from kvcore_cpu.engine_kv import EngineKV
 from kvcore_cpu.host_memory import HostMemory
 from kvcore_cpu.rows import IntArray, routes
 
-__all__ = ["TorchBlockMover"]
+__all__ = ["MAX_COPY_THREADS", "TorchBlockMover"]
+
+MAX_COPY_THREADS = 64
+"""Most threads one CPU copy may use: each holds a staging buffer, and more than the memory channels of
+a socket can feed only contend."""
 
 
 class _Lane(Protocol):
@@ -44,17 +50,28 @@ class TorchBlockMover:
     """Copies whole blocks between the registered engine KV tensors and host memory.
 
     ``copy_threads`` is how many threads a CPU copy uses (the worker and its helpers); CUDA copies run
-    on the device's copy engines and ignore it.
+    on the device's copy engines and ignore it. Every job whose id ``submit`` returns gets exactly one
+    result; a refused submit raises and leaves no job behind.
     """
 
     def __init__(self, engine: EngineKV, host: HostMemory, *, copy_threads: int = 2) -> None:
+        """Raises ``InvalidSpecError`` for an ``engine`` or ``host`` of the wrong type or host blocks of
+        the wrong size, ``UsageError`` for closed host memory, ``ConfigError`` for ``copy_threads``
+        outside ``[1, MAX_COPY_THREADS]``, ``UnsupportedConfiguration`` for a device other than CPU or
+        CUDA."""
+        if not isinstance(engine, EngineKV):
+            raise InvalidSpecError(f"engine: got {type(engine).__name__}, expected an EngineKV (register it)")
+        if not isinstance(host, HostMemory):
+            raise InvalidSpecError(f"host: got {type(host).__name__}, expected a HostMemory")
+        if host.closed:
+            raise UsageError("host: the host memory is closed")
         if host.block_bytes != engine.host_block_bytes:
             raise InvalidSpecError(
                 f"host memory: block_bytes: got {host.block_bytes}, expected {engine.host_block_bytes} "
                 f"(one block of each of the engine's {engine.num_layers} layers)"
             )
-        if copy_threads < 1:
-            raise ConfigError("copy_threads", copy_threads, "at least 1")
+        if not is_int_in(copy_threads, 1, MAX_COPY_THREADS):
+            raise ConfigError("copy_threads", copy_threads, f"an int in [1, {MAX_COPY_THREADS}]")
         self._engine_blocks = engine.num_blocks
         self._host_blocks = host.num_blocks
         self._board = JobBoard()
@@ -73,9 +90,10 @@ class TorchBlockMover:
     def submit(self, transfer: BlockTransfer) -> JobId:
         """Queue a copy and return at once.
 
-        Raises ``InvalidSpecError`` (nothing copied) for block ids out of range, lists of different
-        lengths or a destination block listed twice; ``UsageError`` once the mover is closed. A copy that
-        fails later is a failed result: the destination blocks hold undefined bytes.
+        Raises ``InvalidSpecError`` (nothing copied, no job) for a direction that is not a ``Direction``,
+        block ids that are not integers or lie out of range, lists of different lengths or a destination
+        block listed twice; ``UsageError`` once the mover is closed. A copy that fails later, or cannot
+        even be queued (a device error), is a failed result: the destination blocks hold undefined bytes.
         """
         return self.submit_after(transfer, self._lane.mark())
 
@@ -87,13 +105,18 @@ class TorchBlockMover:
     def submit_after(self, transfer: BlockTransfer, mark: object) -> JobId:
         """``submit``, with the copy ordered after ``mark`` (taken by ``mark`` on the engine's thread)
         instead of after the calling thread's queued work."""
+        if not isinstance(transfer, BlockTransfer):
+            raise InvalidSpecError(f"transfer: got {type(transfer).__name__}, expected a BlockTransfer")
+        direction: object = transfer.direction
+        if not isinstance(direction, Direction):
+            raise InvalidSpecError(f"direction: got {direction!r}, expected a Direction")
         engine_ids = _ids("engine_blocks", transfer.engine_blocks, self._engine_blocks)
         host_ids = _ids("host_blocks", transfer.host_blocks, self._host_blocks)
         if len(engine_ids) != len(host_ids):
             raise InvalidSpecError(
                 f"host_blocks has {len(host_ids)} entries, engine_blocks {len(engine_ids)}: expected equal"
             )
-        if transfer.direction is Direction.SAVE:
+        if direction is Direction.SAVE:
             _check_unique("host_blocks", host_ids)
         else:
             _check_unique("engine_blocks", engine_ids)
@@ -101,32 +124,50 @@ class TorchBlockMover:
             if self._closed:
                 raise UsageError("the mover is closed")
             job_id = self._board.new()
-            if len(engine_ids):
-                self._lane.start(job_id, transfer.direction, engine_ids, host_ids, mark)
-            else:
+            if not len(engine_ids):
                 self._board.finish(JobResult(job_id))
+                return job_id
+            try:
+                self._lane.start(job_id, direction, engine_ids, host_ids, mark)
+            # A lane that refuses the job (closed) queued nothing, and an interrupt leaves no one to
+            # report: the id is withdrawn, so that no wait on it hangs and no poll hands it out.
+            except UsageError:
+                self._withdraw(job_id)
+                raise
+            # Any other failure to queue (a device error) is the job's failure, as a failed copy is.
+            except Exception as exc:
+                self._board.finish(JobResult(job_id, _every(engine_ids), f"{type(exc).__name__}: {exc}"))
+            except BaseException:
+                self._withdraw(job_id)
+                raise
         return job_id
 
     def poll(self) -> tuple[JobResult, ...]:
-        return self._board.poll()
+        # Under the lock that submit holds while it may withdraw a job: no poll sees a withdrawn result.
+        with self._lock:
+            return self._board.poll()
 
     def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
-        return self._board.wait(job_ids, timeout)
+        """Block until every job in ``job_ids`` finished, ``TransferTimeout`` after ``timeout`` seconds
+        (``ConfigError`` unless a finite number >= 0: every wait is bounded)."""
+        return self._board.wait(job_ids, _timeout(timeout))
 
     def wait_loaded(self, job_id: JobId, timeout: float) -> None:
         """Order the engine after the load ``job_id``, without taking its result.
 
         CUDA: the current stream waits for the load's copies (the host does not block). CPU: blocks
-        until the load is in place, ``TransferTimeout`` after ``timeout`` seconds. Unknown or reported
-        jobs return at once. A failed load still returns: its result says which blocks to recompute.
+        until the load is in place, ``TransferTimeout`` after ``timeout`` seconds (``ConfigError`` unless
+        a finite number >= 0). Unknown or reported jobs return at once. A failed load still returns: its
+        result says which blocks to recompute.
         """
-        self._lane.wait_loaded(job_id, timeout)
+        self._lane.wait_loaded(job_id, _timeout(timeout))
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop taking jobs, fail those not started, join the worker (at most ``timeout`` s). Idempotent.
 
         Every submitted job still gets a result through ``poll`` / ``wait``.
         """
+        timeout = _timeout(timeout)
         with self._lock:
             if self._closed:
                 return
@@ -134,6 +175,11 @@ class TorchBlockMover:
         self._lane.close(timeout)
         if self._copier is not None:
             self._copier.close()
+
+    def _withdraw(self, job_id: JobId) -> None:
+        """Forget a job whose id was never handed out (with ``_lock`` held): finish it, take the result."""
+        self._board.finish(JobResult(job_id))
+        self._board.wait([job_id], 0.0)
 
     def _copy_on_worker(
         self, direction: Direction, engine_ids: IntArray, host_ids: IntArray
@@ -149,12 +195,26 @@ class TorchBlockMover:
         return ()
 
 
-def _ids(name: str, values: Sequence[int], bound: int) -> IntArray:
-    ids = np.fromiter(values, dtype=np.int64, count=len(values))
-    outside = ids[(ids < 0) | (ids >= bound)]
-    if len(outside):
-        raise InvalidSpecError(f"{name}: block {int(outside[0])} is outside [0, {bound})")
-    return ids
+def _ids(name: str, values: Sequence[object], bound: int) -> IntArray:
+    """Block ids as int64: each an integer (a NumPy one too; never a bool, float or string, which numpy
+    would truncate or parse) in ``[0, bound)``, else ``InvalidSpecError`` naming ``name`` and the id."""
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise InvalidSpecError(f"{name}: got {value!r}, expected integer block ids")
+        if not 0 <= value < bound:
+            raise InvalidSpecError(f"{name}: block {value} is outside [0, {bound})")
+    return np.fromiter(values, dtype=np.int64, count=len(values))
+
+
+def _every(ids: IntArray) -> tuple[int, ...]:
+    return tuple(range(len(ids)))
+
+
+def _timeout(value: object) -> float:
+    """``value`` in seconds, if it is a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ConfigError("timeout", value, "a finite number of seconds >= 0")
+    return float(value)
 
 
 def _check_unique(name: str, ids: IntArray) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvcore.checks import SIZE_LIMIT, is_int_in
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError, UsageError
@@ -40,18 +41,24 @@ every transfer), or with ``None`` when the rank has no host pool and the tier mo
 
 
 def slot_bytes(config: KVCoreConfig, engine: EngineSpec) -> int:
-    """Bytes of one host slot: one chunk of one rank's shard, every layer."""
-    return config.chunk_tokens // engine.layout.block_tokens * engine.host_block_bytes
+    """Bytes of one host slot: one chunk of one rank's shard, every layer. Raises ``ConfigError`` when
+    ``chunk_tokens`` is not a multiple of the engine's block size."""
+    return engine.blocks_per_chunk(config.chunk_tokens) * engine.host_block_bytes
 
 
 def pool_slots(config: KVCoreConfig, engine: EngineSpec, world_size: int = 1) -> int:
     """Host slots (one chunk of one rank's shard each) that the backend's host memory buys per rank
     (``size`` for the CPU tier, ``local_size`` in front of a remote tier). 0 for a backend that moves
-    blocks straight to its own memory and was given no host memory (``DIRECT``)."""
+    blocks straight to its own memory and was given no host memory (``DIRECT``).
+
+    Raises ``ConfigError`` for a ``world_size`` other than the engine's ``tp_size``, a ``chunk_tokens``
+    that is not a multiple of the block size, or a size below one slot on each rank.
+    """
+    _check_world(engine, world_size)
+    one = slot_bytes(config, engine)
     backend = config.backend
     if backend.DIRECT and backend.host_bytes == 0:
         return 0
-    one = slot_bytes(config, engine)
     slots = backend.host_bytes // world_size // one
     if slots < 1:
         raise ConfigError(
@@ -63,6 +70,12 @@ def pool_slots(config: KVCoreConfig, engine: EngineSpec, world_size: int = 1) ->
     return slots
 
 
+def _check_world(engine: EngineSpec, world_size: int) -> None:
+    """The ranks of one engine are its tensor-parallel ranks: host memory is split among exactly those."""
+    if not is_int_in(world_size, 1, SIZE_LIMIT) or world_size != engine.tp_size:
+        raise ConfigError("world_size", world_size, f"the engine's tp_size {engine.tp_size}")
+
+
 class MappedMover(TorchBlockMover):
     """A mover between the engine's blocks and host memory that another owner maps here (a remote tier's
     own: an LMCache server's shared-memory pool), page-locked for a CUDA engine until ``close``.
@@ -72,14 +85,23 @@ class MappedMover(TorchBlockMover):
     """
 
     def __init__(self, engine: EngineKV, buffer: mmap.mmap | bytearray) -> None:
+        """Raises ``ConfigError`` for a buffer that holds not one host block (as ``HostMemory.wrap``),
+        and whatever ``TorchBlockMover`` raises; the mapping is then left as it was."""
         self._export = memoryview(buffer)
-        self.host = HostMemory.wrap(
-            torch.frombuffer(buffer, dtype=torch.uint8), engine.host_block_bytes, engine.device
+        # torch cannot view an empty buffer; an empty tensor is refused by wrap like any short one
+        view = (
+            torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
         )
+        try:
+            self.host = HostMemory.wrap(view, engine.host_block_bytes, engine.device)
+        except BaseException:
+            self._export.release()
+            raise
         try:
             super().__init__(engine, self.host)
         except BaseException:
             self.host.close()
+            self._export.release()
             raise
 
     def close(self, timeout: float = 5.0) -> None:
@@ -121,9 +143,10 @@ class CPUWorker(BlockWorker):
         checksums: bool = False,
         remote: RemoteTier | None = None,
         slot_bytes: int = 0,
+        fence_timeout: float = 30.0,
     ) -> None:
         self.checksums = ChecksummedMover(mover, self.host_block_bytes) if checksums and mover else None
-        super().__init__(self.checksums or mover, rank, remote, slot_bytes)
+        super().__init__(self.checksums or mover, rank, remote, slot_bytes, fence_timeout=fence_timeout)
         self.remote = remote
         self.mover = mover
         self.engine_kv = engine_kv
@@ -137,14 +160,6 @@ class CPUWorker(BlockWorker):
         if self.host is None:
             raise UsageError("this worker has no host pool")
         return bytes(self.host.blocks[block].numpy().tobytes())
-
-    def halt(self) -> None:
-        """Stop for good every copy that could still write engine blocks (joining its thread): the
-        mover's, or, with no host pool, the remote tier's own."""
-        if self.mover is not None:
-            self.mover.close()
-        elif self.remote is not None:
-            close_quietly(self.remote)
 
     def close(self) -> None:
         """Stop the remote tier, then the mover, then free the memory both use."""
@@ -167,24 +182,45 @@ def open_worker(
 ) -> CPUWorker:
     """Register the rank's KV tensors, allocate its host slots and start its mover; with ``remote``, open
     the rank's remote tier over those slots. A backend configured with no host memory (``pool_slots``
-    0) gets no slots and no mover: its remote tier moves every block."""
-    if len(tensors) != engine.num_layers:
-        raise InvalidSpecError(f"{len(tensors)} KV tensors given, the engine has {engine.num_layers} layers")
+    0) gets no slots and no mover: its remote tier moves every block.
+
+    Raises ``ConfigError`` for a ``world_size`` other than the engine's ``tp_size`` or a ``rank`` outside
+    it (and as ``pool_slots``), ``InvalidSpecError`` for tensors that do not match the engine (layer
+    count, layout, ``kv_dtype``); nothing stays allocated.
+    """
+    _check_world(engine, world_size)
+    if not is_int_in(rank, 0, world_size - 1):
+        raise ConfigError("rank", rank, f"an int in [0, {world_size}) (the engine's tp_size)")
     slots = pool_slots(config, engine, world_size)
-    kv = EngineKV.register(tensors, engine.layout)
+    kv = EngineKV.register(tensors, engine.layout, kv_dtype=engine.kv_dtype)
+    if kv.num_layers != engine.num_layers:
+        raise InvalidSpecError(
+            f"tensors: got {kv.num_layers} KV tensors, expected {engine.num_layers} (the engine's layers)"
+        )
     if slots == 0:
         if remote is None:
             raise ConfigError(f"backend.{config.backend.HOST_FIELD}", 0, "a size for the host pool")
-        return CPUWorker(None, kv, None, rank, remote=remote(kv, None))
-    blocks_per_chunk = config.chunk_tokens // engine.layout.block_tokens
+        return CPUWorker(
+            None, kv, None, rank, remote=remote(kv, None), fence_timeout=config.transfer_timeout_s
+        )
+    blocks_per_chunk = engine.blocks_per_chunk(config.chunk_tokens)
     host = HostMemory.allocate(slots * blocks_per_chunk, kv.host_block_bytes, kv.device)
-    mover = TorchBlockMover(kv, host)
+    mover: TorchBlockMover | None = None
     try:
+        mover = TorchBlockMover(kv, host)
         tier = remote(kv, host) if remote is not None else None
     except BaseException:
-        mover.close()
+        if mover is not None:
+            mover.close()
         host.close()
         raise
     return CPUWorker(
-        mover, kv, host, rank, config.checksums, tier, slot_bytes(config, engine) if tier is not None else 0
+        mover,
+        kv,
+        host,
+        rank,
+        config.checksums,
+        tier,
+        slot_bytes(config, engine) if tier is not None else 0,
+        config.transfer_timeout_s,
     )

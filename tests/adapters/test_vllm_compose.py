@@ -18,7 +18,8 @@ def _engine(tp: int = 1) -> EngineSpec:
     layout = KVLayout(
         LayoutKind.VLLM_CPU, num_blocks=64, block_tokens=BLOCK, num_kv_heads=2, head_size=32, dtype_size=2
     )
-    return EngineSpec("tiny@main", "bfloat16", num_layers=2, total_kv_heads=2, layout=layout, tp_size=tp)
+    # two KV heads on every rank
+    return EngineSpec("tiny@main", "bfloat16", num_layers=2, total_kv_heads=2 * tp, layout=layout, tp_size=tp)
 
 
 def _config(backend: dict[str, Any]) -> KVCoreConfig:

@@ -98,3 +98,17 @@ def test_unknown_vllm_version_is_refused() -> None:
 def test_unknown_connector_api_is_refused() -> None:
     with pytest.raises(UnsupportedConfiguration, match="missing hooks"):
         check_vllm("0.32.0", _Base)
+
+
+def test_producer_side_channel_ports_must_fit_every_rank() -> None:
+    import warnings
+
+    from kvcore.config import load_pd_config
+
+    with warnings.catch_warnings():  # vLLM and torch warn about their own deprecations on import
+        warnings.simplefilter("ignore")
+        from kvcore_vllm.pd_scheduler import producer_addresses
+
+    assert producer_addresses(load_pd_config({"pd": {"port": 65534}}), 2)[-1].endswith(":65535")
+    with pytest.raises(ConfigError, match=r"pd\.port: got 65535, expected at most 65534"):
+        producer_addresses(load_pd_config({"pd": {"port": 65535}}), 2)

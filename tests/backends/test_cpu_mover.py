@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import mmap
+import re
 import threading
 from collections.abc import Iterator
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -15,11 +18,13 @@ from hypothesis import strategies as st
 from kvcore.config import KVCoreConfig, load_config
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError, TransferTimeout, UsageError
-from kvcore.jobs import JobResult
+from kvcore.ids import JobId
+from kvcore.jobs import JobBoard, JobResult
 from kvcore.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.ports import BlockTransfer, Direction
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover, pool_slots
 from kvcore_cpu.cpu_copy import ByteRows, RowTask, copy_rows
+from kvcore_cpu.cpu_lane import CpuLane
 from kvcore_cpu.rows import IntArray
 from kvcore_cpu.tier import MappedMover
 
@@ -491,6 +496,182 @@ def test_pool_holds_whole_chunks_and_refuses_less_than_one() -> None:
         return load_config({"backend": {"kind": "cpu", "size": size}, "chunk_tokens": 64})
 
     assert pool_slots(config(10_000), engine) == 4
-    assert pool_slots(config(10_000), engine, world_size=2) == 2  # size is the total across ranks
+    # size is the total across ranks: 2 heads on 2 ranks, each rank's slot as big as above
+    tp2 = attrs.evolve(engine, total_kv_heads=2, tp_size=2)
+    assert pool_slots(config(10_000), tp2, world_size=2) == 2
     with pytest.raises(ConfigError, match=r"^backend.size: got 2000, expected at least 2048 bytes"):
         pool_slots(config(2000), engine)
+
+
+# -- a refused submit leaves no job; an accepted one always ends ---------------------------------------
+
+
+def raw_transfer(direction: object, engine: tuple[object, ...], host: tuple[object, ...]) -> BlockTransfer:
+    """A BlockTransfer holding exactly these values, as one built without the port's converters would."""
+    transfer = BlockTransfer(Direction.SAVE, (), ())
+    for name, value in (("direction", direction), ("engine_blocks", engine), ("host_blocks", host)):
+        object.__setattr__(transfer, name, value)
+    return transfer
+
+
+def assert_never_issued(mover: TorchBlockMover, job_id: int) -> None:
+    """``job_id`` is not pending: a wait on it returns nothing at once instead of timing out."""
+    assert mover.wait([JobId(job_id)], 0.05) == ()
+
+
+def test_a_lane_that_refuses_a_job_leaves_nothing_pending(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = rig.mover.submit(BlockTransfer(Direction.SAVE, [0], [0]))
+
+    def closed(*_: object) -> None:
+        raise UsageError("the lane is closed")
+
+    monkeypatch.setattr(rig.mover._lane, "start", closed)
+    with pytest.raises(UsageError, match="the lane is closed"):
+        rig.mover.submit(BlockTransfer(Direction.SAVE, [1], [1]))
+    monkeypatch.undo()
+    after = rig.mover.submit(BlockTransfer(Direction.SAVE, [2], [2]))
+    assert after == before + 2
+    assert_never_issued(rig.mover, before + 1)
+    assert [r.job_id for r in rig.mover.wait([before, after], SETTLE)] == [before, after]
+    assert rig.mover.poll() == ()
+
+
+def test_a_lane_that_fails_to_queue_a_job_fails_it(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_: object) -> None:
+        raise RuntimeError("CUDA error: launch failure")
+
+    monkeypatch.setattr(rig.mover._lane, "start", broken)
+    job = rig.mover.submit(BlockTransfer(Direction.LOAD, [1, 2], [1, 2]))
+    (result,) = rig.mover.wait([job], SETTLE)
+    assert result.failed == (0, 1)
+    assert result.error == "RuntimeError: CUDA error: launch failure"
+
+
+def test_an_interrupted_submit_leaves_nothing_pending(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    before = rig.mover.submit(BlockTransfer(Direction.SAVE, [0], [0]))
+    monkeypatch.setattr(rig.mover._lane, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        rig.mover.submit(BlockTransfer(Direction.SAVE, [1], [1]))
+    assert_never_issued(rig.mover, before + 1)
+
+
+@pytest.mark.parametrize(
+    ("direction", "engine_ids", "host_ids", "message"),
+    [
+        ("save", (0,), (0,), r"^direction: got 'save', expected a Direction"),
+        (Direction.SAVE, (1.7,), (0,), r"^engine_blocks: got 1.7, expected integer block ids"),
+        (Direction.SAVE, (0,), (2.0,), r"^host_blocks: got 2.0, expected integer block ids"),
+        (Direction.LOAD, (True,), (0,), r"^engine_blocks: got True, expected integer block ids"),
+        (Direction.LOAD, ("3",), (0,), r"^engine_blocks: got '3', expected integer block ids"),
+        (Direction.SAVE, (2**70,), (0,), rf"^engine_blocks: block {2**70} is outside \[0, {ENGINE_BLOCKS}\)"),
+        (
+            Direction.SAVE,
+            (0,),
+            (-(2**64),),
+            rf"^host_blocks: block {-(2**64)} is outside \[0, {HOST_BLOCKS}\)",
+        ),
+    ],
+    ids=["str-direction", "float", "integral-float", "bool", "str", "huge", "huge-negative"],
+)
+def test_what_numpy_would_truncate_or_misread_is_refused(
+    rig: Rig, direction: object, engine_ids: tuple[object, ...], host_ids: tuple[object, ...], message: str
+) -> None:
+    # built past BlockTransfer's converters: the mover checks what it is given, whatever built it
+    host = rig.host_blocks()
+    last = rig.mover.submit(BlockTransfer(Direction.SAVE, [], []))
+    with pytest.raises(InvalidSpecError, match=message):
+        rig.mover.submit(raw_transfer(direction, engine_ids, host_ids))
+    assert_never_issued(rig.mover, last + 1)
+    assert rig.host_blocks() == host
+
+
+def test_numpy_integer_ids_are_block_ids(rig: Rig) -> None:
+    assert rig.run(Direction.SAVE, list(np.arange(3, 6)), list(np.arange(3))).ok
+    assert [rig.host_block(h) for h in range(3)] == [rig.engine_block(e) for e in range(3, 6)]
+
+
+def test_what_is_not_a_block_transfer_is_refused(rig: Rig) -> None:
+    with pytest.raises(InvalidSpecError, match=r"^transfer: got tuple, expected a BlockTransfer"):
+        rig.mover.submit((Direction.SAVE, [0], [0]))  # type: ignore[arg-type]  # wrong on purpose
+
+
+@pytest.mark.parametrize("timeout", [math.inf, math.nan, -1.0, True, "1"], ids=repr)
+def test_every_wait_is_bounded(rig: Rig, timeout: object) -> None:
+    job = rig.mover.submit(BlockTransfer(Direction.LOAD, [0], [0]))
+    expected = rf"^timeout: got {re.escape(repr(timeout))}, expected a finite number of seconds >= 0"
+    with pytest.raises(ConfigError, match=expected):
+        rig.mover.wait([job], timeout)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=expected):
+        rig.mover.wait_loaded(job, timeout)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=expected):
+        rig.mover.close(timeout)  # type: ignore[arg-type]
+    assert rig.mover.wait([job], SETTLE)[0].ok
+
+
+# -- construction, closed objects, threads ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threads", [0, 65, True, 2.0, "2"], ids=repr)
+def test_copy_threads_is_an_int_in_range(threads: object) -> None:
+    layout = make_layout(LayoutKind.MLA)
+    engine = EngineKV.register(random_kv(layout, shared=True), layout)
+    host = HostMemory.allocate(4, engine.host_block_bytes, engine.device)
+    with pytest.raises(
+        ConfigError, match=rf"^copy_threads: got {re.escape(repr(threads))}, expected an int in \[1, 64\]"
+    ):
+        TorchBlockMover(engine, host, copy_threads=threads)  # type: ignore[arg-type]
+
+
+def test_the_engine_and_host_must_be_what_they_say() -> None:
+    layout = make_layout(LayoutKind.MLA)
+    engine = EngineKV.register(random_kv(layout, shared=True), layout)
+    host = HostMemory.allocate(4, engine.host_block_bytes, engine.device)
+    with pytest.raises(InvalidSpecError, match=r"^engine: got list, expected an EngineKV"):
+        TorchBlockMover(random_kv(layout, shared=True), host)  # type: ignore[arg-type]
+    with pytest.raises(InvalidSpecError, match=r"^host: got Tensor, expected a HostMemory"):
+        TorchBlockMover(engine, host.buffer)  # type: ignore[arg-type]
+    host.close()
+    with pytest.raises(UsageError, match=r"^host: the host memory is closed"):
+        TorchBlockMover(engine, host)
+
+
+def test_the_copy_threads_end_with_close_and_the_worker_is_a_daemon() -> None:
+    # 96 blocks of 3 layers x 32 KiB: large enough for the copy helper to start as well
+    before = set(threading.enumerate())
+    rig = make_rig(LayoutKind.VLLM_CPU, blocks=128, host_blocks=128, tokens=512)
+    assert rig.run(Direction.SAVE, list(range(96)), list(range(96))).ok
+    started = set(threading.enumerate()) - before
+    assert {t.name for t in started} >= {"kvcore-mover", "kvcore-copy_0"}
+    assert all(t.daemon for t in started if t.name == "kvcore-mover")
+    rig.mover.close()
+    for thread in started:
+        thread.join(SETTLE)
+    assert not any(t.is_alive() for t in started)
+
+
+def test_a_closed_lane_refuses_jobs_instead_of_queueing_them_for_no_one() -> None:
+    board = JobBoard()
+    lane = CpuLane(board, lambda *_: ())
+    lane.close(SETTLE)
+    lane.close(SETTLE)  # idempotent
+    job = board.new()
+    ids = np.zeros(1, dtype=np.int64)
+    with pytest.raises(UsageError, match="closed"):
+        lane.start(job, Direction.LOAD, ids, ids, None)
+    lane.wait_loaded(job, 0)  # never queued: nothing to wait for
+
+
+@pytest.mark.parametrize("size", [0, 1, -1], ids=["empty", "one-byte", "one-block-less-one"])
+def test_a_mapped_mover_refused_leaves_the_mapping_free_to_close(size: int) -> None:
+    # -1: one byte short of a host block; the refused mover holds no export, so the owner can unmap
+    layout = make_layout(LayoutKind.FLASH_ATTN)
+    engine = EngineKV.register(random_kv(layout, shared=False), layout)
+    length = engine.host_block_bytes - 1 if size == -1 else size
+    buffer = bytearray(length) if length == 0 else mmap.mmap(-1, length)
+    with pytest.raises(ConfigError, match=rf"^buffer: got {length}, expected at least one block"):
+        MappedMover(engine, buffer)
+    if isinstance(buffer, mmap.mmap):
+        buffer.close()

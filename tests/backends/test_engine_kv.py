@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from kvcore.errors import InvalidSpecError
 from kvcore.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.ports import BlockTransfer, Direction
 from kvcore_cpu.engine_kv import EngineKV
+from kvcore_cpu.host_memory import HostMemory
+from kvcore_cpu.mover import TorchBlockMover
 
 BLOCKS = 6
 
@@ -186,3 +190,126 @@ def test_layers_sharing_memory_are_refused() -> None:
     layers[2] = layers[0]
     with pytest.raises(InvalidSpecError, match=r"layer 2: memory: .*layer 0"):
         EngineKV.register(layers, lay)
+
+
+# -- the documented forms when the two shapes coincide, and tensors that cannot be registered ------------
+
+
+def square(kind: LayoutKind) -> KVLayout:
+    """HND with as many tokens a block as heads: the engine shape and the memory shape are equal."""
+    return KVLayout(kind, BLOCKS, block_tokens=2, num_kv_heads=2, head_size=4, dtype_size=2)
+
+
+@pytest.mark.parametrize("kind", [LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER])
+def test_a_contiguous_hnd_tensor_registers_when_tokens_equal_heads(kind: LayoutKind) -> None:
+    # every element distinct: a plane that transposed the contiguous tensor would reorder its bytes
+    lay = square(kind)
+    assert lay.shape == lay.physical_shape
+    count = BLOCKS * lay.block_bytes // 2
+    memory = [
+        torch.arange(i * count, (i + 1) * count, dtype=torch.int16).view(lay.physical_shape) for i in range(2)
+    ]
+    layers = [m.view(torch.bfloat16) for m in memory]
+    kv = EngineKV.register(layers, lay)
+    for tensor, planes in zip(memory, kv.layers, strict=True):
+        for block in range(BLOCKS):
+            assert b"".join(p[block].numpy().tobytes() for p in planes) == block_bytes(tensor, lay, block)
+    # the engine's own view of the same memory (NHD shape, HND strides) maps the same bytes
+    by_view = EngineKV.register([t.transpose(2, 3) for t in layers], lay)
+    for a, b in zip(by_view.planes, kv.planes, strict=True):
+        assert a.data_ptr() == b.data_ptr()
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", [LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER])
+def test_a_tensor_in_neither_form_is_refused_when_the_shapes_coincide(kind: LayoutKind) -> None:
+    lay = square(kind)
+    shape = lay.physical_shape
+    odd = torch.zeros((*shape[:-1], 2 * shape[-1]), dtype=torch.bfloat16)[..., ::2]  # strided last axis
+    with pytest.raises(InvalidSpecError, match=r"layer 0: contiguity: got strides .* or a contiguous tensor"):
+        EngineKV.register([odd], lay)
+
+
+def test_a_dtype_other_than_kv_dtype_is_refused() -> None:
+    lay = layout(LayoutKind.MLA)
+    layers = [t.view(torch.float16) for t in tensors(lay)]
+    assert EngineKV.register(layers, lay, kv_dtype="float16").num_layers == 3
+    with pytest.raises(
+        InvalidSpecError,
+        match=r"layer 0: dtype: got torch.float16, expected torch.bfloat16 \(the engine's kv_dtype\)",
+    ):
+        EngineKV.register(layers, lay, kv_dtype="bfloat16")
+
+
+def test_meta_tensors_are_refused_before_their_memory_is_read() -> None:
+    # meta tensors have data_ptr 0: today's disjointness check would call them overlapping layers
+    lay = layout(LayoutKind.MLA)
+    layers = [torch.empty(lay.shape, dtype=torch.bfloat16, device="meta") for _ in range(2)]
+    with pytest.raises(InvalidSpecError, match=r"layer 0: device: got meta, expected cpu or cuda"):
+        EngineKV.register(layers, lay)
+
+
+@pytest.mark.parametrize(
+    ("layers", "message"),
+    [
+        (
+            lambda t: [t[0], t[1].view(torch.int16).numpy()],
+            r"layer 1: type: got ndarray, expected a torch.Tensor",
+        ),
+        (
+            lambda t: [t[0].to_sparse()],
+            r"layer 0: tensor layout: got torch.sparse_coo, expected torch.strided",
+        ),
+        (lambda t: t[0], r"tensors: got Tensor, expected a sequence of torch.Tensor"),
+        (iter, r"tensors: got list_iterator, expected a sequence"),
+    ],
+    ids=["ndarray", "sparse", "one-stacked-tensor", "iterator"],
+)
+def test_what_is_not_a_list_of_dense_tensors_is_refused(
+    layers: Callable[[list[torch.Tensor]], object], message: str
+) -> None:
+    lay = layout(LayoutKind.MLA)
+    with pytest.raises(InvalidSpecError, match=message):
+        EngineKV.register(layers(tensors(lay)), lay)  # type: ignore[arg-type]  # wrong on purpose
+
+
+def test_a_conjugate_view_is_refused_by_dtype() -> None:
+    # complex64 has 8-byte elements, but torch cannot view a lazily conjugated tensor as bytes
+    lay = KVLayout(LayoutKind.MLA, BLOCKS, block_tokens=4, num_kv_heads=1, head_size=8, dtype_size=8)
+    conj = torch.zeros(lay.shape, dtype=torch.complex64).conj()
+    with pytest.raises(
+        InvalidSpecError, match=r"layer 0: dtype: got torch.complex64, expected a tensor whose"
+    ):
+        EngineKV.register([conj], lay)
+
+
+def test_a_layout_that_is_not_a_kvlayout_is_refused() -> None:
+    lay = layout(LayoutKind.MLA)
+    with pytest.raises(InvalidSpecError, match=r"layout: got dict, expected a KVLayout"):
+        EngineKV.register(tensors(lay), {"kind": "mla"})  # type: ignore[arg-type]  # wrong on purpose
+
+
+@pytest.mark.parametrize(
+    ("lead", "shared"), [(1, True), (0, True), (3, False)], ids=["row", "none", "unaligned"]
+)
+def test_layers_at_an_offset_in_one_storage_copy_the_right_blocks(lead: int, shared: bool) -> None:
+    # layers start `lead` elements (of 2-byte rows of 64 bytes = 32 elements, in rows for lead 1) into one
+    # buffer: aligned offsets share rows, unaligned ones do not; either way every block lands where it should
+    lay = layout(LayoutKind.MLA)
+    size = BLOCKS * 4 * 8
+    start = lead * 32 if shared else lead
+    flat = torch.arange(start + 2 * size, dtype=torch.int16).view(torch.bfloat16)
+    layers = [flat[start + i * size : start + (i + 1) * size].view(lay.shape) for i in range(2)]
+    kv = EngineKV.register(layers, lay)
+    assert (kv.shared is not None) == shared
+    if kv.shared is not None:
+        assert kv.shared.plane_rows == (lead, lead + BLOCKS)
+    host = HostMemory.allocate(BLOCKS, kv.host_block_bytes, kv.device)
+    mover = TorchBlockMover(kv, host)
+    blocks = [5, 0, 3]
+    (result,) = mover.wait([mover.submit(BlockTransfer(Direction.SAVE, blocks, [0, 1, 2]))], 10.0)
+    mover.close()
+    assert result.ok
+    for h, e in enumerate(blocks):
+        expected = b"".join(block_bytes(t, lay, e) for t in layers)
+        assert host.blocks[h].numpy().tobytes() == expected

@@ -256,7 +256,7 @@ def test_bad_hasher_arguments_are_refused() -> None:
     h = hasher()
     with pytest.raises(ValueError, match="chunk_tokens"):
         hasher(chunk_tokens=0)
-    with pytest.raises(TypeError, match="seed"):
+    with pytest.raises(InvalidSpecError, match="seed"):
         ChunkHasher(HashAlgorithm.SHA256, "seed")  # type: ignore[arg-type]  # str is not bytes
     with pytest.raises(InvalidSpecError, match="start"):
         h.hash_tokens([1] * 8, parent=bytes(32), start=3)

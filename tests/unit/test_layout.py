@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.errors import InvalidSpecError
@@ -134,6 +136,7 @@ layouts = st.builds(
 )
 
 
+@settings(deadline=None)  # timing-free: a loaded shared machine once pushed an example past 200 ms
 @given(layouts, st.data())
 def test_head_runs_of_a_head_partition_tile_the_tensor(lay: KVLayout, data: st.DataObject) -> None:
     # split the heads in two at a random point: over all blocks the runs cover every byte exactly once
@@ -149,6 +152,7 @@ def test_head_runs_of_a_head_partition_tile_the_tensor(lay: KVLayout, data: st.D
     assert sorted(covered) == list(range(lay.nbytes))
 
 
+@settings(deadline=None)
 @given(layouts.filter(lambda lay: lay.kind is not CPU), st.data())
 def test_strides_locate_the_same_bytes_as_head_runs(lay: KVLayout, data: st.DataObject) -> None:
     # the engine's strides put element (kv, block, token, head, 0) where the segment arithmetic does
@@ -161,3 +165,83 @@ def test_strides_locate_the_same_bytes_as_head_runs(lay: KVLayout, data: st.Data
     segment = lay.segments(block)[kv]
     in_segment = token * lay.num_kv_heads + head if lay.head_order is NHD else head * lay.block_tokens + token
     assert offset == segment.offset + in_segment * lay.head_size * lay.dtype_size
+
+
+# -- refused input: every field named with its value ------------------------------------------------------
+
+
+def test_kind_and_head_order_take_the_enum_or_its_documented_value() -> None:
+    by_value = KVLayout("flash_infer", 4, 16, 4, 8, 2, head_order="nhd")
+    assert by_value == layout(FI, NHD)
+    assert by_value.kind is FI
+    assert by_value.shape == (4, 2, 16, 4, 8)  # FlashInfer's, not MLA's three axes
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"kind": "FLASH_INFER"},
+            r"KVLayout.kind: got 'FLASH_INFER', expected a LayoutKind or one of 'vllm_cpu'",
+        ),
+        ({"kind": "flashinfer"}, r"KVLayout.kind: got 'flashinfer'"),
+        ({"kind": 2}, r"KVLayout.kind: got 2, expected a LayoutKind"),
+        ({"kind": HND}, r"KVLayout.kind: got <HeadOrder.HND: 'hnd'>"),
+        (
+            {"head_order": "HND"},
+            r"KVLayout.head_order: got 'HND', expected a HeadOrder or one of 'nhd', 'hnd'",
+        ),
+        ({"head_order": FA}, r"KVLayout.head_order: got <LayoutKind.FLASH_ATTN"),
+        ({"head_order": None}, r"KVLayout.head_order: got None"),
+    ],
+)
+def test_enum_fields_refuse_anything_but_their_members_and_values(
+    changes: dict[str, object], message: str
+) -> None:
+    fields: dict[str, object] = {"kind": FA, "num_blocks": 4, "block_tokens": 16, "num_kv_heads": 4}
+    with pytest.raises(InvalidSpecError, match=message):
+        KVLayout(**{**fields, "head_size": 8, "dtype_size": 2, **changes})  # type: ignore[arg-type]
+
+
+INT_FIELDS = ["num_blocks", "block_tokens", "num_kv_heads", "head_size", "dtype_size"]
+
+
+@pytest.mark.parametrize("name", INT_FIELDS)
+@pytest.mark.parametrize("value", [2.0, 2.5, True, "2", None, 0, -3, 2**62 + 1], ids=repr)
+def test_int_fields_refuse_non_ints_bools_and_out_of_range(name: str, value: object) -> None:
+    fields: dict[str, object] = {
+        "kind": FA,
+        "num_blocks": 4,
+        "block_tokens": 16,
+        "num_kv_heads": 4,
+        "head_size": 8,
+        "dtype_size": 2,
+    }
+    fields[name] = value
+    with pytest.raises(
+        InvalidSpecError, match=rf"^KVLayout\.{name}: got {re.escape(repr(value))}, expected an int"
+    ):
+        KVLayout(**fields)  # type: ignore[arg-type]
+
+
+def test_a_tensor_above_2_62_bytes_is_refused() -> None:
+    # each field fits, their product does not: byte offsets would overflow int64 in numpy and torch
+    with pytest.raises(
+        InvalidSpecError, match=r"KVLayout: num_blocks 1099511627776 x block_bytes .* at most 2\*\*62"
+    ):
+        KVLayout(FA, num_blocks=2**40, block_tokens=2**10, num_kv_heads=2**4, head_size=2**8, dtype_size=2)
+
+
+@pytest.mark.parametrize(
+    ("offset", "length", "name"),
+    [(-1, 4, "offset"), (0.5, 4, "offset"), (0, 0, "length"), (0, True, "length")],
+)
+def test_byte_ranges_refuse_negative_empty_and_non_int(offset: object, length: object, name: str) -> None:
+    with pytest.raises(InvalidSpecError, match=rf"^ByteRange\.{name}: got"):
+        ByteRange(offset, length)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("block", "start", "stop"), [(1.0, 0, 1), (True, 0, 1), (0, 0.0, 1), (0, 0, 1.5)])
+def test_block_and_head_arguments_must_be_ints(block: object, start: object, stop: object) -> None:
+    with pytest.raises(InvalidSpecError):
+        layout(FA).head_runs(block, start, stop)  # type: ignore[arg-type]

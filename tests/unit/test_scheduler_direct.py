@@ -253,7 +253,7 @@ def test_an_abandoned_save_in_flight_is_abandoned_on_the_tier_and_reported_faile
     a.tier.hold = True
     a.worker.execute(plan)
     (op,) = plan.ops
-    a.worker.abandon([op.op_id])  # e.g. the request was preempted and the copy is late
+    a.worker.fence([op.op_id])  # e.g. the request was preempted and the copy is late
     assert len(a.tier.abandoned) == 1
     a.tier.release()
     (report,) = a.worker.wait([op.op_id], 5.0)

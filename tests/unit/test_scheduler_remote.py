@@ -182,8 +182,9 @@ def test_a_pending_remote_lookup_is_asked_again() -> None:
 
 def test_saves_publish_each_ranks_shard_and_replicas_write_once() -> None:
     # one KV head on two ranks: both hold the same shard, so one key per chunk, written by rank 0 only
+    one_head = attrs.evolve(LAYOUT, num_kv_heads=1)  # what each of the two ranks holds
     engine = EngineSpec(
-        model_id="tiny", kv_dtype="int8", num_layers=2, total_kv_heads=1, layout=LAYOUT, tp_size=2
+        model_id="tiny", kv_dtype="int8", num_layers=2, total_kv_heads=1, layout=one_head, tp_size=2
     )
     sched = CacheScheduler(CONFIG, engine, 4, world_size=2, remote=InMemoryChunkIndex())
     a = RequestId("a")
@@ -195,7 +196,7 @@ def test_saves_publish_each_ranks_shard_and_replicas_write_once() -> None:
     assert len({c.keys[0] for c in op.remote}) == 3
     # two KV heads on two ranks: distinct shards, both write
     engine2 = EngineSpec(
-        model_id="tiny", kv_dtype="int8", num_layers=2, total_kv_heads=2, layout=LAYOUT, tp_size=2
+        model_id="tiny", kv_dtype="int8", num_layers=2, total_kv_heads=2, layout=one_head, tp_size=2
     )
     sched2 = CacheScheduler(CONFIG, engine2, 4, world_size=2, remote=InMemoryChunkIndex())
     answer(sched2, a, TOKENS)
@@ -269,7 +270,7 @@ def test_a_save_abandoned_before_its_copy_finished_is_not_published() -> None:
     plan = rig.sched.take_plan()
     with rig.mover.stall():
         rig.worker.execute(plan)
-        rig.worker.abandon(plan.op_ids())  # the engine may overwrite the blocks from now on
+        rig.worker.fence(plan.op_ids())  # the engine may overwrite the blocks from now on
     reports = rig.worker.wait(plan.op_ids(), 5.0)
     assert [r.failed for r in reports] == [tuple(range(6))]
     rig.sched.complete(reports)

@@ -12,7 +12,7 @@ from attrs.validators import ge, min_len
 
 from kvcore.errors import InvalidSpecError
 from kvcore.layout import KVLayout, LayoutKind
-from kvcore.ports import MemoryRegion, int_tuple
+from kvcore.ports import MemoryRegion, int_ids, int_tuple
 from kvcore.transfer_plan import TPSide
 from kvcore_mooncake.pd.messages import Fingerprint
 
@@ -39,7 +39,7 @@ class RankSpec:
     tp_rank: int = field(validator=_in_tp)
     total_kv_heads: int = field(validator=ge(1))
     layout: KVLayout
-    layer_bases: tuple[int, ...] = field(converter=int_tuple, validator=min_len(1))
+    layer_bases: tuple[int, ...] = field(converter=int_tuple, validator=[int_ids, min_len(1)])
 
     def __attrs_post_init__(self) -> None:
         self.side  # noqa: B018  # TPSide checks the head split; fail at construction, not at handshake
