@@ -43,6 +43,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from kvcore.testing.support import start_owned
+
 with warnings.catch_warnings():  # lmcache's OpenTelemetry handler warns of its own deprecation
     warnings.simplefilter("ignore", DeprecationWarning)
     import torch
@@ -93,7 +95,7 @@ def lmcache_server(l1_gb: float) -> Iterator[tuple[str, float]]:
     env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", LMCACHE_DISABLE_BANNER="1")
     url = f"tcp://127.0.0.1:{port}"
     started = time.monotonic()
-    process = subprocess.Popen(
+    process = start_owned(
         argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     try:

@@ -38,6 +38,7 @@ from kvcore.config import ByteCount, ByteSize, MooncakeStoreConfig
 from kvcore.ids import ChunkKey
 from kvcore.lookup import leading_complete
 from kvcore.ports import StoreItem
+from kvcore.testing.support import start_owned
 from kvcore_mooncake import MooncakeChunkIndex, MooncakeChunkStore, MooncakeClient
 
 KiB = 1 << 10
@@ -63,7 +64,7 @@ def _free_port() -> int:
 @contextmanager
 def _process(argv: list[str], ready: Callable[[subprocess.Popen[str]], None]) -> Iterator[None]:
     """Run a helper process for the duration, stopped by its pid."""
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    process = start_owned(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         ready(process)
         yield

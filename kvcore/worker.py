@@ -48,6 +48,28 @@ class _Run:
         self.staged: tuple[RemoteChunk, ...] = ()  # the chunks of the current remote job, in item order
 
 
+class _Repeats:
+    """Warnings about a tier that fails every op (down, misconfigured): each text is logged the first time
+    and then at most once per ``interval`` seconds, with how often it recurred — not once per op."""
+
+    _MAX_TEXTS = 256
+
+    def __init__(self, interval: float = 60.0) -> None:
+        self._interval = interval
+        self._seen: dict[str, tuple[float, int]] = {}  # text -> (last logged, recurrences since)
+
+    def warn(self, text: str) -> None:
+        now = time.monotonic()
+        logged, since = self._seen.get(text, (-self._interval, 0))
+        if now - logged < self._interval:
+            self._seen[text] = (logged, since + 1)
+            return
+        if len(self._seen) >= self._MAX_TEXTS:
+            self._seen.clear()
+        self._seen[text] = (now, 0)
+        log.warning("kvcore: %s%s", text, f" (and {since} more times since)" if since else "")
+
+
 class BlockWorker:
     """One rank's executor of ``StepPlan``s.
 
@@ -74,6 +96,7 @@ class BlockWorker:
         if not 0 < fence_timeout < float("inf"):
             raise UsageError(f"fence_timeout: got {fence_timeout!r}, expected a finite number of seconds > 0")
         self._fence_timeout = fence_timeout
+        self._warnings = _Repeats()
         self._mover = mover
         self._rank = rank
         self._remote = remote
@@ -241,7 +264,7 @@ class BlockWorker:
                 submit = remote.submit_fetch if fetch else remote.submit_publish
                 job = submit(run.op.request_id, items, chain)
         except (BackendError, UsageError) as exc:
-            log.warning("kvcore: op %d: remote %s refused: %s", run.op.op_id, stage.value, exc)
+            self._warnings.warn(f"remote {stage.value} refused: {exc}")
             self._fail_chunks(run, run.staged)
             self._next(run)
             return
@@ -295,7 +318,7 @@ class BlockWorker:
                 bad = range(len(run.staged)) if result.error is not None else result.failed
                 self._fail_chunks(run, [run.staged[i] for i in bad])
                 if result.error is not None:
-                    log.warning("kvcore: op %d: remote %s failed: %s", op_id, run.stage.value, result.error)
+                    self._warnings.warn(f"remote {run.stage.value} failed: {result.error}")
             self._next(run)
 
     def _next(self, run: _Run) -> None:

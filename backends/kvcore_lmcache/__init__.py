@@ -2,14 +2,15 @@
 
 ``LMCacheManagedTier`` (worker side) implements the ``ManagedTier`` port over the server's
 engine-driven shared-memory slots; ``LMCacheChunkIndex`` (scheduler side) answers ``ChunkIndex``
-lookups without holding locks. Both keep working while the server is absent, hung or restarting: they
-miss, and rejoin when it answers again. See ``docs/lmcache.md``.
+lookups without holding locks. Both keep working while the server is absent, hung, restarting or without
+a shared-memory pool (``NoSharedMemoryPool``, said once in a warning): they miss, and rejoin when it
+answers again. See ``docs/lmcache.md``.
 """
 
 from __future__ import annotations
 
 from kvcore_lmcache.index import LMCacheChunkIndex
-from kvcore_lmcache.link import ServerLink, SlotLayout
+from kvcore_lmcache.link import NoSharedMemoryPool, ServerLink, SlotLayout
 from kvcore_lmcache.tier import LMCacheManagedTier
 
-__all__ = ["LMCacheChunkIndex", "LMCacheManagedTier", "ServerLink", "SlotLayout"]
+__all__ = ["LMCacheChunkIndex", "LMCacheManagedTier", "NoSharedMemoryPool", "ServerLink", "SlotLayout"]

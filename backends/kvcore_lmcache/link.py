@@ -1,11 +1,13 @@
 """One client's connection to an LMCache server: chunk size agreement, layout registration, the shared-
 memory slots, liveness, and the health of it all.
 
-The server may be absent at start, answer a bad request with silence, or restart with an empty cache
-and a new shared-memory segment. The link turns each of these into "unavailable for now" (callers then
-miss at once) and a background heartbeat brings it back: it pings (so the server does not reap this
-worker), re-registers the layout (a restarted server has forgotten it) and re-maps the segment when the
-server created a new one. Every wait on the server is bounded by the configured request timeout.
+The server may be absent at start, answer a bad request with silence, restart with an empty cache and a
+new shared-memory segment, or run without a shared-memory pool (started without ``--shm-name``: it
+accepts the registration and answers it with an empty pool name and size 0). The link turns each of
+these into "unavailable for now" (callers then miss at once) and a background heartbeat brings it back:
+it pings (so the server does not reap this worker), re-registers the layout (a restarted server has
+forgotten it) and re-maps the segment when the server created a new one. Every wait on the server is
+bounded by the configured request timeout.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from kvcore.health import CircuitBreaker
 from kvcore.ids import ChunkKey, RequestId
 from kvcore_lmcache.wire import HEADER_BYTES, KeyCodec, server_model_name
 
-__all__ = ["Segment", "ServerLink", "SlotLayout", "register_slots"]
+__all__ = ["NoSharedMemoryPool", "Segment", "ServerLink", "SlotLayout", "join", "register_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,18 @@ T = TypeVar("T")
 
 _MIN_CHUNK_TOKENS = 8  # a key is rendered as eight token ids
 _SHM_DIR = "/dev/shm"
+
+
+class NoSharedMemoryPool(BackendUnavailable):
+    """The server answers but has no shared-memory pool (it was started without ``--shm-name``): kvcore
+    moves values only through that pool, so every call misses until the server is restarted with one."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(
+            f"LMCache server {url} has no shared-memory pool (it was started without --shm-name), and "
+            "kvcore moves KV only through one: restart it with `lmcache server ... "
+            "--supported-transfer-mode auto --shm-name NAME`"
+        )
 
 
 @frozen
@@ -113,7 +127,8 @@ def register_slots(
     """Register an engine-driven context of opaque ``slot_bytes`` slots (one per chunk) and map the
     server's shared-memory pool; ``mapped`` is kept while it is still the server's current pool.
 
-    Raises ``BackendUnavailable`` for a server without a pool (started without ``--shm-name``).
+    Raises ``NoSharedMemoryPool`` for a server without a pool (started without ``--shm-name``): it
+    registered the context all the same (for transfers as pickled tensors, which kvcore does not use).
     """
     payload = RegisterEngineDrivenContextPayload(
         instance_id=instance_id,
@@ -128,7 +143,7 @@ def register_slots(
     )
     reply = client.register_kv_cache_engine_driven_context(payload).result(timeout=timeout)
     if not reply.shm_name or reply.pool_size <= 0:
-        raise BackendUnavailable(f"LMCache server {url} has no shared-memory pool: start it with --shm-name")
+        raise NoSharedMemoryPool(url)
     if mapped is not None and not mapped.stale():
         return mapped
     return Segment(reply.shm_name, reply.pool_size)
@@ -140,8 +155,9 @@ class ServerLink:
     ``register`` is false on the scheduler side (lookups only; the workers register the layout, whose
     slot size is part of the server-side model name either way). The constructor never waits more
     than ``config.connect_timeout_s``: an absent server is a warning, and the heartbeat connects when
-    it appears. A chunk size that differs from ``chunk_tokens`` raises ``ConfigError`` at
-    construction, or, found later, keeps the link down with a logged error.
+    it appears. A server without a shared-memory pool is one warning that says so (again only after it
+    had one), and keeps the link down until it has one. A chunk size that differs from ``chunk_tokens``
+    raises ``ConfigError`` at construction, or, found later, keeps the link down with a logged error.
     """
 
     def __init__(
@@ -171,6 +187,7 @@ class ServerLink:
         self.client = client_factory(config.url)
         self._lock = threading.Lock()
         self._up = False
+        self._no_pool = False  # the server answers, without a pool (and holds this worker's registration)
         self.segment: Segment | None = None
         self.segment_lock = threading.Lock()
         self._stop = threading.Event()
@@ -181,7 +198,7 @@ class ServerLink:
             target=self._release_in_order, name="kvcore-lmcache-releases", daemon=True
         )
         self._releaser.start()
-        if not self._connect(config.connect_timeout_s, raise_mismatch=True):
+        if not self._connect(config.connect_timeout_s, raise_mismatch=True) and not self._no_pool:
             log.warning(
                 "kvcore: LMCache server %s did not answer within %.1fs; serving misses until it does "
                 "(start it with `lmcache server --host 127.0.0.1 --port ... --supported-transfer-mode auto"
@@ -233,7 +250,15 @@ class ServerLink:
     def require(self) -> None:
         """Raise ``BackendUnavailable`` unless calls may go to the server now."""
         if not self.available():
-            raise BackendUnavailable(f"LMCache server {self.config.url} is unavailable")
+            raise self.unavailable()
+
+    def unavailable(self) -> BackendUnavailable:
+        """Why calls may not go to the server now (``NoSharedMemoryPool`` if that is why)."""
+        with self._lock:
+            no_pool = self._no_pool
+        if no_pool:
+            return NoSharedMemoryPool(self.config.url)
+        return BackendUnavailable(f"LMCache server {self.config.url} is unavailable")
 
     # -- server sessions and their clean-up --------------------------------------------------------
 
@@ -289,6 +314,9 @@ class ServerLink:
                 raise ConfigError("chunk_tokens", self.chunk_tokens, f"the server's chunk size ({size})")
             if self._registers:
                 self._register(timeout)
+        except NoSharedMemoryPool as exc:
+            self._pool_missing(exc)
+            return False
         except ConfigError:
             if raise_mismatch:
                 self.close()
@@ -299,9 +327,16 @@ class ServerLink:
             log.debug("kvcore: connecting to %s failed: %r", self.config.url, exc)
             return False
         with self._lock:
-            self._up = True
+            self._up, self._no_pool = True, False
         self._breaker.record_success()
         return True
+
+    def _pool_missing(self, exc: NoSharedMemoryPool) -> None:
+        """The server answered a registration without a pool: down until it has one, said once."""
+        with self._lock:
+            told, self._up, self._no_pool = self._no_pool, False, True
+        if not told:
+            log.warning("kvcore: %s; serving misses until it has one", exc)
 
     def _register(self, timeout: float) -> None:
         with self.segment_lock:
@@ -332,6 +367,9 @@ class ServerLink:
             # Idempotent for a known worker; a restarted server learns the layout (and a new segment).
             if self._registers:
                 self._register(self._timeout)
+        except NoSharedMemoryPool as exc:  # restarted without one
+            self._pool_missing(exc)
+            return
         except Exception as exc:  # silence or an error reply: the server is gone or hung
             self.failed(f"heartbeat: {exc!r}")
             with self._lock:
@@ -341,19 +379,22 @@ class ServerLink:
 
     def close(self) -> None:
         """Stop the heartbeat, send the releases queued so far, unregister, unmap and close the socket.
+        Each thread is joined for a bounded time (the heartbeat is at most two requests into a beat).
         Idempotent."""
         if self._stop.is_set():
             return
         self._stop.set()
         if getattr(self, "_releaser", None) is not None and self._releaser.is_alive():
             self._releases.put(None)
-            self._releaser.join(self._timeout + 1.0)
+            join(self._releaser, self._timeout + 1.0)
         if (
             getattr(self, "_heartbeat", None) is not None
             and self._heartbeat is not threading.current_thread()
         ):
-            self._heartbeat.join(self._timeout + self.config.heartbeat_s)
-        if self._registers and self.connected:
+            join(self._heartbeat, 2 * self._timeout + 1.0)
+        with self._lock:
+            registered = self._up or self._no_pool  # the server holds this worker's registration
+        if self._registers and registered:
             try:  # waited for briefly, so that the socket is not closed under it
                 self.client.unregister_kv_cache_engine_driven_context(self.instance_id).result(
                     timeout=min(self._timeout, 1.0)
@@ -365,5 +406,15 @@ class ServerLink:
                 self.segment.close()
                 self.segment = None
         with self._lock:
-            self._up = False
+            self._up = self._no_pool = False
         self.client.close()
+
+
+def join(thread: threading.Thread, timeout: float) -> None:
+    """Join a (daemon) thread of the backend for at most ``timeout`` seconds; one still running then is
+    left to end on its own, with a warning."""
+    thread.join(timeout)
+    if thread.is_alive():
+        log.warning(
+            "kvcore: thread %s still running %.1fs after close; left to end on its own", thread.name, timeout
+        )

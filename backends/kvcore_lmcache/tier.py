@@ -31,7 +31,7 @@ from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.jobs import JobBoard, JobResult
 from kvcore.ports import BlockItem, OrderedMover, StoreItem
 from kvcore.remote import close_quietly
-from kvcore_lmcache.link import Segment, ServerLink, SlotLayout
+from kvcore_lmcache.link import Segment, ServerLink, SlotLayout, join
 from kvcore_lmcache.lookups import LookupBook
 from kvcore_lmcache.values import BlockMovers, BlockValues, HostValues, Values
 from kvcore_lmcache.wire import HEADER_BYTES, check_header, header
@@ -223,13 +223,14 @@ class LMCacheManagedTier:
 
     def close(self) -> None:
         """Fail the queued jobs at once (a job running now finishes, each wait bounded by the request
-        timeout), stop the block mover, then drop the connection. Idempotent; a later submit raises
-        ``BackendError`` (the worker fails its chunks at once)."""
+        timeout; the job thread is joined for at most two request timeouts and a second), stop the block
+        mover (a job still running then starts no more copies), then drop the connection.
+        Idempotent; a later submit raises ``BackendError`` (the worker fails its chunks at once)."""
         with self._lock:
             first, self._closing = not self._closing, True
             if first:
                 self._queue.put((2, next(self._order), None, None))
-        self._worker.join()
+        join(self._worker, 2 * self.link.config.request_timeout_s + 1.0)
         if self._mapped is not None:
             close_quietly(self._mapped[1])
             self._mapped = None
@@ -276,7 +277,7 @@ class LMCacheManagedTier:
             return mapped[1]
         mover: OrderedMover | None = None
         with self.link.segment_lock:  # the heartbeat does not unmap the pool while the mover takes it
-            if self._movers is None or pool.closed:
+            if self._movers is None or pool.closed or self._closing:  # no new mover once closing
                 return None
             try:
                 mover = self._movers.over(pool.buffer)
@@ -349,12 +350,17 @@ class LMCacheManagedTier:
             return None
         return pool
 
+    def _refused(self, job_id: JobId, values: Values) -> JobResult:
+        """Every item of a job ``_pool`` refused failed, and why."""
+        why = str(self.link.unavailable()) if not self.link.available() else "the LMCache pool is unusable"
+        return JobResult(job_id, tuple(range(len(values.keys))), why)
+
     def _store(
         self, job_id: JobId, session: RequestId, values: Values, chain: tuple[ChunkKey, ...]
     ) -> JobResult:
         pool = self._pool(values)
         if pool is None:
-            return JobResult(job_id, tuple(range(len(values.keys))), "LMCache server unavailable")
+            return self._refused(job_id, values)
         at, failed = self._placed(values.keys, chain)
         codec, client, iid = self.link.codec, self.link.client, self.link.instance_id
         server = self.link.server_session(session, f"s{job_id}")
@@ -400,7 +406,7 @@ class LMCacheManagedTier:
     ) -> JobResult:
         pool = self._pool(values)
         if pool is None:
-            return JobResult(job_id, tuple(range(len(values.keys))), "LMCache server unavailable")
+            return self._refused(job_id, values)
         at, failed = self._placed(values.keys, chain)
         if not at:
             return JobResult(job_id, tuple(failed))

@@ -1,18 +1,26 @@
-"""Helpers shared by the port suites: the marker, capability requirements, job collection, threads.
+"""Helpers shared by the port suites: the marker, capability requirements, job collection, threads, and
+the processes (servers) a backend's tests start.
 
-This module imports pytest; only the suite modules import it, never ``kvcore.testing`` itself.
+This module imports pytest; only the suite modules and tests import it, never ``kvcore.testing`` itself.
+The process helpers (``start_owned``, ``die_with_owner``, ``process_started``, ``running``) use the
+standard library alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
 import unittest
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import pytest
 
@@ -35,9 +43,11 @@ __all__ = [
     "check_wait_timeout_then_poll",
     "collect",
     "conformance",
+    "die_with_owner",
     "finish_machine",
     "fresh_keys",
     "payload",
+    "process_started",
     "require_capacity",
     "require_clear",
     "require_failure_injection",
@@ -45,8 +55,10 @@ __all__ = [
     "require_pinning",
     "require_stall",
     "run_threads",
+    "running",
     "settle",
     "split",
+    "start_owned",
     "wait_one",
 ]
 
@@ -224,3 +236,76 @@ def split(total: int, parts: int) -> Sequence[range]:
     """``parts`` disjoint, equal ranges of ``range(total)`` (the remainder unused)."""
     size = total // parts
     return [range(i * size, (i + 1) * size) for i in range(parts)]
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def start_owned(args: Sequence[str | os.PathLike[str]], **popen: Any) -> subprocess.Popen[Any]:
+    """``subprocess.Popen(args, **popen)`` for a child that dies with its owner, the calling process:
+    see ``die_with_owner``, and start it from the main thread (or one that lives as long as the owner).
+    """
+    # Ruff's PLW1509 (preexec_fn and threads): the child runs no Python that takes a lock, see below.
+    return subprocess.Popen(args, preexec_fn=die_with_owner(), **popen)  # noqa: PLW1509
+
+
+def die_with_owner() -> Callable[[], None]:
+    """A function that makes a child process die with its owner, the process calling this now: the
+    ``preexec_fn`` of ``start_owned``; after a bare ``os.fork()``, take it before the fork and call it
+    first thing in the child.
+
+    On Linux the child asks the kernel for SIGKILL when its parent goes (``prctl(PR_SET_PDEATHSIG)``,
+    kept across ``exec``), and kills itself at once if the owner went before it could ask. So a server a
+    test starts dies with the test process even when that is SIGKILLed and no clean-up code runs. The
+    signal reaches the direct child only: a child that starts servers of its own arms them too (the
+    tests' LMCache launcher does). Elsewhere the function does nothing.
+
+    The kernel sends the signal when the *thread* that forked the child exits, not the owner process:
+    start such children from the main thread, or from a thread that lives as long as the owner. A child
+    started from a short-lived helper thread is killed when that thread ends, under a live owner.
+
+    ``prctl`` is resolved here, before the fork; the child only calls it, ``os.getppid`` and
+    ``os.kill``, so the function is safe in a process that runs threads. A failing ``prctl`` raises
+    ``OSError`` in the child, which ``Popen`` re-raises in the owner.
+    """
+    if sys.platform != "linux":
+        return lambda: None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    owner = os.getpid()
+
+    def arm() -> None:
+        if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+        if os.getppid() != owner:  # the owner died before the request: nobody is left to signal us
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return arm
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """Process ``pid``'s state letter and start time (clock ticks after boot), from ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            raw = stat.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = raw[raw.rindex(b")") + 2 :].split()  # after "pid (comm) ": comm may hold spaces
+    return fields[0].decode(), int(fields[19])
+
+
+def process_started(pid: int) -> int | None:
+    """When process ``pid`` started (``None``: there is none). A pid and its start time name one process
+    for good, where a pid alone may meanwhile name another (pids are reused). Linux (``/proc``)."""
+    stat = _stat(pid)
+    return None if stat is None else stat[1]
+
+
+def running(pid: int, started: int | None = None) -> bool:
+    """Whether process ``pid`` still runs: it exists and is no zombie (a zombie has exited; only its
+    parent has not collected its status yet). With ``started`` (``process_started``), only the process
+    that started then counts. Linux (``/proc``)."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in "ZX" and (started is None or stat[1] == started)

@@ -5,6 +5,9 @@ has a unique name, and ports are free ones picked at start. Servers are forked f
 (``launcher.py``): a server starts in under a second instead of 15-25 s, so a test that kills,
 freezes or restarts a server gets its own, and every other test shares one session server with fresh
 keys. Each server runs in its own process group and is stopped by that group's id.
+
+The launcher and every server die with the test process (``start_owned``), even a SIGKILLed one; at
+the session's end the launcher's fixture checks that none of them is still running.
 """
 
 from __future__ import annotations
@@ -18,13 +21,17 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 import pytest
+
+from kvcore.testing.support import process_started, running, start_owned
 
 # lmcache 0.5.6 builds an OpenTelemetry logging handler at import that warns of its own deprecation;
 # the suite runs with warnings as errors, so take the import here, once, with that warning ignored.
@@ -63,11 +70,15 @@ def _read_line(stream: IO[str], timeout: float, what: str) -> str:
 
 
 class Launcher:
-    """The warm launcher process: ``spawn(argv, log)`` forks a server and returns its pid."""
+    """The warm launcher process: ``spawn(argv, log)`` forks a server and returns its pid.
+
+    Start it from the main thread: it dies with the thread that started it (``start_owned``), and the
+    servers it forks die with it.
+    """
 
     def __init__(self, log_dir: Path) -> None:
         with (log_dir / "launcher.log").open("ab") as log:
-            self._process = subprocess.Popen(
+            self._process: subprocess.Popen[str] = start_owned(
                 [sys.executable, str(Path(__file__).with_name("launcher.py"))],
                 env=dict(os.environ, **SERVER_ENV),
                 stdin=subprocess.PIPE,
@@ -76,6 +87,9 @@ class Launcher:
                 text=True,
                 start_new_session=True,
             )
+        self.pid = self._process.pid
+        # every process it started, with its start time (pids are reused): see ``running_processes``
+        self._started: list[tuple[int, int | None]] = [(self.pid, process_started(self.pid))]
         assert self._process.stdin is not None
         assert self._process.stdout is not None
         self._stdin, self._stdout = self._process.stdin, self._process.stdout
@@ -91,7 +105,18 @@ class Launcher:
     def spawn(self, argv: list[str], log: Path) -> int:
         self._stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
         self._stdin.flush()
-        return int(_read_line(self._stdout, READY_S, "lmcache launcher fork"))
+        pid = int(_read_line(self._stdout, READY_S, "lmcache launcher fork"))
+        self._started.append((pid, process_started(pid)))
+        return pid
+
+    def running_processes(self, within: float = GONE_S) -> list[int]:
+        """The launcher and the servers it forked that still run after at most ``within`` seconds."""
+        deadline = time.monotonic() + within
+        while (left := [pid for pid, started in self._started if running(pid, started)]) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.01)
+        return left
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -102,37 +127,42 @@ class Launcher:
         self._stdout.close()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 class LMCacheServer:
     """One ``lmcache server``: ``start``, ``kill`` (SIGKILL to its group), ``pause``/``resume``, ``restart``.
 
     A restart keeps the URL and the shared-memory name, as an operator restarting the service would.
+    ``shm_name`` is ``None`` for a server started without ``--shm-name`` (no shared-memory pool); it may
+    be changed before a (re)start.
     """
 
-    def __init__(self, launcher: Launcher, log_dir: Path, chunk_tokens: int = CHUNK_TOKENS) -> None:
+    def __init__(
+        self,
+        launcher: Launcher,
+        log_dir: Path,
+        chunk_tokens: int = CHUNK_TOKENS,
+        *,
+        shared_memory: bool = True,
+    ) -> None:
         self.port = free_port()
         self.url = f"tcp://127.0.0.1:{self.port}"
         self.chunk_tokens = chunk_tokens
-        self.shm_name = f"kvcore_test_{uuid.uuid4().hex[:10]}"
+        self.shm_name = new_shm_name() if shared_memory else None
         self._launcher = launcher
-        self._log = log_dir / f"lmcache-{self.port}.log"
+        self.log = log_dir / f"lmcache-{self.port}.log"
+        self.http_port = 0
         self.pid: int | None = None
 
     def start(self) -> None:
+        self.http_port = free_port()
         argv = [
             "server", "--host", "127.0.0.1", "--port", str(self.port),
             "--chunk-size", str(self.chunk_tokens), "--l1-size-gb", str(L1_GB), "--eviction-policy", "LRU",
-            "--supported-transfer-mode", "auto", "--shm-name", self.shm_name, "--disable-metrics",
-            "--http-host", "127.0.0.1", "--http-port", str(free_port()), "--max-workers", "1",
+            "--supported-transfer-mode", "auto", "--disable-metrics",
+            "--http-host", "127.0.0.1", "--http-port", str(self.http_port), "--max-workers", "1",
         ]  # fmt: skip
-        self.pid = self._launcher.spawn(argv, self._log)
+        if self.shm_name is not None:
+            argv += ["--shm-name", self.shm_name]
+        self.pid = self._launcher.spawn(argv, self.log)
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -140,16 +170,31 @@ class LMCacheServer:
         try:
             deadline = time.monotonic() + READY_S
             while time.monotonic() < deadline:
-                if self.pid is None or not _alive(self.pid):
-                    raise RuntimeError(f"lmcache server exited; see {self._log}")
+                if self.pid is None or not running(self.pid):
+                    raise RuntimeError(f"lmcache server exited; see {self.log}")
                 try:
                     if client.get_chunk_size().result(timeout=0.5) == self.chunk_tokens:
                         return
                 except TimeoutError:
                     continue
-            raise RuntimeError(f"lmcache server on {self.url} not ready after {READY_S}s; see {self._log}")
+            raise RuntimeError(f"lmcache server on {self.url} not ready after {READY_S}s; see {self.log}")
         finally:
             client.close()
+
+    def registered(self) -> list[int]:
+        """The instance ids of the workers whose (engine-driven) registration the server holds, from its
+        HTTP status (which may come up shortly after the server answers requests)."""
+        deadline = time.monotonic() + READY_S
+        while True:
+            try:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{self.http_port}/status", timeout=READY_S
+                ) as reply:
+                    return [int(i) for i in json.load(reply)["registered_non_cuda_instance_ids"]]
+            except urllib.error.URLError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def kill(self) -> None:
         """SIGKILL, as a crash would; returns once the process is gone. Idempotent."""
@@ -158,10 +203,11 @@ class LMCacheServer:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
         deadline = time.monotonic() + GONE_S
-        while _alive(self.pid) and time.monotonic() < deadline:
+        while running(self.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         self.pid = None
-        Path("/dev/shm", f"lmcache_l1_pool_{self.shm_name}").unlink(missing_ok=True)
+        if self.shm_name is not None:
+            Path("/dev/shm", f"lmcache_l1_pool_{self.shm_name}").unlink(missing_ok=True)
 
     def pause(self) -> None:
         """Freeze the server (SIGSTOP): it accepts requests and answers none, as after an error."""
@@ -177,13 +223,27 @@ class LMCacheServer:
         self.start()
 
 
+def new_shm_name() -> str:
+    """A shared-memory name no other server uses."""
+    return f"kvcore_test_{uuid.uuid4().hex[:10]}"
+
+
+class ServerFactory(Protocol):
+    """``server_factory``: servers (not yet started) of one test."""
+
+    def __call__(self, chunk_tokens: int = CHUNK_TOKENS, *, shared_memory: bool = True) -> LMCacheServer: ...
+
+
 @pytest.fixture(scope="session")
 def lmcache_launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
+    """The session's launcher; at the end, it and every server it started must have stopped."""
     launcher = Launcher(tmp_path_factory.mktemp("lmcache-launcher"))
     try:
         yield launcher
     finally:
         launcher.close()
+    survivors = launcher.running_processes()
+    assert not survivors, f"lmcache processes outlived the test session: {survivors}"
 
 
 @pytest.fixture(scope="session")
@@ -202,13 +262,14 @@ def lmcache_server(
 @pytest.fixture
 def server_factory(
     lmcache_launcher: Launcher, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Callable[[int], LMCacheServer]]:
-    """Servers (not yet started) of one test, killed at its end: ``factory(chunk_tokens)``."""
+) -> Iterator[ServerFactory]:
+    """Servers (not yet started) of one test, killed at its end: ``factory(chunk_tokens)``;
+    ``shared_memory=False`` leaves out ``--shm-name``."""
     made: list[LMCacheServer] = []
     log_dir = tmp_path_factory.mktemp("lmcache")
 
-    def make(chunk_tokens: int = CHUNK_TOKENS) -> LMCacheServer:
-        server = LMCacheServer(lmcache_launcher, log_dir, chunk_tokens)
+    def make(chunk_tokens: int = CHUNK_TOKENS, *, shared_memory: bool = True) -> LMCacheServer:
+        server = LMCacheServer(lmcache_launcher, log_dir, chunk_tokens, shared_memory=shared_memory)
         made.append(server)
         return server
 

@@ -4,6 +4,8 @@ A server start is mostly imports (torch, numba, fastapi, LMCache's own modules):
 2-core machine, every time. This launcher takes them once, then forks one child per requested server;
 the child runs LMCache's own command line entry point (``lmcache server ...``) in its own session, so
 it is killed, paused and resumed by its process group exactly like a server started from the shell.
+Each child dies with the launcher (``die_with_owner``), and the caller starts the launcher the same way:
+a killed test process leaves no server behind.
 
 Protocol, one line each way: the launcher prints ``ready`` once warm; then for each JSON request
 ``{"argv": [...], "log": path}`` on stdin it prints the child's pid. End of stdin ends the launcher;
@@ -19,7 +21,10 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from typing import NoReturn
+
+from kvcore.testing.support import die_with_owner
 
 _WARM = (
     "lmcache.cli.main",
@@ -28,10 +33,12 @@ _WARM = (
 )
 
 
-def _serve(argv: list[str], log: str) -> NoReturn:
-    """In the forked child: become a server, never return into the launcher's loop."""
+def _serve(argv: list[str], log: str, arm: Callable[[], None]) -> NoReturn:
+    """In the forked child: become a server that dies with the launcher (``arm``), never return into the
+    launcher's loop."""
     code = 1
     try:
+        arm()
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server waits on its own children
         out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -58,12 +65,13 @@ def main() -> int:
     # the `server` subcommand's argument modules, imported the way `lmcache server` imports them
     modules[1].register_commands(argparse.ArgumentParser().add_subparsers(), ["server"])
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the servers
+    arm = die_with_owner()  # forks happen on this (the main) thread, which lives as long as the launcher
     print("ready", flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _serve([str(arg) for arg in request["argv"]], str(request["log"]))
+            _serve([str(arg) for arg in request["argv"]], str(request["log"]), arm)
         print(pid, flush=True)
     return 0
 

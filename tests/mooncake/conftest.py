@@ -2,7 +2,8 @@
 
 Every test here runs only inside a loopback-only network namespace (Mooncake clients listen on every
 interface): the session fixture below skips them all elsewhere. Masters get random free ports and a
-short lease TTL (reads block ``remove`` only briefly); each is stopped by its pid.
+short lease TTL (reads block ``remove`` only briefly); each is stopped by its pid, dies with the test
+process even when that is SIGKILLed (``start_owned``), and has stopped by the session's end (checked).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvcore.config import ByteCount, ByteSize, MooncakeStoreConfig
+from kvcore.testing.support import start_owned
 from tests.netns import require_loopback_namespace
 
 MASTER_BIN = Path(sys.executable).parent / "mooncake_master"
@@ -34,23 +36,26 @@ def free_port() -> int:
 
 
 class Master:
-    """One ``mooncake_master`` on 127.0.0.1 that a test can kill and restart on the same port."""
+    """One ``mooncake_master`` on 127.0.0.1 that a test can kill and restart on the same port; every
+    process it starts is added to ``started``."""
 
-    def __init__(self, log_dir: Path, flags: tuple[str, ...]) -> None:
+    def __init__(self, log_dir: Path, flags: tuple[str, ...], started: list[subprocess.Popen[bytes]]) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
         self.flags = flags
         self.log = log_dir / f"master-{self.port}.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self._started = started
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        """Start it and wait (at most 10 s) until its RPC port accepts connections."""
+        """Start it (from the main thread: see ``start_owned``) and wait (at most 10 s) until its RPC port
+        accepts connections."""
         with self.log.open("ab") as log:
-            self.process = subprocess.Popen(
+            self.process = start_owned(
                 [
                     str(MASTER_BIN),
                     "--rpc_address=127.0.0.1",
@@ -65,6 +70,7 @@ class Master:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
+        self._started.append(self.process)
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -102,18 +108,33 @@ def _loopback_only() -> None:
     require_loopback_namespace()
 
 
+class Masters:
+    """The session's masters: where they log, and every process they started."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def new(self, flags: tuple[str, ...]) -> Master:
+        return Master(self.log_dir, flags, self.started)
+
+
 @pytest.fixture(scope="session")
-def _master_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("mooncake")
+def _masters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Masters]:
+    """Torn down after every fixture that starts a master: none of their processes may still run."""
+    masters = Masters(tmp_path_factory.mktemp("mooncake"))
+    yield masters
+    running = [process.args for process in masters.started if process.poll() is None]
+    assert not running, f"mooncake masters outlived the test session: {running}"
 
 
 @pytest.fixture
-def master_factory(_master_logs: Path) -> Iterator[MasterFactory]:
+def master_factory(_masters: Masters) -> Iterator[MasterFactory]:
     """``make(*flags)`` starts a master of this test's own; all are stopped after the test."""
     masters: list[Master] = []
 
     def make(*flags: str) -> Master:
-        master = Master(_master_logs, flags)
+        master = _masters.new(flags)
         masters.append(master)
         master.start()
         return master
@@ -124,9 +145,9 @@ def master_factory(_master_logs: Path) -> Iterator[MasterFactory]:
 
 
 @pytest.fixture(scope="session")
-def master(_master_logs: Path) -> Iterator[Master]:
+def master(_masters: Masters) -> Iterator[Master]:
     """A master shared by the tests that do not kill it (keys are fresh per test)."""
-    shared = Master(_master_logs, ())
+    shared = _masters.new(())
     shared.start()
     yield shared
     shared.stop()

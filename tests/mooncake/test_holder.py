@@ -1,4 +1,5 @@
-"""The segment holder: a pool that outlives the engine processes that filled it."""
+"""The segment holder: a pool that outlives the engine processes that filled it, and a holder a test
+starts dies with the test process."""
 
 from __future__ import annotations
 
@@ -10,20 +11,38 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import IO
 
 import pytest
 
 from kvcore.errors import ConfigError
 from kvcore.ports import StoreItem
-from kvcore.testing.support import fresh_keys, payload
+from kvcore.testing.support import fresh_keys, payload, process_started, running, start_owned
 from kvcore_mooncake import MooncakeChunkStore
 from kvcore_mooncake.holder import parse_config
 from tests.mooncake.conftest import Master, config_for, free_port
 
+READY_S = 20.0
+GONE_S = 5.0
+
+OWNER = """
+import subprocess, sys
+from kvcore.testing.support import start_owned
+holder = start_owned(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+print(holder.pid, holder.stdout.readline().strip(), flush=True)  # one line, even if it printed none
+sys.stdin.read()  # until killed
+"""
+"""An owner process: starts a holder (the command in its arguments) the way tests do, prints its pid
+and its first line ("ready ..." once it holds its segment), then waits."""
+
+
+def holder_argv(master: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "kvcore_mooncake.holder", "--master", master, *extra]
+
 
 def start_holder(master: str, *extra: str, stdout: int = subprocess.PIPE) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "kvcore_mooncake.holder", "--master", master, *extra],
+    return start_owned(
+        holder_argv(master, *extra),
         stdout=stdout,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -31,14 +50,19 @@ def start_holder(master: str, *extra: str, stdout: int = subprocess.PIPE) -> sub
     )
 
 
+def read_line(stream: IO[str] | None, what: str) -> str:
+    """The next line a child prints, waited for at most ``READY_S``."""
+    assert stream is not None
+    ready, _, _ = select.select([stream], [], [], READY_S)
+    assert ready, f"{what} printed nothing within {READY_S} s"
+    return stream.readline()
+
+
 @pytest.fixture
 def holder(master: Master) -> Iterator[subprocess.Popen[str]]:
     process = start_holder(master.address, "--segment-size", "32MiB")
     try:
-        assert process.stdout is not None
-        ready, _, _ = select.select([process.stdout], [], [], 20)
-        assert ready, "the holder printed nothing within 20 s"
-        assert process.stdout.readline().startswith("ready ")
+        assert read_line(process.stdout, "the holder").startswith("ready ")
         yield process
     finally:
         if process.poll() is None:
@@ -88,3 +112,36 @@ def test_pool_outlives_the_engine_and_sigterm_stops_the_holder(
         engine.close()
     os.kill(holder.pid, signal.SIGTERM)
     assert holder.wait(15) == 0
+
+
+def test_a_holder_dies_with_its_killed_owner(master: Master) -> None:
+    owner: subprocess.Popen[str] = start_owned(
+        [sys.executable, "-c", OWNER, *holder_argv(master.address, "--segment-size", "32MiB")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
+    )
+    holder = 0
+    try:
+        pid, said = read_line(owner.stdout, "the owner").split(" ", 1)
+        holder = int(pid)
+        started = process_started(holder)
+        assert said.startswith("ready ")
+        assert running(holder, started)
+
+        os.kill(owner.pid, signal.SIGKILL)  # no clean-up code of the owner runs
+        assert owner.wait(GONE_S) == -signal.SIGKILL  # reaped: it was our child
+        deadline = time.monotonic() + GONE_S
+        while running(holder, started):  # a zombie counts as gone: its new parent reaps it
+            assert time.monotonic() < deadline, f"holder {holder} outlived its owner by {GONE_S}s"
+            time.sleep(0.01)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(GONE_S)
+        if holder and running(holder):
+            os.kill(holder, signal.SIGKILL)
+        for stream in (owner.stdin, owner.stdout):
+            if stream is not None:
+                stream.close()

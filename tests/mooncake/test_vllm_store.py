@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kvcore.testing.support import start_owned
 from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     BLOCK,
     VLLM_MARKS,
@@ -38,7 +39,7 @@ pytestmark = VLLM_MARKS
 @pytest.fixture(scope="module")
 def holder(master: Master) -> Iterator[str]:
     """A segment holder: the pool lives here, so it outlives the engines (which contribute nothing)."""
-    proc = subprocess.Popen(
+    proc = start_owned(
         [
             sys.executable,
             "-m",

@@ -21,6 +21,7 @@ import zmq
 from kvcore.config import PDConfig
 from kvcore.errors import BackendUnavailable, IncompatibleLayoutError
 from kvcore.layout import LayoutKind
+from kvcore.testing.support import start_owned
 from kvcore_mooncake.pd import FreeReason, PDConsumer, PDProducer
 from kvcore_mooncake.pd.messages import Ack, Notice
 from kvcore_mooncake.pd.side_channel import SideChannelClient
@@ -89,7 +90,7 @@ def pair(
 def side_process(
     role: str, peer: str = "-", transfer: str = "-"
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    process = subprocess.Popen(
+    process = start_owned(
         [sys.executable, "-c", SIDE, role, peer, transfer],
         stdout=subprocess.PIPE,
         text=True,

@@ -395,3 +395,23 @@ def test_the_worker_keeps_its_ranks_chain_per_request(caplog: pytest.LogCaptureF
     run(ended=("r",))
     run(attrs.evolve(_save_op(6, "r", a[2:], 0), chain=()))
     assert remote.last() == ("publish", ())
+
+
+class DownStore(InMemoryChunkStore):
+    """A store whose every put is refused, as a tier that is down (or has no shared memory) refuses."""
+
+    def submit_put(self, items: Sequence[StoreItem]) -> JobId:
+        raise BackendUnavailable("the store is down")
+
+
+def test_a_tier_that_fails_every_op_is_warned_about_once_not_per_op(caplog: pytest.LogCaptureFixture) -> None:
+    rig = Rig(slots=8)
+    down = DownStore(rig.mover.host)
+    rig.worker = BlockWorker(rig.mover, remote=StoreRemote(down), slot_bytes=2 * rig.mover.host_block_bytes)
+    with caplog.at_level(logging.WARNING, logger="kvcore.worker"):
+        for n in range(4):
+            tokens = list(range(2000 + 100 * n, 2030 + 100 * n))
+            rig.serve_and_save(f"r{n}", tokens, range(8 * n, 8 * n + 8))
+    refusals = [r for r in caplog.records if "remote publish refused" in r.getMessage()]
+    assert len(refusals) == 1
+    assert rig.sched.stats().failed_save_chunks == 12  # every op still failed, and was counted
