@@ -120,9 +120,9 @@ class CudaLane:
             with torch.cuda.stream(stream):
                 stream.wait_event(after)
                 self._enqueue(direction, engine_ids, host_ids)
-        # A failure to queue fails the job; what was queued still runs, so the job is reported only
+        # Any failure to queue fails the job; what was queued still runs, so the job is reported only
         # once the stream has passed it.
-        except RuntimeError as exc:
+        except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         try:
             done = _event(blocking=True)
@@ -157,7 +157,7 @@ class CudaLane:
             try:
                 job.done.synchronize()
             # A device fault surfaces here: it fails the job instead of killing the reaper.
-            except RuntimeError as exc:
+            except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
             failed = tuple(range(job.items)) if error else ()
             self._board.finish(JobResult(job.job_id, failed, error))

@@ -1,0 +1,156 @@
+"""kvcore on a Mooncake store in a real vLLM engine at tensor-parallel size 2 (CPU build, tiny models).
+
+One engine per model, each on a master and a segment holder of its own (so every key in the store is
+that engine's), running ``tests.integration.tp2.reuse_flow`` once. Each rank has a small local pool in
+front of the store: the prompt evicted from vLLM's cache has left both ranks' pools too (checked out of
+band), so it comes back from the store. With one KV head (replicated) rank 0 alone writes the shared key
+and both ranks read it; with four (two per rank) each rank writes and reads its own shard's keys.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from attrs import frozen
+
+from kvcore.testing.support import start_owned
+from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
+    BLOCK,
+    VLLM_MARKS,
+    stop_engine,
+    tiny_model,
+    vllm_env,
+)
+from tests.integration.tp2 import (
+    CHUNK_BLOCKS,
+    EXPECTED_SAVED_CHUNKS,
+    GAUGES,
+    HEAD_COUNTS,
+    LAYERS,
+    PROMPT_CHUNKS,
+    TP,
+    ReuseRun,
+    check_bytes,
+    check_reuse,
+    host_digests_probe,
+    kv_heads_model,
+    rank_heads,
+    reuse_flow,
+    slot_bytes,
+    start_tp_engine,
+    tier_config,
+)
+from tests.mooncake.conftest import Master, Masters
+
+__all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
+
+pytestmark = VLLM_MARKS
+
+POOL_SLOTS = 8  # chunks per rank in the local pool: fewer than the evicting prompts save
+
+
+@frozen
+class StoreRun:
+    run: ReuseRun
+    keys: tuple[str, ...]  # every key in the store (the master's list) after the flow
+
+
+def _holder(master: str) -> subprocess.Popen[str]:
+    """A segment holder: the pool lives there (the engine's workers are pure clients)."""
+    proc: subprocess.Popen[str] = start_owned(
+        [sys.executable, "-m", "kvcore_mooncake.holder", "--master", master, "--segment-size", "64MiB"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("ready"):
+        proc.kill()
+        proc.wait(30)
+        pytest.fail(f"segment holder did not start: {line!r}")
+    return proc
+
+
+def _stored_keys(master: Master) -> tuple[str, ...]:
+    """Every key the master knows (its HTTP metrics server lists them)."""
+    url = f"http://127.0.0.1:{master.metrics_port}/get_all_keys"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return tuple(answer.read().decode().split())
+
+
+@pytest.fixture(scope="module", params=HEAD_COUNTS, ids=lambda heads: f"kv_heads={heads}")
+def store_run(request: pytest.FixtureRequest, vllm_env: Path, _masters: Masters) -> StoreRun:
+    heads: int = request.param
+    master = _masters.new(())  # the engine's own: every key in it is this engine's
+    master.start()
+    try:
+        holder = _holder(master.address)
+        try:
+            backend = {
+                "kind": "mooncake_store",
+                "master": master.address,
+                "segment_size": 0,
+                "local_size": POOL_SLOTS * TP * slot_bytes(heads),  # the total over both ranks
+            }
+            llm = start_tp_engine(kv_heads_model(vllm_env, heads), heads, tier_config(backend))
+            try:
+                run = reuse_flow(llm, heads, host_digests_probe, seed=8900 + heads)
+            finally:
+                stop_engine(llm)
+            return StoreRun(run, _stored_keys(master))
+        finally:
+            holder.terminate()
+            holder.wait(30)
+    finally:
+        master.stop()
+
+
+def test_evicted_prompt_is_served_from_the_store_with_the_tokens_of_vllms_own_hit(
+    store_run: StoreRun,
+) -> None:
+    check_reuse(store_run.run)
+
+
+def test_each_rank_loads_its_shard_from_the_store(store_run: StoreRun) -> None:
+    run = store_run.run
+    # with one head, rank 1 reads the key rank 0 wrote (and holds the same bytes itself)
+    check_bytes(run, writers=(0, 0) if run.kv_heads < TP else (0, 1))
+    for load in run.loads:  # neither rank's pool held the prompt any more: the bytes came from the store
+        assert not set(load.digests) & run.resident[load.rank], f"rank {load.rank} loaded from its pool"
+        assert load.host_blocks, "a load from the store stages through the pool"
+
+
+def test_shard_keys_are_one_per_writer(store_run: StoreRun) -> None:
+    run = store_run.run
+    by_shard: dict[str, set[str]] = defaultdict(set)
+    namespaces = set()
+    for key in store_run.keys:
+        kind, namespace, shard, chunk = key.split("/")
+        assert kind == "kv", key
+        namespaces.add(namespace)
+        by_shard[shard].add(chunk)
+    assert len(namespaces) == 1, namespaces
+    # one shard per distinct head range: two when the heads are split, one (rank 0's) when replicated
+    ranges = sorted({(r.start, r.stop) for r in (rank_heads(run.kv_heads, TP, rank) for rank in range(TP))})
+    assert sorted(by_shard) == [f"l0-{LAYERS}.h{start}-{stop}.c0.g0" for start, stop in ranges]
+    chunks = list(by_shard.values())
+    assert all(shard == chunks[0] for shard in chunks)  # every writer published every chunk
+    assert len(chunks[0]) == EXPECTED_SAVED_CHUNKS
+    assert len(store_run.keys) == len(ranges) * EXPECTED_SAVED_CHUNKS
+
+
+def test_every_rank_reported_every_op(store_run: StoreRun) -> None:
+    run = store_run.run
+    assert run.gauges == dict.fromkeys(GAUGES, 0.0)
+    assert run.counters == {
+        "hit_tokens": PROMPT_CHUNKS * CHUNK_BLOCKS * BLOCK,
+        "loaded_blocks": PROMPT_CHUNKS * CHUNK_BLOCKS,
+        "saved_blocks": EXPECTED_SAVED_CHUNKS * CHUNK_BLOCKS,
+        "failed_load_blocks": 0,
+        "failed_save_chunks": 0,
+    }
