@@ -36,7 +36,7 @@ class _Stage(enum.Enum):
 class _Run:
     """One op on its way through its stages."""
 
-    __slots__ = ("abandoned", "error", "failed", "op", "refused", "stage", "staged")
+    __slots__ = ("abandoned", "copied", "error", "failed", "op", "refused", "stage", "staged")
 
     def __init__(self, op: BlockOp) -> None:
         self.op = op
@@ -46,6 +46,7 @@ class _Run:
         self.failed: set[int] = set()
         self.error: str | None = None
         self.staged: tuple[RemoteChunk, ...] = ()  # the chunks of the current remote job, in item order
+        self.copied: tuple[int, ...] = ()  # the op's block indices in the mover job, in its order
 
 
 class _Repeats:
@@ -169,7 +170,8 @@ class BlockWorker:
                 writing.append(op_id)
         if not writing:
             return
-        self._ready.extend(self.wait(writing, self._fence_timeout if timeout is None else timeout))
+        done = self.wait(writing, self._fence_timeout if timeout is None else timeout)
+        self._ready.extend(done)  # after the wait, which takes (and so replaces) the ready list
         late = [op_id for op_id in writing if op_id in self._current]
         if late:
             log.error("kvcore: loads %s into freed blocks still copying after the fence; halting", late)
@@ -223,12 +225,20 @@ class BlockWorker:
         return queue
 
     def _start_copy(self, run: _Run) -> None:
+        """Copy the op's blocks that have not failed already (a load never copies a chunk whose fetch
+        failed: its slot holds no KV, and its blocks are the engine's to recompute)."""
         op = run.op
         run.stage = _Stage.COPY
+        run.copied = tuple(i for i in range(len(op.engine_blocks)) if i not in run.failed)
+        if not run.copied:
+            self._done(run)
+            return
+        engine = [op.engine_blocks[i] for i in run.copied]
+        host = [op.host_blocks[i] for i in run.copied]
         try:
             if self._mover is None:
                 raise UsageError("this worker has no host slots to copy to or from")
-            job = self._mover.submit(BlockTransfer(op.direction, op.engine_blocks, op.host_blocks))
+            job = self._mover.submit(BlockTransfer(op.direction, engine, host))
         except UsageError as exc:
             log.warning("kvcore: op %d refused by the mover: %s", op.op_id, exc)
             run.failed.update(range(len(op.engine_blocks)))
@@ -313,7 +323,7 @@ class BlockWorker:
                     run.failed.update(range(len(run.op.engine_blocks)))
                     run.error = result.error
                 else:
-                    run.failed.update(result.failed)
+                    run.failed.update(run.copied[i] for i in result.failed)
             else:
                 bad = range(len(run.staged)) if result.error is not None else result.failed
                 self._fail_chunks(run, [run.staged[i] for i in bad])

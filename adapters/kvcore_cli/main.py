@@ -65,6 +65,37 @@ def _bench(args: argparse.Namespace) -> int:
     return run_benchmarks(args.names, quick=args.quick)
 
 
+def _fuzz(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvcore_cli.fuzz import FuzzFailure, FuzzOptions, run_fuzz
+
+    if not args.verbose:  # the faults are injected on purpose: kvcore's warnings about them are expected
+        logging.getLogger("kvcore").setLevel(logging.ERROR)
+    options = FuzzOptions(
+        remote=args.remote,
+        preempt=not args.no_preempt,
+        reset=not args.no_reset,
+        faults=not args.no_faults,
+        recompute_late=not args.hold_late_loads,
+        engine_blocks=args.engine_blocks,
+        pool_slots=args.pool_slots,
+        trace=args.trace,
+    )
+    failed = 0
+    for seed in range(args.seed, args.seed + args.runs):
+        try:
+            summary = run_fuzz(seed, args.steps, options)
+        except FuzzFailure as exc:
+            print(exc, file=sys.stderr)
+            failed += 1
+            continue
+        print(summary.render() if args.runs == 1 else summary.brief())
+    if args.runs > 1:
+        print(f"{args.runs - failed} of {args.runs} seeds passed")
+    return 1 if failed else 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcore", description="Move and reuse LLM KV cache.")
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -88,6 +119,25 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("names", nargs="*", help="hashing, pool, copy, plan (default: all)")
     bench.add_argument("--quick", action="store_true", help="a few seconds each")
     bench.set_defaults(run=_bench)
+
+    fuzz = verbs.add_parser(
+        "fuzz", help="drive the scheduler and the CPU worker with a seeded engine; check every block"
+    )
+    fuzz.add_argument("--steps", type=int, default=300, help="engine steps per run (default 300)")
+    fuzz.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
+    fuzz.add_argument("--runs", type=int, default=1, help="seeds to run, from --seed on (default 1)")
+    fuzz.add_argument("--remote", action="store_true", help="a remote tier (in-memory store) behind the pool")
+    fuzz.add_argument("--no-preempt", action="store_true", help="no random preemptions")
+    fuzz.add_argument("--no-reset", action="store_true", help="no resets")
+    fuzz.add_argument("--no-faults", action="store_true", help="no failing, late or stalling jobs")
+    fuzz.add_argument(
+        "--hold-late-loads", action="store_true", help="hold a request until its late load is reported"
+    )
+    fuzz.add_argument("--engine-blocks", type=int, default=40, help="engine KV blocks (default 40)")
+    fuzz.add_argument("--pool-slots", type=int, default=16, help="host pool, in chunks (default 16)")
+    fuzz.add_argument("--trace", type=int, default=40, help="API calls shown with a failure (default 40)")
+    fuzz.add_argument("--verbose", action="store_true", help="show kvcore's warnings")
+    fuzz.set_defaults(run=_fuzz)
 
     vllm = verbs.add_parser("vllm-config", help="print the --kv-transfer-config JSON for vLLM")
     vllm.add_argument("--backend", default="cpu", help="cpu (default), mooncake or lmcache")

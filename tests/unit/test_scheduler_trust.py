@@ -7,7 +7,9 @@ failures); ``tests/backends/test_trust_cpu.py`` runs the fencing cases on the re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import threading
 from collections.abc import Sequence
 
 import pytest
@@ -458,3 +460,38 @@ def test_save_refuses_keys_of_the_other_kind() -> None:
     assert eng.sched.lookup(a, tokens=TOKENS) == 0
     with pytest.raises(InvalidSpecError, match="block_hashes"):
         eng.sched.save(a, range(8), num_tokens=30, block_hashes=_block_hashes(TOKENS), hash_block_tokens=4)
+
+
+def test_a_load_the_fence_waited_for_is_still_reported() -> None:
+    eng = Engine()
+    eng.serve_and_save("a", TOKENS, range(8))
+    b = RequestId("b")
+    assert eng.sched.lookup(b, tokens=TOKENS) == 24
+    eng.sched.start_load(b, range(20, 28))
+    stall = contextlib.ExitStack()
+    stall.enter_context(eng.mover.stall())
+    eng.execute()  # the copy into b's blocks is queued behind the stall
+    eng.sched.preempt(b)
+    threading.Timer(0.2, stall.close).start()  # the copy runs while the fence waits for it
+    eng.execute()
+    eng.sched.complete(eng.worker.reports())
+    assert eng.sched.stats().ops_in_flight == 0
+    assert eng.sched.abort(b) is False  # nothing holds its blocks any more
+    eng.sched.finish(RequestId("a"))
+    eng.quiet()
+
+
+def test_a_chunk_whose_fetch_failed_is_never_copied_into_the_engine() -> None:
+    eng = Engine(slots=3, remote=True)
+    assert eng.store is not None
+    eng.serve_and_save("a", TOKENS, range(8))
+    eng.serve_and_save("x", list(range(500, 530)), range(8, 16))  # a's chunks now only in the store
+    b = RequestId("b")
+    assert answer(eng.sched, b, TOKENS) == 24
+    eng.sched.start_load(b, range(20, 28))
+    mine = eng.fill(range(20, 28), "b-before")
+    eng.store.fail_next(1)  # the first chunk's fetch fails: its slot holds no KV
+    eng.step()
+    errors = eng.sched.take_load_errors()[b]
+    assert errors[:2] == (20, 21)
+    assert [eng.mover.read_engine_block(b) for b in (20, 21)] == [mine[20], mine[21]]  # not overwritten
