@@ -1,0 +1,259 @@
+"""The ports kvcore is given in a fuzz run, with seeded faults: the ``BlockMover`` over the CPU tier's real
+mover and, with ``remote``, the remote tier and the remote index over the in-memory reference store and
+index. Jobs fail (wholly or in part) or finish steps late; lookups fail or stall.
+
+``FaultyPorts`` builds them from the seed and answers for them as a whole. The mover and remote classes
+keep a leading underscore in their names because a closed one names its class when it refuses a job, and
+``kvcore fuzz --verbose`` prints that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import cast
+
+from kvcore.errors import BackendError, UsageError
+from kvcore.ids import ChunkKey, JobId, LookupId
+from kvcore.jobs import JobResult
+from kvcore.ports import BlockMover, BlockTransfer, Direction, StoreItem
+from kvcore.remote import StoreRemote
+from kvcore.testing.memory import InMemoryChunkIndex, InMemoryChunkStore
+from kvcore_cli.fuzz.options import FuzzOptions
+from kvcore_cli.fuzz.postponed import INNER_WAIT_S, Fate, Postponed
+from kvcore_cli.fuzz.results import FuzzSummary
+from kvcore_cli.fuzz.trace import Clock
+from kvcore_cpu.host_memory import HostMemory
+
+__all__ = ["FaultyPorts", "Spoil"]
+
+Spoil = Callable[[Direction, int, str], None]
+"""Leaves garbage in the destination block of a failed copy: an engine block (load) or a host block."""
+
+P_STALL = 0.06  # the remote index answers nothing for 1 to 4 steps
+P_LOOKUP_FAIL = 0.1
+
+
+class FaultyPorts:
+    """The mover, and with ``options.remote`` the remote tier and index, each with its own seeded stream of
+    faults (none without ``options.faults``). A failed copy leaves garbage through ``spoil``; the remote
+    store keeps its values in ``host``'s buffer, as a Mooncake client registers the pool."""
+
+    def __init__(
+        self,
+        seed: int,
+        options: FuzzOptions,
+        clock: Clock,
+        mover: BlockMover,
+        spoil: Spoil,
+        host: HostMemory,
+        slot_bytes: int,
+    ) -> None:
+        self._clock = clock
+        self._faults = options.faults
+        rng = random.Random(f"kvcore-fuzz:{seed}:mover")
+        self.mover = _FaultyMover(mover, clock, rng, options.faults, spoil)
+        self.index: _FaultyIndex | None = None
+        self.remote: _FaultyRemote | None = None
+        if options.remote:
+            self.index = _FaultyIndex(InMemoryChunkIndex())
+            # a memoryview slices and assigns as the bytearray it is annotated with does
+            view = cast(bytearray, host.buffer.numpy().data)
+            store = InMemoryChunkStore(view, capacity=4 * options.pool_slots * slot_bytes)
+            rng = random.Random(f"kvcore-fuzz:{seed}:remote")
+            self.remote = _FaultyRemote(store, self.index.inner, clock, rng, options.faults)
+
+    def weather(self, rng: random.Random) -> None:
+        """The remote index stalls for a few steps, or fails its next answer, as the engine's ``rng``
+        decides."""
+        index = self.index
+        if index is None or not self._faults:
+            return
+        step = self._clock.step
+        if index.stalled and step >= index.stall_until:
+            index.resume()
+        if not index.stalled and rng.random() < P_STALL:
+            index.stall(until=step + rng.randint(1, 4))
+        if rng.random() < P_LOOKUP_FAIL:
+            index.inject_failure()
+
+    def resume(self) -> None:
+        """End a stall of the remote index."""
+        if self.index is not None:
+            self.index.resume()
+
+    def held(self) -> int:
+        """Jobs held for a later step."""
+        return self.mover.held() + (self.remote.held() if self.remote else 0)
+
+    def count(self, summary: FuzzSummary) -> None:
+        """Put the faults injected, and the step the mover was closed at, into ``summary``."""
+        summary.mover_faults = self.mover.failed
+        summary.remote_faults = self.remote.failed if self.remote else 0
+        summary.late_jobs = self.mover.late + (self.remote.late if self.remote else 0)
+        summary.lookup_faults = self.index.failures if self.index else 0
+        summary.index_stalls = self.index.stalls if self.index else 0
+        summary.halted_at = self.mover.closed_at
+
+
+class _FaultyMover(Postponed):
+    """The ``BlockMover`` port over the real mover, with seeded fates: a failed copy also leaves garbage in
+    its destination blocks (``spoil``), as the port allows.
+
+    Transfers the real mover refuses are kept in ``refused``: the engine never hands kvcore bad block ids,
+    so each is a copy kvcore planned wrongly (a destination twice, a block out of range).
+    """
+
+    def __init__(
+        self, inner: BlockMover, clock: Clock, rng: random.Random, chaos: bool, spoil: Spoil
+    ) -> None:
+        super().__init__(clock, rng, chaos)
+        self._inner = inner
+        self._spoil = spoil
+        self.refused: list[str] = []
+
+    def submit(self, transfer: BlockTransfer) -> JobId:
+        size = len(transfer.engine_blocks)
+        fate = self._fate(size)
+        spoilt = tuple(sorted(self._rng.sample(range(size), fate.failing)))
+        return self._hold(fate, size, partial(self._run, transfer, spoilt))
+
+    def _run(self, transfer: BlockTransfer, spoilt: tuple[int, ...], job: JobId) -> JobResult:
+        size = len(transfer.engine_blocks)
+        try:
+            inner = self._inner.submit(transfer)
+        except UsageError as exc:
+            self.refused.append(f"{_describe(transfer)}: {exc}")
+            return JobResult(job, tuple(range(size)), str(exc))
+        (result,) = self._inner.wait([inner], INNER_WAIT_S)
+        load = transfer.direction is Direction.LOAD
+        for i in spoilt:
+            block = transfer.engine_blocks[i] if load else transfer.host_blocks[i]
+            self._spoil(transfer.direction, block, f"garbage of failed {transfer.direction.value} job {job}")
+        whole = len(spoilt) == size and size > 0
+        error = result.error or ("injected: the copy failed" if whole else None)
+        return JobResult(job, tuple(sorted({*result.failed, *spoilt})), error)
+
+
+class _FaultyRemote(Postponed):
+    """The remote tier (``StoreRemote`` over the in-memory reference store) with seeded fates: items fail
+    through the store's own ``fail_next``. A publish registers the keys it stored in the remote index, as
+    a store's metadata service would; the index is not told of evictions, so it may promise a chunk the
+    store lost (the fetch then misses)."""
+
+    def __init__(
+        self,
+        store: InMemoryChunkStore,
+        index: InMemoryChunkIndex,
+        clock: Clock,
+        rng: random.Random,
+        chaos: bool,
+    ) -> None:
+        super().__init__(clock, rng, chaos)
+        self._store = store
+        self._index = index
+        self._remote = StoreRemote(store)
+
+    def submit_fetch(self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()) -> JobId:
+        return self._submit(self._remote.submit_fetch, session, items, chain, publish=False)
+
+    def submit_publish(
+        self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        return self._submit(self._remote.submit_publish, session, items, chain, publish=True)
+
+    def end_session(self, session: str) -> None:
+        self._remote.end_session(session)
+
+    def _submit(
+        self,
+        submit: Callable[[str, Sequence[StoreItem], Sequence[ChunkKey]], JobId],
+        session: str,
+        items: Sequence[StoreItem],
+        chain: Sequence[ChunkKey],
+        *,
+        publish: bool,
+    ) -> JobId:
+        fate = self._fate(len(items))
+        work = partial(self._run, submit, session, tuple(items), tuple(chain), fate, publish)
+        return self._hold(fate, len(items), work)
+
+    def _run(
+        self,
+        submit: Callable[[str, Sequence[StoreItem], Sequence[ChunkKey]], JobId],
+        session: str,
+        items: tuple[StoreItem, ...],
+        chain: tuple[ChunkKey, ...],
+        fate: Fate,
+        publish: bool,
+        job: JobId,
+    ) -> JobResult:
+        if fate.failing:
+            self._store.fail_next(fate.failing)
+        (result,) = self._remote.wait([submit(session, items, chain)], INNER_WAIT_S)
+        if publish:
+            self._index.add(item.key for i, item in enumerate(items) if i not in result.failed)
+        return JobResult(job, result.failed, result.error)
+
+
+class _FaultyIndex:
+    """The remote index the scheduler asks: the in-memory reference, stalling while told to, and failing
+    through its own ``fail_next`` but never twice in a row. Three failures in a row open the lookup's
+    circuit breaker, whose back-off is wall-clock time: the run would then depend on the machine's speed."""
+
+    def __init__(self, inner: InMemoryChunkIndex) -> None:
+        self.inner = inner
+        self.failures = 0
+        self.stalls = 0
+        self.stall_until = 0
+        self._stall: contextlib.ExitStack | None = None
+        self._armed = False
+        self._in_a_row = 0
+
+    @property
+    def stalled(self) -> bool:
+        return self._stall is not None
+
+    def stall(self, until: int) -> None:
+        """Answer no lookup until ``resume``, which the weather calls at step ``until``."""
+        self._stall = contextlib.ExitStack()
+        self._stall.enter_context(self.inner.stall())
+        self.stall_until = until
+        self.stalls += 1
+
+    def resume(self) -> None:
+        if self._stall is not None:
+            self._stall.close()
+            self._stall = None
+
+    def inject_failure(self) -> None:
+        """Make the next answered lookup fail, unless the last one failed or a failure is pending."""
+        if not self._armed and not self._in_a_row:
+            self.inner.fail_next(1)
+            self._armed = True
+
+    def submit_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
+        return self.inner.submit_lookup(chunks, preceding)
+
+    def poll_lookup(self, lookup_id: LookupId) -> int | None:
+        try:
+            answer = self.inner.poll_lookup(lookup_id)
+        except BackendError:
+            self._armed = False
+            self._in_a_row += 1
+            self.failures += 1
+            raise
+        if answer is not None:
+            self._in_a_row = 0
+        return answer
+
+    def cancel_lookup(self, lookup_id: LookupId) -> None:
+        self.inner.cancel_lookup(lookup_id)
+
+
+def _describe(transfer: BlockTransfer) -> str:
+    return f"{transfer.direction.value} e{list(transfer.engine_blocks)} h{list(transfer.host_blocks)}"

@@ -1,0 +1,39 @@
+"""What a fuzz run exercises: ``FuzzOptions``, one field per flag of ``kvcore fuzz``, so that the replay
+line of a failure selects the same run."""
+
+from __future__ import annotations
+
+from attrs import frozen
+
+__all__ = ["FuzzOptions"]
+
+
+@frozen
+class FuzzOptions:
+    """What a run exercises. Every field is a flag of ``kvcore fuzz``, so a failure's replay line is exact.
+
+    ``engine_blocks`` is the engine's KV memory (few, so blocks are reused at once) and ``pool_slots`` the
+    host pool in chunks (few, so chunks are evicted).
+    """
+
+    remote: bool = False
+    preempt: bool = True
+    reset: bool = True
+    faults: bool = True
+    recompute_late: bool = True  # rule 4: recompute a late load's blocks at once (half the time), or hold
+    engine_blocks: int = 40
+    pool_slots: int = 16
+    trace: int = 40  # API calls shown with a failure
+
+    def flags(self) -> str:
+        """The command-line flags that select these options (defaults left out)."""
+        default = FuzzOptions()
+        out = ["--remote"] if self.remote else []
+        out += [f"--no-{name}" for name in ("preempt", "reset", "faults") if not getattr(self, name)]
+        out += [] if self.recompute_late else ["--hold-late-loads"]
+        out += [
+            f"--{name.replace('_', '-')} {getattr(self, name)}"
+            for name in ("engine_blocks", "pool_slots")
+            if getattr(self, name) != getattr(default, name)
+        ]
+        return " ".join(out)

@@ -1,0 +1,113 @@
+"""``run_fuzz``: one seeded run. It puts kvcore's two sides over the CPU tier, a small model's engine KV and
+a small host pool (``CacheScheduler``, and a ``BlockWorker`` over the fuzzer's faulty ports), builds the
+model engine and the oracle over them, runs the engine and drains it, and closes kvcore's sides."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from kvcore.config import KVCoreConfig, load_config
+from kvcore.engine import EngineSpec
+from kvcore.errors import UsageError
+from kvcore.layout import KVLayout, LayoutKind
+from kvcore.ports import Direction
+from kvcore.scheduler import CacheScheduler
+from kvcore.worker import BlockWorker
+from kvcore_cli.fuzz.checks import KVChecks
+from kvcore_cli.fuzz.connector import Connector
+from kvcore_cli.fuzz.engine import ModelEngine
+from kvcore_cli.fuzz.faulty_ports import FaultyPorts
+from kvcore_cli.fuzz.memory import EngineMemory
+from kvcore_cli.fuzz.options import FuzzOptions
+from kvcore_cli.fuzz.oracle import Bytes, KVOracle
+from kvcore_cli.fuzz.requests import BLOCK_TOKENS, RequestBook
+from kvcore_cli.fuzz.results import FuzzSummary
+from kvcore_cli.fuzz.trace import Clock, Trace
+from kvcore_cpu.tier import open_worker, pool_slots
+
+__all__ = ["run_fuzz"]
+
+CHUNK_TOKENS = 12  # three blocks a chunk: loads start inside chunks the engine partly holds
+LAYERS = 2
+KV_HEADS = 2
+HEAD_SIZE = 4
+HASH_IDENTITY = "kvcore-fuzz/sha256-block-chain"
+LOOKUP_TIMEOUT_S = 86_400.0  # lookups end by steps, never by the machine's speed
+
+
+def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzSummary:
+    """Run ``steps`` engine steps from ``seed``, then drain; ``FuzzFailure`` on the first failed check."""
+    options = options or FuzzOptions()
+    rng = random.Random(f"kvcore-fuzz:{seed}:engine")
+    summary = FuzzSummary(seed=seed)
+    clock = Clock()
+    trace = Trace(seed, steps, options, clock)
+    spec = _spec(options.engine_blocks)
+    storage = torch.zeros(
+        (LAYERS, options.engine_blocks, KV_HEADS, BLOCK_TOKENS, 2 * HEAD_SIZE), dtype=torch.bfloat16
+    )
+    # [layer, block, head, token slot, K and V bytes]: a block's bytes, slot by slot
+    kv: Bytes = storage.view(torch.uint8).numpy()
+    slot_bytes = CHUNK_TOKENS // BLOCK_TOKENS * spec.host_block_bytes
+    config = _config(options, slot_bytes)
+    cpu = open_worker(config, spec, list(storage.unbind(0)))
+    if cpu.mover is None or cpu.host is None:
+        raise UsageError("the CPU tier opened without a host pool")
+    host_kv: Bytes = cpu.host.blocks.numpy().reshape(-1, LAYERS, *kv.shape[2:])
+    oracle = KVOracle(kv[:, 0].shape)
+
+    def spoil(direction: Direction, block: int, why: str) -> None:
+        oracle.scribble(kv[:, block] if direction is Direction.LOAD else host_kv[block], why)
+
+    ports = FaultyPorts(seed, options, clock, cpu.mover, spoil, cpu.host, slot_bytes)
+    sched = CacheScheduler(
+        config, spec, pool_slots(config, spec), hash_identity=HASH_IDENTITY, remote=ports.index
+    )
+    worker = BlockWorker(ports.mover, remote=ports.remote, slot_bytes=slot_bytes if ports.remote else 0)
+    memory = EngineMemory(kv, oracle)
+    book = RequestBook()
+    checks = KVChecks(memory, oracle, book, host_kv, trace)
+    connector = Connector(
+        sched, worker, ports, memory, book, checks, trace, summary, rng, options.recompute_late
+    )
+    engine = ModelEngine(rng, clock, options, memory, book, connector, ports, trace, summary)
+    try:
+        engine.run(steps)
+    finally:
+        ports.resume()
+        sched.close()
+        cpu.close()
+    summary.steps = steps
+    ports.count(summary)
+    summary.evictions = sched.stats().pool.evictions
+    return summary
+
+
+def _spec(engine_blocks: int) -> EngineSpec:
+    layout = KVLayout(
+        kind=LayoutKind.VLLM_CPU,
+        num_blocks=engine_blocks,
+        block_tokens=BLOCK_TOKENS,
+        num_kv_heads=KV_HEADS,
+        head_size=HEAD_SIZE,
+        dtype_size=2,
+    )
+    return EngineSpec(
+        model_id="kvcore-fuzz",
+        kv_dtype="bfloat16",
+        num_layers=LAYERS,
+        total_kv_heads=KV_HEADS,
+        layout=layout,
+    )
+
+
+def _config(options: FuzzOptions, slot_bytes: int) -> KVCoreConfig:
+    return load_config(
+        {
+            "backend": {"kind": "cpu", "size": options.pool_slots * slot_bytes},
+            "chunk_tokens": CHUNK_TOKENS,
+            "lookup_timeout_s": LOOKUP_TIMEOUT_S,
+        }
+    )
