@@ -96,7 +96,7 @@ def lmcache_server(l1_gb: float) -> Iterator[tuple[str, float]]:
     url = f"tcp://127.0.0.1:{port}"
     started = time.monotonic()
     process = start_owned(
-        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0
     )
     try:
         client = RequestClientFactory.create(url)

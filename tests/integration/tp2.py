@@ -80,9 +80,10 @@ EVICTING = tuple(prompt(9100 + i, 1500) for i in range(3))  # 3 x 12 blocks thro
 # prompts; the short prompts that let the gauges settle hold no full chunk.
 EXPECTED_SAVED_CHUNKS = PROMPT_CHUNKS + sum(len(p) // CHUNK for p in EVICTING)
 # Each rank computes on one core, which every thread of the rank (its tier's included) shares; a shared
-# tier's server shares the machine's two cores with both ranks. Replies then take seconds at times (seen
-# with LMCache at TP 2 under load: stores of both ranks 7 s from prepare to commit, a first lookup
-# unanswered for 30 s). The tests check what kvcore serves, not how fast: every wait is generous.
+# tier's server shares the machine's two cores with both ranks, which busy-poll while the engine steps
+# empty batches (it does while kvcore waits on the server). The servers run in the test's session so that
+# the kernel's autogroup scheduling does not starve them (tests/lmcache/launcher.py says how badly); the
+# tests check what kvcore serves, not how fast: every wait is generous.
 PATIENCE_S = 30.0
 GAUGES = ("pool_pinned", "pool_storing", "ops_in_flight", "requests")
 COUNTERS = ("hit_tokens", "loaded_blocks", "saved_blocks", "failed_load_blocks", "failed_save_chunks")

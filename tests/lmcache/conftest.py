@@ -85,7 +85,7 @@ class Launcher:
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
-                start_new_session=True,
+                process_group=0,  # not a session: see launcher.py on scheduling groups
             )
         self.pid = self._process.pid
         # every process it started, with its start time (pids are reused): see ``running_processes``

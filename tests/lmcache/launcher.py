@@ -2,10 +2,19 @@
 
 A server start is mostly imports (torch, numba, fastapi, LMCache's own modules): 15-25 s on a loaded
 2-core machine, every time. This launcher takes them once, then forks one child per requested server;
-the child runs LMCache's own command line entry point (``lmcache server ...``) in its own session, so
-it is killed, paused and resumed by its process group exactly like a server started from the shell.
-Each child dies with the launcher (``die_with_owner``), and the caller starts the launcher the same way:
-a killed test process leaves no server behind.
+the child runs LMCache's own command line entry point (``lmcache server ...``) in its own process group,
+so it is killed, paused and resumed by that group exactly like a server started from the shell. Each
+child dies with the launcher (``die_with_owner``), and the caller starts the launcher the same way: a
+killed test process leaves no server behind.
+
+Neither the launcher nor a server starts a session of its own: a new session is a new scheduling group
+to Linux (autogroup), which shares the CPU with the test's group as one entity, however many threads
+are runnable in each. An engine at TP 2 on two cores keeps both busy while it waits on a server (vLLM
+steps an empty batch after empty batch, and each rank, pinned to its core, busy-polls between steps);
+a server in a group of its own was then measured runnable and unscheduled for seconds on end (45 ms of
+CPU in 19 s with up to 11 threads runnable, while the engine took 34 s), so that the engine's waits ran
+into their timeouts. In the test's group, the server's threads compete one by one with the engine's
+and answer in milliseconds.
 
 Protocol, one line each way: the launcher prints ``ready`` once warm; then for each JSON request
 ``{"argv": [...], "log": path}`` on stdin it prints the child's pid. End of stdin ends the launcher;
@@ -39,7 +48,7 @@ def _serve(argv: list[str], log: str, arm: Callable[[], None]) -> NoReturn:
     code = 1
     try:
         arm()
-        os.setsid()
+        os.setpgid(0, 0)  # a group of its own, in the caller's session: see the module's docstring
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server waits on its own children
         out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
