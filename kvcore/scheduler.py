@@ -1,12 +1,12 @@
 """The scheduler side of kvcore for any engine: lookups, load specs, slot bookkeeping and the step's ops.
 
-It decides everything and touches no KV byte (DESIGN §3): it hashes a request's tokens into chunk keys
-(or regroups the engine's own block hashes, hashing nothing), asks the index how many leading chunks it
-holds, turns that into a block-aligned ``LoadSpec``, pins slots for loads and reserves slots for saves in the
-``BlockPool``, and hands the copies to the workers as ``BlockOp``s in a ``StepPlan``. Worker reports come
-back through ``complete``; only then are pins released and stores published, because a copy in flight may
-still read or write a slot. Failures never raise into the engine: a failed load is a list of blocks to
-recompute, a failed save a dropped slot.
+It decides everything and touches no KV byte: it keys a request's chunks (``request_keys``), asks the
+index how many leading chunks it holds, turns that into a block-aligned ``LoadSpec``, pins slots for
+loads and reserves slots for saves in the ``BlockPool`` (what is worth saving: ``admission``), and hands
+the copies to the workers as ``BlockOp``s in a ``StepPlan``. Worker reports come back through
+``complete`` (the ops in flight: ``ledger``); only then are pins released and stores published, because a
+copy in flight may still read or write a slot. Failures never raise into the engine: a failed load is a
+list of blocks to recompute, a failed save a dropped slot.
 
 Typical use, one step of an engine::
 
@@ -19,25 +19,23 @@ Typical use, one step of an engine::
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import logging
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import cast
 
 from attrs import frozen
 
+from kvcore.admission import Sightings
 from kvcore.block_pool import BlockPool, PoolEvent, PoolUsage
 from kvcore.checks import check_block_table, is_int_in
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError
 from kvcore.eviction import make_policy
-from kvcore.hashing import NO_EXTRA, ChunkHasher, ExtraKeys, regroup_block_hashes
+from kvcore.hashing import NO_EXTRA, ExtraKeys
 from kvcore.ids import ChunkKey, JobId, RequestId
-from kvcore.keys import Keyspace, Namespace, Shard, writes
-from kvcore.layout import LayoutKind
+from kvcore.keys import Keyspace
+from kvcore.ledger import InFlightOp, OpLedger
 from kvcore.lifecycle import JobRole, Phase, RequestTable, RequestTracker
 from kvcore.load_spec import ChunkPiece, LoadSpec, check_local_tokens, hit_tokens, plan_load
 from kvcore.lookup import PendingLookup, PrefixLookup
@@ -45,12 +43,9 @@ from kvcore.plan import BlockOp, OpReport, RemoteChunk, StepPlan
 from kvcore.pool_index import PoolIndex
 from kvcore.ports import ChunkIndex, Direction
 from kvcore.remote import close_quietly
+from kvcore.request_keys import ChunkChain, Keyer, prompt_tokens
 
 __all__ = ["CacheScheduler", "SchedulerStats"]
-
-_MIN_SIGHTINGS = 1024
-"""Chunks whose sightings are remembered at least (a quarter of it): a pool of a few slots, or none,
-must still count the sightings of more than one request's chunks."""
 
 log = logging.getLogger(__name__)
 
@@ -75,30 +70,20 @@ class _Request:
 
     __slots__ = (
         "answer",
-        "by_hashes",
+        "chain",
         "chain_sent",
-        "counts",
-        "extra",
         "failed_blocks",
-        "hashes",
-        "keys",
         "load",
         "load_errors",
         "loaded",
         "local_hits",
         "lost_blocks",
         "pending",
-        "rank_keys",
         "saved_chunks",
     )
 
-    def __init__(self, extra: ExtraKeys, by_hashes: bool) -> None:
-        self.extra = extra
-        self.by_hashes = by_hashes  # keyed by the engine's block hashes, not by tokens
-        self.hashes: tuple[bytes, ...] = ()
-        self.keys: tuple[ChunkKey, ...] = ()  # the local pool's key of each chunk
-        self.rank_keys: tuple[tuple[ChunkKey, ...], ...] = ()  # with a remote tier: each rank's shard key
-        self.counts: tuple[int, ...] = ()
+    def __init__(self, chain: ChunkChain) -> None:
+        self.chain = chain
         self.pending: PendingLookup | None = None  # a remote lookup in flight
         self.local_hits = 0  # leading chunks the local pool held when looked up
         self.answer: int | None = None  # leading chunks the tiers hold
@@ -108,42 +93,7 @@ class _Request:
         self.load_errors: list[int] = []  # engine block ids to recompute, any cause
         self.lost_blocks: list[int] = []  # the part the scheduler itself decided (chunk gone before the copy)
         self.saved_chunks = 0
-        self.chain_sent = 0  # leading chain positions (``rank_keys``) already sent to the workers
-
-
-class _InFlight:
-    __slots__ = (
-        "epoch",
-        "failed",
-        "fenced",
-        "fetched",
-        "keys",
-        "op",
-        "ranks",
-        "request_id",
-        "sizes",
-        "suspect",
-    )
-
-    def __init__(
-        self,
-        request_id: RequestId,
-        op: BlockOp,
-        keys: tuple[ChunkKey, ...],
-        sizes: tuple[int, ...],
-        epoch: int,
-        fetched: frozenset[ChunkKey] = frozenset(),
-    ) -> None:
-        self.request_id = request_id
-        self.op = op
-        self.keys = keys
-        self.sizes = sizes  # the op's blocks of each key, in order
-        self.fenced = False  # its request was preempted: its blocks are no longer the request's
-        self.epoch = epoch  # resets before the op was submitted: a load older than a reset fails
-        self.fetched = fetched  # a load's chunks fetched from the remote tier (the others are pinned)
-        self.ranks: set[int] = set()
-        self.failed: set[int] = set()
-        self.suspect = False  # a rank's failure may mean bad chunk bytes (not a refusal or a fence)
+        self.chain_sent = 0  # leading chain positions (``chain.rank_keys``) already sent to the workers
 
 
 class CacheScheduler:
@@ -185,44 +135,16 @@ class CacheScheduler:
             )
         if not is_int_in(num_slots, 0):
             raise ConfigError("num_slots", num_slots, "an integer >= 0")
+        if num_slots == 0 and remote is None:
+            raise ConfigError("num_slots", num_slots, "at least 1 without a remote tier")
         self.config = config
         self.engine = engine
         self.world_size = world_size
-        self.block_tokens = block_tokens = engine.layout.block_tokens
+        self.block_tokens = engine.layout.block_tokens
         self.blocks_per_chunk = engine.blocks_per_chunk(config.chunk_tokens)
-        self._mla = engine.layout.kind is LayoutKind.MLA
-        self.hasher = ChunkHasher(
-            algorithm=config.hash_algorithm,
-            seed=config.hash_seed.encode(),
-            chunk_tokens=config.chunk_tokens,
-            partial=config.partial_chunks,
-        )
-        namespace = Namespace(
-            model_id=engine.model_id,
-            epoch=config.epoch,
-            kv_dtype=engine.kv_dtype,
-            num_layers=engine.num_layers,
-            num_kv_heads=engine.total_kv_heads,
-            head_size=engine.layout.head_size,
-            layout=f"{engine.layout.kind.value}/{engine.layout.head_order.value}",
-            block_tokens=block_tokens,
-            chunk_tokens=config.chunk_tokens,
-            hash_algorithm=config.hash_algorithm,
-            hash_seed_digest=(
-                self.hasher.seed_digest()
-                if hash_identity is None
-                else hashlib.sha256(hash_identity.encode()).hexdigest()
-            ),
-            secret=config.secret.encode() if config.secret is not None else None,
-        )
-        if num_slots == 0 and remote is None:
-            raise ConfigError("num_slots", num_slots, "at least 1 without a remote tier")
-        self._writers = tuple(
-            writes(r, world_size, engine.total_kv_heads, mla=self._mla) for r in range(world_size)
-        )
+        self.keyer = Keyer(config, engine, hash_identity=hash_identity, shard_keys=remote is not None)
         self._resets = 0
-        self._use_namespace(namespace)
-        self._direct = num_slots == 0
+        self._direct = num_slots == 0  # no local tier: the remote tier moves every block itself
         # a policy of one slot for a pool of none: it never sees a key, and ARC wants a capacity
         self.pool = BlockPool(num_slots, make_policy(config.eviction, max(num_slots, 1)))
         self._index = PoolIndex(self.pool)
@@ -230,16 +152,12 @@ class CacheScheduler:
         self._remote_index = remote
         self._table = RequestTable()
         self._requests: dict[RequestId, _Request] = {}
-        self._op_ids = itertools.count(1)
+        self._ops = OpLedger(world_size)
         self._plan: list[BlockOp] = []
         self._fenced: list[int] = []  # ops of preempted requests, for the next plan
         self._ended: list[RequestId] = []  # with a remote tier: requests whose sessions may end
-        self._inflight: dict[int, _InFlight] = {}
         self._finished: list[RequestId] = []
-        # How often each chunk was looked up (bounded, oldest forgotten first): with
-        # save_after_sightings = N > 1 a chunk is saved only once N requests asked for it.
-        self._sightings: OrderedDict[ChunkKey, int] = OrderedDict()
-        self._sightings_bound = 4 * max(num_slots, _MIN_SIGHTINGS)
+        self._sightings = Sightings(config.save_after_sightings, num_slots)
         self._counters = dict.fromkeys(
             (
                 "lookups",
@@ -251,6 +169,11 @@ class CacheScheduler:
             ),
             0,
         )
+
+    @property
+    def keyspace(self) -> Keyspace:
+        """The local pool's keyspace (its namespace changes at a reset with a remote tier)."""
+        return self.keyer.keyspace
 
     # -- lookups and loads -----------------------------------------------------------------------------
 
@@ -278,17 +201,16 @@ class CacheScheduler:
             raise InvalidSpecError("lookup: give tokens or block_hashes, not both")
         if not isinstance(extra, ExtraKeys):
             raise InvalidSpecError(f"extra: got {extra!r}, expected ExtraKeys")
-        total = self._prompt_tokens(tokens, block_hashes, hash_block_tokens, num_tokens)
+        total = prompt_tokens(tokens, block_hashes, hash_block_tokens, num_tokens)
         check_local_tokens(total, local_tokens, self.block_tokens)
         req = self._requests.get(request_id)
         if req is None:
-            req = _Request(extra, by_hashes=block_hashes is not None)
-            self._key(req, tokens, block_hashes, hash_block_tokens)  # may raise: nothing is recorded yet
+            # may raise: nothing is recorded yet
+            req = _Request(self.keyer.chain(extra, tokens, block_hashes, hash_block_tokens))
             self._requests[request_id] = req
             self._table.track(request_id)
             self._counters["lookups"] += 1
-            if self.config.save_after_sightings > 1:
-                self._sight(req.keys)
+            self._sightings.sight(req.chain.keys)
         tracker = self._table.get(request_id)
         if tracker is None or tracker.ended:
             return 0
@@ -296,7 +218,7 @@ class CacheScheduler:
             req.answer = self._answer(req)
             if req.answer is None:
                 return None  # a remote lookup is pending: ask again next step
-        external = hit_tokens(req.answer, req.counts)
+        external = hit_tokens(req.answer, req.chain.counts)
         req.load = plan_load(
             prompt_tokens=total,
             local_tokens=local_tokens,
@@ -344,7 +266,7 @@ class CacheScheduler:
         # any fetch reserves a slot, so that no fetch evicts a chunk this very load needs.
         sources: list[tuple[ChunkPiece, ChunkKey, bool]] = []
         for piece in spec.pieces(self.config.chunk_tokens):
-            key = req.keys[piece.chunk]
+            key = req.chain.keys[piece.chunk]
             if self.pool.lookup((key,)):
                 sources.append((piece, key, True))
             elif self._remote is not None and piece.chunk < (req.answer or 0):
@@ -367,7 +289,7 @@ class CacheScheduler:
                 fetched.append(
                     RemoteChunk(
                         slot,
-                        req.rank_keys[piece.chunk],
+                        req.chain.rank_keys[piece.chunk],
                         len(engine_blocks),
                         piece.num_blocks,
                         piece.first_block,
@@ -457,19 +379,22 @@ class CacheScheduler:
         tracker = self._table.get(request_id)
         if req is None or tracker is None or tracker.ended:
             return 0
-        if (tokens is not None and req.by_hashes) or (block_hashes is not None and not req.by_hashes):
+        chain = req.chain
+        if (tokens is not None and chain.by_hashes) or (block_hashes is not None and not chain.by_hashes):
             given = "tokens" if tokens is not None else "block_hashes"
             raise InvalidSpecError(
                 f"{given}: request {request_id} was looked up by the other kind of key; its keys cannot "
                 f"grow from {given}"
             )
-        full = num_tokens // self.config.chunk_tokens
-        if full > self._full_chunks(req):
+        chunk_tokens = self.config.chunk_tokens
+        full = num_tokens // chunk_tokens
+        if full > chain.full_chunks(chunk_tokens) and (tokens is not None or block_hashes is not None):
             if block_hashes is not None:
-                self._key(req, None, block_hashes, hash_block_tokens)
-            elif tokens is not None:
-                self._extend(req, tokens)
-        full = min(full, self._full_chunks(req), len(table) // self.blocks_per_chunk)
+                changed = self.keyer.rekey(chain, block_hashes, hash_block_tokens)
+            else:
+                changed = self.keyer.extend(chain, tokens or ())
+            req.chain_sent = min(req.chain_sent, changed)  # a partial chunk's key changed: resend it
+        full = min(full, chain.full_chunks(chunk_tokens), len(table) // self.blocks_per_chunk)
         # without a local tier, the chunks the remote tier held at lookup are not sent to it again
         start = max(req.saved_chunks, req.answer or 0) if self._direct else req.saved_chunks
         if full <= start:
@@ -477,11 +402,8 @@ class CacheScheduler:
         per = self.blocks_per_chunk
         whole = [i for i in range(start, full) if None not in table[i * per : (i + 1) * per]]
         ids = cast(tuple[int, ...], table)  # only whole chunks (no hole) are read below
-        wanted = tuple(req.keys[i] for i in whole)
-        if self.config.save_after_sightings > 1:
-            needed = self.config.save_after_sightings
-            wanted = tuple(itertools.takewhile(lambda k: self._sightings.get(k, 0) >= needed, wanted))
-        chunk_of = {req.keys[i]: i for i in whole}
+        wanted = self._sightings.admitted([chain.keys[i] for i in whole])
+        chunk_of = {chain.keys[i]: i for i in whole}
         slots: Sequence[tuple[ChunkKey, int | None]] = (
             [(key, None) for key in wanted] if self._direct else self.pool.prepare_store(wanted).slots
         )
@@ -495,9 +417,8 @@ class CacheScheduler:
         for key, slot in slots:
             chunk = chunk_of[key]
             if self._remote is not None:
-                owned = tuple(
-                    k if w else None for k, w in zip(req.rank_keys[chunk], self._writers, strict=True)
-                )
+                writers = self.keyer.writers
+                owned = tuple(k if w else None for k, w in zip(chain.rank_keys[chunk], writers, strict=True))
                 published.append(RemoteChunk(slot, owned, len(engine_blocks), self.blocks_per_chunk))
                 through = chunk + 1
             first = chunk * self.blocks_per_chunk
@@ -530,14 +451,8 @@ class CacheScheduler:
     def complete(self, reports: Iterable[OpReport]) -> None:
         """Account worker reports; an op is done once every rank reported it (failed if any rank failed)."""
         for report in reports:
-            entry = self._inflight.get(report.op_id)
-            if entry is None or report.rank in entry.ranks:
-                continue  # unknown or duplicate report
-            entry.ranks.add(report.rank)
-            entry.failed.update(report.failed)
-            entry.suspect |= bool(report.failed) and not report.chunks_intact
-            if len(entry.ranks) == self.world_size:
-                del self._inflight[report.op_id]
+            entry = self._ops.report(report)
+            if entry is not None:
                 self._finish_op(entry)
 
     def finish(self, request_id: RequestId) -> bool:
@@ -564,10 +479,7 @@ class CacheScheduler:
         if req is None or tracker is None or tracker.ended:
             return
         self._abandon(req)
-        for op_id, entry in self._inflight.items():
-            if entry.request_id == request_id and not entry.fenced:
-                entry.fenced = True
-                self._fenced.append(op_id)
+        self._fenced.extend(self._ops.fence(request_id))
         req.pending = req.answer = req.load = req.loaded = None
         req.failed_blocks = set()
         req.saved_chunks = 0  # saved again as it recomputes: the pool skips what it holds
@@ -599,16 +511,13 @@ class CacheScheduler:
         self.pool.reset()
         self._resets += 1
         if self._remote is not None:
-            self._use_namespace(
-                self.keyspace.namespace.with_epoch(f"{self.config.epoch}~reset{self._resets}")
-            )
+            self.keyer.new_epoch(f"reset{self._resets}")
         self._sightings.clear()
         for req in self._requests.values():
             self._abandon(req)
             req.pending = req.answer = None
-            req.keys = self.keyspace.keys(req.hashes)
-            req.rank_keys = self._shard_keys(req.hashes)
-            req.saved_chunks = len(req.keys)  # chunks computed before the reset are not saved again
+            self.keyer.refresh(req.chain)
+            req.saved_chunks = len(req.chain.keys)  # chunks computed before the reset are not saved again
             req.chain_sent = 0  # the chain is resent under the new keys
 
     def take_events(self) -> tuple[PoolEvent, ...]:
@@ -621,14 +530,14 @@ class CacheScheduler:
             self._remote = self._remote_index = None
 
     def in_flight(self) -> int:
-        return len(self._inflight)
+        return len(self._ops)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             **self._counters,
             pool=self.pool.usage(),
             requests=len(self._requests),
-            ops_in_flight=len(self._inflight),
+            ops_in_flight=len(self._ops),
         )
 
     # -- internals ---------------------------------------------------------------------------------------
@@ -636,10 +545,11 @@ class CacheScheduler:
     def _answer(self, req: _Request) -> int | None:
         """Leading chunks the tiers hold, or ``None`` while the remote lookup is pending."""
         if req.pending is None:
-            req.local_hits = self._index.lookup([(k,) for k in req.keys])
-            if self._remote is None or req.local_hits == len(req.keys):
+            keys = req.chain.keys
+            req.local_hits = self._index.lookup([(k,) for k in keys])
+            if self._remote is None or req.local_hits == len(keys):
                 return req.local_hits
-            chunks = [tuple(dict.fromkeys(keys)) for keys in req.rank_keys]
+            chunks = [tuple(dict.fromkeys(shards)) for shards in req.chain.rank_keys]
             begun: int | PendingLookup | None = self._remote.begin(
                 chunks[req.local_hits :], chunks[: req.local_hits]
             )
@@ -656,69 +566,6 @@ class CacheScheduler:
     def _abandon(self, req: _Request) -> None:
         if self._remote is not None and req.pending is not None:
             self._remote.abandon(req.pending)
-
-    def _use_namespace(self, namespace: Namespace) -> None:
-        """Key chunks under ``namespace``: the pool by the whole engine's shard (one pool serves every
-        rank, same slot ids on each), a remote tier by each rank's shard."""
-        engine = self.engine
-        self.keyspace = Keyspace(namespace, Shard(0, engine.num_layers, 0, engine.total_kv_heads))
-        self._rank_keyspaces = tuple(
-            Keyspace(
-                namespace,
-                Shard.for_tp_rank(
-                    engine.num_layers, engine.total_kv_heads, self.world_size, r, mla=self._mla
-                ),
-            )
-            for r in range(self.world_size)
-        )
-
-    def _shard_keys(self, hashes: Sequence[bytes]) -> tuple[tuple[ChunkKey, ...], ...]:
-        if self._remote is None:
-            return ()
-        per_rank = [ks.keys(hashes) for ks in self._rank_keyspaces]
-        return tuple(zip(*per_rank, strict=True))
-
-    def _key(
-        self,
-        req: _Request,
-        tokens: Sequence[int] | None,
-        block_hashes: Sequence[bytes] | None,
-        hash_block_tokens: int | None,
-    ) -> None:
-        if block_hashes is not None:
-            hashes = _check_block_hashes(block_hashes)
-            if not is_int_in(hash_block_tokens, 1):
-                raise InvalidSpecError(
-                    f"hash_block_tokens: got {hash_block_tokens!r}, expected an integer >= 1"
-                )
-            chain = regroup_block_hashes(
-                hashes, hash_block_tokens, self.config.chunk_tokens, self.config.partial_chunks
-            )
-            req.counts = self.hasher.chunk_token_counts(len(hashes) * hash_block_tokens)
-            req.hashes = self.hasher.fold_extra(chain, req.counts, req.extra)
-        elif tokens is not None:
-            req.hashes = self.hasher.hash_tokens(tokens, req.extra)
-            req.counts = self.hasher.chunk_token_counts(len(tokens))
-        else:
-            raise InvalidSpecError("lookup needs tokens or block_hashes")
-        req.keys = self.keyspace.keys(req.hashes)
-        req.rank_keys = self._shard_keys(req.hashes)
-
-    def _extend(self, req: _Request, tokens: Sequence[int]) -> None:
-        """Key the request's chunks past its known ones; a trailing partial chunk is keyed again (its
-        key stands for fewer tokens than the chunk now holds)."""
-        full = self._full_chunks(req)
-        if full < len(req.counts):
-            req.hashes, req.counts = req.hashes[:full], req.counts[:full]
-            req.keys, req.rank_keys = req.keys[:full], req.rank_keys[:full]
-            req.chain_sent = min(req.chain_sent, full)
-        known = sum(req.counts)
-        parent = req.hashes[-1] if req.hashes else None
-        more = self.hasher.hash_tokens(tokens[known:], req.extra, parent, start=known)
-        req.hashes += more
-        req.counts += self.hasher.chunk_token_counts(len(tokens) - known)
-        req.keys += self.keyspace.keys(more)
-        req.rank_keys += self._shard_keys(more)
 
     def _submit(
         self,
@@ -739,10 +586,10 @@ class CacheScheduler:
         chain_from = 0
         if remote:
             req = self._requests[request_id]
-            chain_from, chain = req.chain_sent, req.rank_keys[req.chain_sent : through]
+            chain_from, chain = req.chain_sent, req.chain.rank_keys[req.chain_sent : through]
             req.chain_sent = max(req.chain_sent, through)
         op = BlockOp(
-            next(self._op_ids),
+            self._ops.next_id(),
             direction,
             engine_blocks,
             host_blocks,
@@ -752,14 +599,14 @@ class CacheScheduler:
             chain,
         )
         self._table.add_job(request_id, JobId(op.op_id), role, keys)
-        self._inflight[op.op_id] = _InFlight(request_id, op, keys, tuple(sizes), self._resets, fetched)
+        self._ops.add(request_id, op, keys, sizes, self._resets, fetched)
         self._plan.append(op)
 
-    def _finish_op(self, entry: _InFlight) -> None:
+    def _finish_op(self, entry: InFlightOp) -> None:
         op = entry.op
         if op.direction is Direction.LOAD and entry.epoch != self._resets:
             entry.failed.update(range(len(op.engine_blocks)))  # loaded before a reset: pre-reset KV
-        failed = set(self._failed_chunks(entry))
+        failed = set(entry.failed_chunks())
         if op.direction is Direction.LOAD:
             self.pool.unpin([k for k in entry.keys if k not in entry.fetched])
             fetched = [k for k in entry.keys if k in entry.fetched]
@@ -787,63 +634,16 @@ class CacheScheduler:
         if done is not None:
             self._retire(done[1])
 
-    def _save_again(self, entry: _InFlight, dropped: Sequence[ChunkKey]) -> None:
+    def _save_again(self, entry: InFlightOp, dropped: Sequence[ChunkKey]) -> None:
         """A live request's next ``save`` retries the chunks a failed or fenced save dropped (from its
         blocks then), unless a reset came between: what was computed before it is never saved."""
         req = self._requests.get(entry.request_id)
         tracker = self._table.get(entry.request_id)
         if req is None or tracker is None or tracker.ended or entry.epoch != self._resets:
             return
-        position = {key: i for i, key in enumerate(req.keys)}
+        position = {key: i for i, key in enumerate(req.chain.keys)}
         first = min((position[k] for k in dropped if k in position), default=req.saved_chunks)
         req.saved_chunks = min(req.saved_chunks, first)
-
-    def _failed_chunks(self, entry: _InFlight) -> tuple[ChunkKey, ...]:
-        """Keys of an op's chunks holding a failed block (the op's blocks run chunk after chunk)."""
-        if not entry.failed:
-            return ()
-        out, start = [], 0
-        for key, size in zip(entry.keys, entry.sizes, strict=True):
-            if any(start <= i < start + size for i in entry.failed):
-                out.append(key)
-            start += size
-        return tuple(out)
-
-    def _full_chunks(self, req: _Request) -> int:
-        """Leading chunks of the request keyed with all their tokens (a trailing partial one is not)."""
-        counts = req.counts
-        return len(counts) - 1 if counts and counts[-1] != self.config.chunk_tokens else len(counts)
-
-    def _prompt_tokens(
-        self,
-        tokens: Sequence[int] | None,
-        block_hashes: Sequence[bytes] | None,
-        hash_block_tokens: int | None,
-        num_tokens: int | None,
-    ) -> int:
-        """The prompt's length, from ``tokens`` or from ``num_tokens`` beside ``block_hashes``."""
-        if tokens is not None:
-            return _token_count(tokens)
-        if block_hashes is None:
-            raise InvalidSpecError(
-                "lookup needs tokens, or block_hashes with hash_block_tokens and num_tokens"
-            )
-        if not is_int_in(num_tokens, 0):
-            raise InvalidSpecError(f"num_tokens: got {num_tokens!r}, expected an integer >= 0")
-        if is_int_in(hash_block_tokens, 1) and num_tokens < len(block_hashes) * hash_block_tokens:
-            raise InvalidSpecError(
-                f"num_tokens: got {num_tokens}, but {len(block_hashes)} block hashes of {hash_block_tokens} "
-                "tokens cover more"
-            )
-        return num_tokens
-
-    def _sight(self, keys: Sequence[ChunkKey]) -> None:
-        sightings = self._sightings
-        for key in keys:
-            sightings[key] = sightings.get(key, 0) + 1
-            sightings.move_to_end(key)
-        while len(sightings) > self._sightings_bound:
-            sightings.popitem(last=False)
 
     def _retire(self, tracker: RequestTracker) -> None:
         if tracker.phase in (Phase.FINISHED, Phase.ABORTED) and not tracker.jobs:
@@ -861,18 +661,3 @@ class CacheScheduler:
         if not delayed:
             self._requests.pop(request_id, None)
         return delayed
-
-
-def _token_count(tokens: object) -> int:
-    if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence):
-        raise InvalidSpecError(f"tokens: got {tokens!r}, expected a sequence of token ids")
-    return len(tokens)
-
-
-def _check_block_hashes(block_hashes: object) -> Sequence[bytes]:
-    if isinstance(block_hashes, str | bytes) or not isinstance(block_hashes, Sequence):
-        raise InvalidSpecError(f"block_hashes: got {block_hashes!r}, expected a sequence of bytes")
-    for position, value in enumerate(block_hashes):
-        if not isinstance(value, bytes) or not value:
-            raise InvalidSpecError(f"block_hashes[{position}]: got {value!r}, expected non-empty bytes")
-    return block_hashes

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from kvcore.ids import RequestId
+from kvcore.hashing import ExtraKeys
 from kvcore.plan import OpReport
 
 with warnings.catch_warnings():  # vLLM and torch warn about their own deprecations on import
@@ -114,7 +114,9 @@ def test_load_errors_of_a_request_preempted_in_the_same_step_reach_the_workers()
     meta = side.build_connector_meta(_output(new=[("b", [5, 6, 7, 8], 0)], scheduled={"b": prompt}))
     # -- reset_prefix_cache(reset_running_requests=True): "b" is preempted --
     assert side.get_num_new_matched_tokens(b, 0) == (3 * BLOCK, False)
-    side.core.pool.remove(side.core._requests[RequestId("b")].keys)  # an operator drops the chunks
+    side.core.pool.remove(
+        side.core.keyer.chain(ExtraKeys(), None, b.block_hashes, BLOCK).keys
+    )  # an operator drops the chunks
     side.update_state_after_alloc(b, SimpleNamespace(get_block_ids=lambda: ([30, 31, 32, 33],)), 3 * BLOCK)  # type: ignore[arg-type]
     meta = side.build_connector_meta(
         _output(cached=[("b", [30, 31, 32, 33], 0)], resumed=["b"], scheduled={"b": 1}, preempted=["b"])

@@ -334,18 +334,10 @@ def test_different_extra_keys_never_share_a_chunk(
 
     def keys(rid: str, extra: ExtraKeys) -> tuple[str, ...]:
         if by_hashes:
-            sched.lookup(
-                RequestId(rid),
-                block_hashes=_block_hashes(tokens),
-                hash_block_tokens=4,
-                num_tokens=len(tokens),
-                extra=extra,
-            )
-        else:
-            sched.lookup(RequestId(rid), tokens=tokens, extra=extra)
-        return tuple(sched._requests[RequestId(rid)].keys)
+            return sched.keyer.chain(extra, None, _block_hashes(tokens), 4).keys
+        return sched.keyer.chain(extra, tokens, None, None).keys
 
-    one, two = keys("one", first), keys("two", second)
+    one, two = keys("one", first), keys("two", second)  # the keys a lookup of each would use
     for i, (k1, k2) in enumerate(zip(one, two, strict=True)):
         end = (i + 1) * CHUNK
 
