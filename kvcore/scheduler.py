@@ -8,6 +8,10 @@ the copies to the workers as ``BlockOp``s in a ``StepPlan``. Worker reports come
 copy in flight may still read or write a slot. Failures never raise into the engine: a failed load is a
 list of blocks to recompute, a failed save a dropped slot.
 
+This module is the façade: each public method is the engine-facing contract of one event (lookup, load,
+save, step, end, preempt, reset) in one place, composed of the modules named above; it is longer than the
+others because those contracts are documented here, where an engine author reads them.
+
 Typical use, one step of an engine::
 
     hits = sched.lookup(rid, tokens=prompt, local_tokens=local)   # tokens loadable beyond `local`
@@ -39,7 +43,8 @@ from kvcore.ledger import InFlightOp, OpLedger
 from kvcore.lifecycle import JobRole, Phase, RequestTable, RequestTracker
 from kvcore.load_spec import ChunkPiece, LoadSpec, check_local_tokens, hit_tokens, plan_load
 from kvcore.lookup import PendingLookup, PrefixLookup
-from kvcore.plan import BlockOp, OpReport, RemoteChunk, StepPlan
+from kvcore.op_draft import OpDraft
+from kvcore.plan import BlockOp, OpReport, StepPlan
 from kvcore.pool_index import PoolIndex
 from kvcore.ports import ChunkIndex, Direction
 from kvcore.remote import close_quietly
@@ -255,13 +260,7 @@ class CacheScheduler:
         req.load = None
         req.loaded = spec
         req.failed_blocks = set()  # a new load: what failed in an earlier one no longer counts
-        engine_blocks: list[int] = []
-        host_blocks: list[int] = []
-        keys: list[ChunkKey] = []
-        sizes: list[int] = []  # blocks of each key
-        fetched: list[RemoteChunk] = []
-        fetched_keys: set[ChunkKey] = set()
-        through = 0
+        draft = OpDraft(self.blocks_per_chunk)
         # Which pieces come from the pool and which from the remote tier; the pool's are pinned before
         # any fetch reserves a slot, so that no fetch evicts a chunk this very load needs.
         sources: list[tuple[ChunkPiece, ChunkKey, bool]] = []
@@ -279,54 +278,35 @@ class CacheScheduler:
             slot: int | None = None
             if local:
                 slot = self.pool.slots_of((key,))[0]
-            else:
-                if not self._direct:
-                    reserved = self.pool.prepare_store((key,)).slots
-                    if not reserved:  # no free slot, or the chunk is being saved now: recompute from here
-                        self.pool.unpin([k for _, k, loc in sources[n:] if loc])
-                        break
-                    slot = reserved[0][1]
-                fetched.append(
-                    RemoteChunk(
-                        slot,
-                        req.chain.rank_keys[piece.chunk],
-                        len(engine_blocks),
-                        piece.num_blocks,
-                        piece.first_block,
-                    )
-                )
-                fetched_keys.add(key)
-                through = piece.chunk + 1
-            keys.append(key)
-            sizes.append(piece.num_blocks)
-            first = piece.chunk * self.blocks_per_chunk + piece.first_block
-            engine_blocks.extend(ids[first : first + piece.num_blocks])
-            if slot is not None:
-                base = slot * self.blocks_per_chunk + piece.first_block
-                host_blocks.extend(range(base, base + piece.num_blocks))
-        lost = spec.num_blocks - len(engine_blocks)
+            elif not self._direct:
+                reserved = self.pool.prepare_store((key,)).slots
+                if not reserved:  # no free slot, or the chunk is being saved now: recompute from here
+                    self.pool.unpin([k for _, k, loc in sources[n:] if loc])
+                    break
+                slot = reserved[0][1]
+            draft.add(
+                key,
+                piece.chunk,
+                ids,
+                slot,
+                first_block=piece.first_block,
+                num_blocks=piece.num_blocks,
+                shard_keys=None if local else req.chain.rank_keys[piece.chunk],
+                fetched=not local,
+            )
+        loaded = len(draft.engine_blocks)
+        lost = spec.num_blocks - loaded
         if lost:
             log.warning("kvcore: request %s: %d blocks left the pool before loading", request_id, lost)
-            lost_from = spec.first_block + len(engine_blocks)
+            lost_from = spec.first_block + loaded
             req.failed_blocks.update(range(lost_from, spec.first_block + spec.num_blocks))
             req.load_errors.extend(ids[lost_from : spec.first_block + spec.num_blocks])
             req.lost_blocks.extend(ids[lost_from : spec.first_block + spec.num_blocks])
-        if not engine_blocks:
+        if not loaded:
             return 0
-        self._submit(
-            request_id,
-            Direction.LOAD,
-            engine_blocks,
-            host_blocks,
-            tuple(keys),
-            sizes,
-            JobRole.LOAD,
-            fetched,
-            frozenset(fetched_keys),
-            through,
-        )
-        self._counters["hit_tokens"] += len(engine_blocks) * self.block_tokens
-        return len(engine_blocks) * self.block_tokens
+        self._submit(request_id, Direction.LOAD, draft)
+        self._counters["hit_tokens"] += loaded * self.block_tokens
+        return loaded * self.block_tokens
 
     def take_lost_blocks(self) -> tuple[int, ...]:
         """Engine block ids the scheduler gave up loading before any copy (their chunks left the pool).
@@ -410,34 +390,16 @@ class CacheScheduler:
         req.saved_chunks = full
         if not slots:
             return 0
-        engine_blocks: list[int] = []
-        host_blocks: list[int] = []
-        published: list[RemoteChunk] = []
-        through = 0
+        draft = OpDraft(self.blocks_per_chunk)
+        writers = self.keyer.writers
         for key, slot in slots:
             chunk = chunk_of[key]
+            owned = None  # a shared tier is written by one rank of each group of replicas
             if self._remote is not None:
-                writers = self.keyer.writers
                 owned = tuple(k if w else None for k, w in zip(chain.rank_keys[chunk], writers, strict=True))
-                published.append(RemoteChunk(slot, owned, len(engine_blocks), self.blocks_per_chunk))
-                through = chunk + 1
-            first = chunk * self.blocks_per_chunk
-            engine_blocks.extend(ids[first : first + self.blocks_per_chunk])
-            if slot is not None:
-                host_blocks.extend(range(slot * self.blocks_per_chunk, (slot + 1) * self.blocks_per_chunk))
-        keys = tuple(key for key, _ in slots)
-        self._submit(
-            request_id,
-            Direction.SAVE,
-            engine_blocks,
-            host_blocks,
-            keys,
-            (self.blocks_per_chunk,) * len(keys),
-            JobRole.SAVE,
-            published,
-            through=through,
-        )
-        return len(keys)
+            draft.add(key, chunk, ids, slot, shard_keys=owned)
+        self._submit(request_id, Direction.SAVE, draft)
+        return len(draft.keys)
 
     # -- steps, completions and request ends -------------------------------------------------------------
 
@@ -567,39 +529,29 @@ class CacheScheduler:
         if self._remote is not None and req.pending is not None:
             self._remote.abandon(req.pending)
 
-    def _submit(
-        self,
-        request_id: RequestId,
-        direction: Direction,
-        engine_blocks: list[int],
-        host_blocks: list[int],
-        keys: tuple[ChunkKey, ...],
-        sizes: Sequence[int],
-        role: JobRole,
-        remote: Sequence[RemoteChunk] = (),
-        fetched: frozenset[ChunkKey] = frozenset(),
-        through: int = 0,
-    ) -> None:
-        """Queue an op. One with ``remote`` chunks carries the request's chain positions up to ``through``
-        (one past its last remote chunk) that no earlier op carried."""
+    def _submit(self, request_id: RequestId, direction: Direction, draft: OpDraft) -> None:
+        """Queue the drafted op. One with remote chunks carries the request's chain positions up to
+        ``draft.through`` (one past its last remote chunk) that no earlier op carried."""
         chain: tuple[tuple[ChunkKey, ...], ...] = ()
         chain_from = 0
-        if remote:
+        if draft.remote:
             req = self._requests[request_id]
-            chain_from, chain = req.chain_sent, req.chain.rank_keys[req.chain_sent : through]
-            req.chain_sent = max(req.chain_sent, through)
+            chain_from, chain = req.chain_sent, req.chain.rank_keys[req.chain_sent : draft.through]
+            req.chain_sent = max(req.chain_sent, draft.through)
         op = BlockOp(
             self._ops.next_id(),
             direction,
-            engine_blocks,
-            host_blocks,
+            draft.engine_blocks,
+            draft.host_blocks,
             request_id,
-            tuple(remote),
+            tuple(draft.remote),
             chain_from,
             chain,
         )
+        keys = tuple(draft.keys)
+        role = JobRole.LOAD if direction is Direction.LOAD else JobRole.SAVE
         self._table.add_job(request_id, JobId(op.op_id), role, keys)
-        self._ops.add(request_id, op, keys, sizes, self._resets, fetched)
+        self._ops.add(request_id, op, keys, draft.sizes, self._resets, frozenset(draft.fetched))
         self._plan.append(op)
 
     def _finish_op(self, entry: InFlightOp) -> None:
