@@ -1,6 +1,6 @@
 """Load specs: which blocks of a request to fill from a tier, given what the engine already holds.
 
-The rules (DESIGN §2): a load starts exactly at the first block the engine does not hold (a block the
+The rules: a load starts exactly at the first block the engine does not hold (a block the
 engine holds is never written, even inside a chunk), is block-aligned, and never covers the whole prompt —
 at least one token is always computed, so the engine has logits to sample from. Only what was actually
 loaded counts as extra cached tokens.

@@ -48,7 +48,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _vllm_config(args: argparse.Namespace) -> int:
-    from kvcore_vllm.settings import transfer_config
+    from kvcore_cli.vllm_config import transfer_config
 
     try:
         config = transfer_config(backend=args.backend, size=args.size, role=args.role, endpoint=args.endpoint)

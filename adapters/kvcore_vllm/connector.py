@@ -1,7 +1,7 @@
 """``KVCoreConnector``: kvcore as a vLLM V1 KV connector (``KVConnectorBase_V1``).
 
 One class serves both roles, as vLLM requires; it builds the scheduler side or the worker side from the
-validated config and delegates every hook to it (DESIGN §3). Configuration errors and unsupported engine
+validated config and delegates every hook to it. Configuration errors and unsupported engine
 configurations stop the engine at start-up with a message naming the field or the feature.
 """
 

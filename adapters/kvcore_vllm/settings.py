@@ -16,15 +16,11 @@ from typing import Any
 
 from attrs import frozen
 
-from kvcore.config import KVCoreConfig, load_config, parse_size
+from kvcore.config import KVCoreConfig, load_config
 from kvcore.errors import ConfigError
-from kvcore_vllm import CONNECTOR_NAME
 
-__all__ = ["StorePolicy", "VLLMSettings", "read_extra_config", "transfer_config"]
+__all__ = ["StorePolicy", "VLLMSettings", "read_extra_config"]
 
-BACKEND_CHOICES = ("cpu", "mooncake", "lmcache")
-DEFAULT_ENDPOINTS = {"mooncake": "127.0.0.1:50051", "lmcache": "tcp://localhost:5555"}
-DEFAULT_SIZE = "8GiB"
 STORE_POLICY_KEY = "store_policy"
 
 
@@ -91,43 +87,3 @@ def _settings(data: Mapping[str, Any]) -> VLLMSettings:
             "'eager' when save_after_sightings > 1 (a lazy save is decided at eviction, not by sightings)",
         )
     return settings
-
-
-def transfer_config(
-    backend: str = "cpu", size: str | None = None, role: str = "kv_both", endpoint: str | None = None
-) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` value for kvcore, in the spirit of vLLM's one-knob offloading options.
-
-    ``backend`` is ``cpu``, ``mooncake`` (a Mooncake store; ``endpoint`` is its master, default
-    ``127.0.0.1:50051``) or ``lmcache`` (an LMCache server; ``endpoint`` is its URL, default
-    ``tcp://localhost:5555``); ``size`` is the host pool, total across ranks (default 8 GiB; for
-    ``lmcache`` none: blocks move straight to and from the server's memory, and a size puts a pool in
-    front). The result is validated before it is returned, so what is printed is what the engine will
-    accept.
-    """
-    if backend not in BACKEND_CHOICES:
-        raise ConfigError("backend", backend, f"one of {', '.join(map(repr, BACKEND_CHOICES))}")
-    if size is None and backend != "lmcache":
-        size = DEFAULT_SIZE
-    if size is not None:
-        parse_size(size, "size")
-    if backend == "cpu":
-        if endpoint is not None:
-            raise ConfigError("endpoint", endpoint, "nothing: the cpu backend has no endpoint")
-        tier: dict[str, Any] = {"kind": "cpu", "size": size}
-    elif backend == "mooncake":
-        tier = {
-            "kind": "mooncake_store",
-            "master": endpoint or DEFAULT_ENDPOINTS[backend],
-            "local_size": size,
-        }
-    else:
-        tier = {"kind": "lmcache_mp", "url": endpoint or DEFAULT_ENDPOINTS[backend], "local_size": size or 0}
-    extra: dict[str, Any] = {"backend": tier}
-    load_config(extra)
-    return {
-        "kv_connector": CONNECTOR_NAME,
-        "kv_role": role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": extra,
-    }

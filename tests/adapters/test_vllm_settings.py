@@ -10,8 +10,10 @@ import pytest
 
 from kvcore.config import ByteCount, ByteSize, CPUBackendConfig, LMCacheMPConfig, MooncakeStoreConfig
 from kvcore.errors import ConfigError, UnsupportedConfiguration
+from kvcore_cli.vllm_config import CONNECTOR_NAME, transfer_config
+from kvcore_vllm import CONNECTOR_NAME as REGISTERED_NAME
 from kvcore_vllm.compat import check_vllm
-from kvcore_vllm.settings import StorePolicy, read_extra_config, transfer_config
+from kvcore_vllm.settings import StorePolicy, read_extra_config
 
 
 def test_extra_config_is_the_core_config() -> None:
@@ -59,6 +61,10 @@ def test_config_file_problems(tmp_path: Path) -> None:
     listed.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="mapping"):
         read_extra_config({"config_file": str(listed)})
+
+
+def test_the_cli_spells_the_connector_as_the_adapter_registers_it() -> None:
+    assert CONNECTOR_NAME == REGISTERED_NAME
 
 
 def test_one_knob_transfer_config() -> None:

@@ -1,0 +1,54 @@
+"""The architecture's arrows, enforced: the core imports no adapter or backend; a backend imports neither
+an adapter nor another backend; adapters do not import each other. Every import counts — at module level
+or inside a function (a lazy import is still a dependency) — read from the source with ``ast``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {
+    "kvcore": ("core", ROOT / "kvcore"),
+    "kvcore_cli": ("adapter", ROOT / "adapters" / "kvcore_cli"),
+    "kvcore_vllm": ("adapter", ROOT / "adapters" / "kvcore_vllm"),
+    "kvcore_cpu": ("backend", ROOT / "backends" / "kvcore_cpu"),
+    "kvcore_mooncake": ("backend", ROOT / "backends" / "kvcore_mooncake"),
+    "kvcore_lmcache": ("backend", ROOT / "backends" / "kvcore_lmcache"),
+}
+ALLOWED = {"core": {"core"}, "backend": {"core"}, "adapter": {"core", "backend"}}
+"""Which layers each layer may import besides itself (its own package)."""
+
+
+def _imports(path: Path) -> set[str]:
+    """Top-level package names a module imports (absolute imports; relative ones stay in the package)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def _violations(package: str) -> list[str]:
+    layer, root = PACKAGES[package]
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for name in sorted(_imports(path) & PACKAGES.keys() - {package}):
+            if PACKAGES[name][0] not in ALLOWED[layer]:
+                out.append(f"{path.relative_to(ROOT)} imports {name} ({layer} -> {PACKAGES[name][0]})")
+    return out
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_imports_point_inward(package: str) -> None:
+    assert _violations(package) == []
+
+
+def test_the_check_sees_lazy_imports(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from kvcore_vllm.settings import x\n    import kvcore_cpu.tier\n")
+    assert _imports(module) == {"kvcore_vllm", "kvcore_cpu"}
