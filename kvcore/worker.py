@@ -1,11 +1,12 @@
 """The worker side for any engine: executes the scheduler's block ops through a ``BlockMover``, and through
 a remote tier when one is attached.
 
-Workers own memory and execute; they decide nothing (docs/architecture.md, "Where things run"). An op is one mover job, preceded by a
-fetch (a load of chunks the remote tier holds) or followed by a publish (a save to the remote tier). An op
-whose chunks have no host slot is one remote job instead: the remote tier moves the engine blocks itself
-(``BlockRemote``). Every op is reported exactly once, failures included — a copy the mover refused is
-reported as failed at once — so the scheduler never waits for an op that will not come.
+Workers own memory and execute; they decide nothing (docs/architecture.md, "Where things run"). An op
+is one mover job, preceded by a fetch (a load of chunks the remote tier holds) or followed by a publish (a
+save to the remote tier). An op whose chunks have no host slot is one remote job instead: the remote tier
+moves the engine blocks itself (``BlockRemote``). Every op is reported exactly once, failures included
+— a copy the mover refused is reported as failed at once — so the scheduler never waits for an op that
+will not come.
 """
 
 from __future__ import annotations

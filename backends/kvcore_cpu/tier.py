@@ -1,8 +1,9 @@
 """Composition of the CPU tier: how many host slots a config buys, and a rank's worker over them.
 
 The scheduler side (``kvcore.scheduler.CacheScheduler``) indexes the slots; each worker holds the slot
-memory of its own rank and executes copies (DESIGN §3). ``size`` in the config is the total across the
-ranks of one engine, so each rank gets ``size / world_size`` bytes, in whole slots.
+memory of its own rank and executes copies (docs/architecture.md, "Where things run"). ``size`` in the
+config is the total across the ranks of one engine, so each rank gets ``size / world_size`` bytes, in
+whole slots.
 """
 
 from __future__ import annotations
