@@ -52,13 +52,13 @@ with warnings.catch_warnings():  # lmcache's OpenTelemetry handler warns of its 
     from lmcache.v1.multiprocess.transport.base import RequestClient
     from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
-    from kvcore.config import LMCacheMPConfig
     from kvcore.ids import ChunkKey, RequestId
     from kvcore.layout import KVLayout, LayoutKind
     from kvcore.ports import BlockItem, StoreItem
     from kvcore_cpu.engine_kv import EngineKV
     from kvcore_cpu.tier import MappedMovers
     from kvcore_lmcache import LMCacheChunkIndex, LMCacheManagedTier
+    from kvcore_lmcache.config import LMCacheMPConfig
     from kvcore_lmcache.link import register_slots
 
 KiB = 1 << 10

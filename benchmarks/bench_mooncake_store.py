@@ -34,12 +34,13 @@ from pathlib import Path
 
 from mooncake.store import MooncakeDistributedStore
 
-from kvcore.config import ByteCount, ByteSize, MooncakeStoreConfig
+from kvcore.config_fields import ByteCount, ByteSize
 from kvcore.ids import ChunkKey
 from kvcore.lookup import leading_complete
 from kvcore.ports import StoreItem
 from kvcore.testing.support import start_owned
 from kvcore_mooncake import MooncakeChunkIndex, MooncakeChunkStore, MooncakeClient
+from kvcore_mooncake.config import MooncakeStoreConfig
 
 KiB = 1 << 10
 MiB = 1 << 20

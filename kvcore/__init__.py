@@ -1,16 +1,18 @@
 """kvcore: move and reuse LLM KV cache across memory tiers, processes and machines.
 
-This package exports the public API only: what an engine needs (``CacheScheduler``, ``BlockWorker``, the
-plan values, ``EngineSpec`` and ``KVLayout``, ``ExtraKeys``, configuration and errors) and what a backend
-implements (the ports of ``kvcore.ports``, with ``JobBoard``/``JobResult`` to implement ``JobQueue``).
-Everything else — hashing, keys, the block pool, load specs, TP transfer plans, the lifecycle — stays
-importable from its own module (``kvcore.keys``, ``kvcore.block_pool``, ...) and may change. The core
-imports the standard library, attrs and cattrs only; the conformance suite for backend authors is
-``kvcore.testing`` (imported on demand, never from here).
+This package exports the public API only: what an engine needs (``open_scheduler`` and ``open_worker``, which
+compose any installed backend, ``CacheScheduler``, ``BlockWorker``, the plan values, ``EngineSpec`` and
+``KVLayout``, ``ExtraKeys``, configuration and errors) and what a backend implements (the ports of
+``kvcore.ports``, with ``JobBoard``/``JobResult`` to implement ``JobQueue``). Everything else — hashing, keys,
+the block pool, load specs, TP transfer plans, the lifecycle — stays importable from its own module
+(``kvcore.keys``, ``kvcore.block_pool``, ...) and may change. The core imports the standard library, attrs and
+cattrs only; the conformance suite for backend authors is ``kvcore.testing`` (imported on demand, never from
+here).
 """
 
 from __future__ import annotations
 
+from kvcore.compose import open_scheduler, open_worker
 from kvcore.config import KVCoreConfig, config_to_dict, load_config, load_config_file, parse_size
 from kvcore.engine import EngineSpec
 from kvcore.errors import (
@@ -33,6 +35,8 @@ from kvcore.plan import BlockOp, OpReport, RemoteChunk, StepPlan
 from kvcore.ports import (
     BlockItem,
     BlockMover,
+    BlockMovers,
+    BlockRemote,
     BlockTransfer,
     ByteCopy,
     ChunkIndex,
@@ -43,6 +47,8 @@ from kvcore.ports import (
     MemoryRegion,
     OrderedMover,
     PeerTransport,
+    RankMemory,
+    RemoteTier,
     StoreItem,
     SupportsBlockTransfer,
     SupportsClear,
@@ -57,7 +63,9 @@ __all__ = [
     "BackendUnavailable",
     "BlockItem",
     "BlockMover",
+    "BlockMovers",
     "BlockOp",
+    "BlockRemote",
     "BlockTransfer",
     "BlockWorker",
     "ByteCopy",
@@ -87,7 +95,9 @@ __all__ = [
     "OpReport",
     "OrderedMover",
     "PeerTransport",
+    "RankMemory",
     "RemoteChunk",
+    "RemoteTier",
     "RequestId",
     "SchedulerStats",
     "StepPlan",
@@ -102,5 +112,7 @@ __all__ = [
     "config_to_dict",
     "load_config",
     "load_config_file",
+    "open_scheduler",
+    "open_worker",
     "parse_size",
 ]

@@ -15,6 +15,7 @@ Each method says what state a failure leaves. Implementations map their native f
 from __future__ import annotations
 
 import enum
+import mmap
 from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -29,6 +30,8 @@ from kvcore.jobs import JobResult
 __all__ = [
     "BlockItem",
     "BlockMover",
+    "BlockMovers",
+    "BlockRemote",
     "BlockTransfer",
     "ByteCopy",
     "ChunkIndex",
@@ -39,6 +42,8 @@ __all__ = [
     "MemoryRegion",
     "OrderedMover",
     "PeerTransport",
+    "RankMemory",
+    "RemoteTier",
     "StoreItem",
     "SupportsBlockTransfer",
     "SupportsClear",
@@ -332,15 +337,58 @@ class SupportsBlockTransfer(Protocol):
 
 
 class PeerTransport(JobQueue, Protocol):
-    """Pushes bytes into a peer's registered memory (prefill -> decode)."""
+    """Pushes bytes into a peer's registered memory (prefill -> decode).
+
+    Every transport is also a peer: others reach it by its ``address`` and write into the memory it
+    registered. It is open once built, until ``close``.
+    """
+
+    @property
+    def address(self) -> str:
+        """The name peers give as ``peer`` to write into this transport's memory; fixed for its life."""
+        ...
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
-        """Make local memory writable by peers. Failure: raises ``BackendError``; nothing registered."""
+        """Make local memory writable by peers, in addition to what is registered already.
+
+        Failure: raises ``BackendError`` (or ``InvalidSpecError`` for a region it cannot take); nothing
+        registered. After ``close``: raises ``UsageError``.
+        """
+        ...
+
+    def unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        """Withdraw the registrations that ``regions`` cover (as given to ``register``); others stay, and
+        regions never registered are ignored. Peers' writes into them fail from then on. The caller makes
+        sure no job of its own still reads them. Never raises, after ``close`` included."""
         ...
 
     def submit_write(self, peer: str, copies: Sequence[ByteCopy]) -> JobId:
-        """Write local bytes into the peer's registered memory. Failure: the peer's destination bytes are
-        undefined; the consumer must recompute them."""
+        """Write local bytes into the peer's registered memory.
+
+        Failure: the result lists the failed copies; their destination bytes are undefined, and the
+        consumer must recompute them. A copy that cannot be right (a source outside local memory) may be
+        refused at submit with ``InvalidSpecError``, nothing written. After ``close``: raises
+        ``UsageError``.
+        """
+        ...
+
+    def submit_write_columns(
+        self, peer: str, srcs: Collection[int], dsts: Collection[int], lengths: Collection[int]
+    ) -> JobId:
+        """``submit_write`` of copy ``i`` = ``lengths[i]`` bytes from ``srcs[i]`` to ``dsts[i]``: three
+        columns of integers (lists, or int64 arrays that a backend may take without copying) instead of
+        one object per copy, for writes of many ranges. The result's failed indices index the columns.
+        Columns of different lengths raise ``InvalidSpecError``; otherwise as ``submit_write``."""
+        ...
+
+    def close(self) -> None:
+        """End the transport; idempotent.
+
+        Afterwards ``register``, ``submit_write`` and ``submit_write_columns`` raise ``UsageError`` and
+        queue nothing. Jobs submitted before still finish or fail, and ``poll``/``wait`` report them
+        (``close`` may wait a bounded time for them). Every registration is withdrawn: peers' writes into
+        this transport's memory fail. ``unregister``, ``poll`` and ``wait`` keep working.
+        """
         ...
 
 
@@ -351,3 +399,86 @@ class SupportsClear(Protocol):
     def clear(self) -> None:
         """Drop every value. Jobs in flight finish or fail; none resurrects a cleared value."""
         ...
+
+
+# -- the remote tier a rank drives, and what it sees of the rank -----------------------------------------
+
+
+class RemoteTier(JobQueue, Protocol):
+    """Moves chunk values between the remote tier and this rank's host slots."""
+
+    def submit_fetch(self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()) -> JobId:
+        """Copy each key's value into its host bytes; a missing or odd-sized value is a failed item.
+        ``chain``: the request's keys from its first chunk on, for a chained tier (``ManagedTier``)."""
+        ...
+
+    def submit_publish(
+        self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        """Store each item's host bytes under its key; a failed item is simply not stored."""
+        ...
+
+    def end_session(self, session: str) -> None:
+        """The request is over and none of its jobs is in flight: release what the tier holds for it."""
+        ...
+
+
+@runtime_checkable
+class BlockRemote(RemoteTier, Protocol):
+    """A remote tier that also moves chunks straight between engine blocks and its own memory (chunks
+    with no host slot, see ``RemoteChunk``); called on the engine's thread."""
+
+    def submit_fetch_blocks(
+        self, session: str, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        """Copy each key's value into its engine blocks; failures as for ``submit_fetch``. Raises
+        ``BackendError`` when the tier cannot reach engine blocks."""
+        ...
+
+    def submit_publish_blocks(
+        self, session: str, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        """Store each item's engine blocks under its key; failures as for ``submit_publish``. Raises
+        ``BackendError`` when the tier cannot reach engine blocks."""
+        ...
+
+    def abandon(self, job_id: JobId) -> None:
+        """A publish's engine blocks may be overwritten from now on (``SupportsBlockTransfer.abandon``)."""
+        ...
+
+
+class BlockMovers(Protocol):
+    """Movers between a rank's engine blocks and memory that a remote tier maps itself (an LMCache
+    server's shared-memory pool), for a tier that moves engine blocks with no host pool in between."""
+
+    def mark(self) -> object:
+        """The engine's work queued so far, taken on the engine's thread (see ``OrderedMover``)."""
+        ...
+
+    def over(self, pool: mmap.mmap) -> OrderedMover:
+        """A mover between the engine's blocks and ``pool``, as host blocks of the engine's host block
+        size. Raises ``BackendError`` when the pool cannot be used (page-locking)."""
+        ...
+
+
+class RankMemory(Protocol):
+    """One rank's memory as its remote tier is opened over it (``kvcore.plugins.Backend.open_remote``).
+
+    ``host`` is the rank's host pool, through which every chunk the tier moves is staged, and
+    ``host_address`` the address of its first byte (for a native transfer engine to register); both are
+    ``None`` when the backend is configured with no host pool (``BackendSettings.DIRECT``), and then
+    ``movers`` is how the tier reaches the engine's blocks itself. The memory stays valid until the
+    rank's worker is closed, after the tier.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def host(self) -> memoryview | None: ...
+
+    @property
+    def host_address(self) -> int | None: ...
+
+    @property
+    def movers(self) -> BlockMovers: ...

@@ -1,4 +1,5 @@
-"""The worker's view of a remote tier: fetch chunks into host slots, publish them from host slots.
+"""The worker's view of a remote tier (``kvcore.ports.RemoteTier``) over each kind of tier, and closing
+what backends hold.
 
 Both kinds of remote tier fit it: a ``ChunkStore`` (Mooncake store: content-addressed, no sessions) and a
 ``ManagedTier`` (LMCache server: sessions that hold read locks). ``BlockWorker`` chains these jobs with
@@ -14,9 +15,9 @@ from typing import Protocol, runtime_checkable
 from kvcore.errors import BackendError
 from kvcore.ids import ChunkKey, JobId, RequestId
 from kvcore.jobs import JobResult
-from kvcore.ports import BlockItem, ChunkStore, JobQueue, ManagedTier, StoreItem, SupportsBlockTransfer
+from kvcore.ports import BlockItem, ChunkStore, ManagedTier, StoreItem, SupportsBlockTransfer
 
-__all__ = ["BlockRemote", "Closeable", "ManagedRemote", "RemoteTier", "StoreRemote", "close_quietly"]
+__all__ = ["Closeable", "ManagedRemote", "StoreRemote", "close_quietly"]
 
 log = logging.getLogger(__name__)
 
@@ -35,49 +36,6 @@ def close_quietly(resource: object) -> None:
             resource.close()
         except Exception as exc:  # shutdown must go on whatever one backend does
             log.warning("kvcore: closing %s failed: %s", type(resource).__name__, exc)
-
-
-class RemoteTier(JobQueue, Protocol):
-    """Moves chunk values between the remote tier and this rank's host slots."""
-
-    def submit_fetch(self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()) -> JobId:
-        """Copy each key's value into its host bytes; a missing or odd-sized value is a failed item.
-        ``chain``: the request's keys from its first chunk on, for a chained tier (``ManagedTier``)."""
-        ...
-
-    def submit_publish(
-        self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
-    ) -> JobId:
-        """Store each item's host bytes under its key; a failed item is simply not stored."""
-        ...
-
-    def end_session(self, session: str) -> None:
-        """The request is over and none of its jobs is in flight: release what the tier holds for it."""
-        ...
-
-
-@runtime_checkable
-class BlockRemote(RemoteTier, Protocol):
-    """A remote tier that also moves chunks straight between engine blocks and its own memory (chunks
-    with no host slot, see ``RemoteChunk``); called on the engine's thread."""
-
-    def submit_fetch_blocks(
-        self, session: str, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
-    ) -> JobId:
-        """Copy each key's value into its engine blocks; failures as for ``submit_fetch``. Raises
-        ``BackendError`` when the tier cannot reach engine blocks."""
-        ...
-
-    def submit_publish_blocks(
-        self, session: str, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
-    ) -> JobId:
-        """Store each item's engine blocks under its key; failures as for ``submit_publish``. Raises
-        ``BackendError`` when the tier cannot reach engine blocks."""
-        ...
-
-    def abandon(self, job_id: JobId) -> None:
-        """A publish's engine blocks may be overwritten from now on (``SupportsBlockTransfer.abandon``)."""
-        ...
 
 
 class StoreRemote:

@@ -21,7 +21,7 @@ from kvcore.ids import ChunkKey
 from kvcore.keys import Keyspace, Namespace, Shard, writes
 from kvcore.layout import LayoutKind
 
-__all__ = ["ChunkChain", "Keyer", "prompt_tokens"]
+__all__ = ["ChunkChain", "Keyer", "prompt_tokens", "token_sequence"]
 
 
 class ChunkChain:
@@ -171,9 +171,7 @@ def prompt_tokens(tokens: object, block_hashes: object, hash_block_tokens: objec
     """The prompt's length, from ``tokens`` or from ``num_tokens`` beside ``block_hashes``; raises
     ``InvalidSpecError`` naming the argument that does not fit."""
     if tokens is not None:
-        if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence):
-            raise InvalidSpecError(f"tokens: got {tokens!r}, expected a sequence of token ids")
-        return len(tokens)
+        return len(token_sequence(tokens))
     if block_hashes is None:
         raise InvalidSpecError("lookup needs tokens, or block_hashes with hash_block_tokens and num_tokens")
     hashes = _block_hashes(block_hashes)
@@ -185,6 +183,14 @@ def prompt_tokens(tokens: object, block_hashes: object, hash_block_tokens: objec
             "cover more"
         )
     return num_tokens
+
+
+def token_sequence(tokens: object) -> Sequence[object]:
+    """``tokens`` as the sequence it must be (each id is checked where it is hashed); raises
+    ``InvalidSpecError`` naming ``tokens`` for anything else (a string, a number, a bool)."""
+    if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence):
+        raise InvalidSpecError(f"tokens: got {tokens!r}, expected a sequence of token ids")
+    return tokens
 
 
 def _block_hashes(block_hashes: object) -> Sequence[bytes]:

@@ -48,7 +48,7 @@ from kvcore.plan import BlockOp, OpReport, StepPlan
 from kvcore.pool_index import PoolIndex
 from kvcore.ports import ChunkIndex, Direction
 from kvcore.remote import close_quietly
-from kvcore.request_keys import ChunkChain, Keyer, prompt_tokens
+from kvcore.request_keys import ChunkChain, Keyer, prompt_tokens, token_sequence
 
 __all__ = ["CacheScheduler", "SchedulerStats"]
 
@@ -355,6 +355,8 @@ class CacheScheduler:
         table = check_block_table("block_ids", block_ids, self.engine.layout.num_blocks)
         if not is_int_in(num_tokens, 0):
             raise InvalidSpecError(f"num_tokens: got {num_tokens!r}, expected an integer >= 0")
+        if tokens is not None:
+            token_sequence(tokens)
         req = self._requests.get(request_id)
         tracker = self._table.get(request_id)
         if req is None or tracker is None or tracker.ended:

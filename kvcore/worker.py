@@ -20,8 +20,17 @@ from kvcore.errors import BackendError, TransferTimeout, UsageError
 from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobResult
 from kvcore.plan import BlockOp, OpReport, RemoteChunk, StepPlan
-from kvcore.ports import BlockItem, BlockMover, BlockTransfer, Direction, JobQueue, StoreItem
-from kvcore.remote import BlockRemote, RemoteTier, close_quietly
+from kvcore.ports import (
+    BlockItem,
+    BlockMover,
+    BlockRemote,
+    BlockTransfer,
+    Direction,
+    JobQueue,
+    RemoteTier,
+    StoreItem,
+)
+from kvcore.remote import close_quietly
 
 __all__ = ["BlockWorker"]
 
@@ -183,6 +192,12 @@ class BlockWorker:
         mover's, or, with no mover, the remote tier's, which then moves blocks itself. Jobs not yet run
         fail; later ops fail (cache misses)."""
         close_quietly(self._mover if self._mover is not None else self._remote)
+
+    def close(self) -> None:
+        """Stop the remote tier, then the mover (a failure is logged, never raised). Jobs not yet run
+        fail; ops executed later fail (cache misses); reports keep coming until every op is reported."""
+        close_quietly(self._remote)
+        close_quietly(self._mover)
 
     def reports(self) -> tuple[OpReport, ...]:
         """Ops finished since the last call (never blocks)."""

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from attrs import define, frozen
 
+from kvcore.compose import open_scheduler, open_worker
 from kvcore.config import KVCoreConfig, load_config, parse_size
 from kvcore.engine import EngineSpec
 from kvcore.ids import RequestId
@@ -28,7 +29,6 @@ from kvcore.scheduler import CacheScheduler
 from kvcore.worker import BlockWorker
 from kvcore_cli.progress import Progress
 from kvcore_cli.workload import conversations
-from kvcore_cpu.tier import open_worker, pool_slots
 
 __all__ = ["DemoOptions", "DemoSummary", "run_demo"]
 
@@ -187,7 +187,7 @@ def run_demo(opts: DemoOptions) -> DemoSummary:
     config: KVCoreConfig = load_config(
         {"backend": {"kind": "cpu", "size": opts.pool_size}, "chunk_tokens": opts.chunk_tokens}
     )
-    sched = CacheScheduler(config, spec, pool_slots(config, spec))
+    sched = open_scheduler(config, spec)
     worker = open_worker(config, spec, engine.tensors)
     host_block = spec.host_block_bytes
     summary = DemoSummary(

@@ -20,8 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcore.errors import InvalidSpecError
+from kvcore.sizing import staging_shortfall
 from kvcore_vllm.compat import check_vllm
-from kvcore_vllm.compose import staging_shortfall
 from kvcore_vllm.engine_spec import engine_spec, hash_identity, layer_names
 from kvcore_vllm.metadata import KVCoreMetadata
 from kvcore_vllm.roles import require_side

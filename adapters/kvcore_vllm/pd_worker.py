@@ -19,6 +19,7 @@ import torch
 from kvcore.config import PDConfig
 from kvcore.engine import EngineSpec
 from kvcore.errors import InvalidSpecError, KVCoreError
+from kvcore.ports import PeerTransport
 from kvcore_cpu.amx import claim_amx
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_mooncake.pd import MooncakePeerTransport, PDConsumer, PDProducer, RankSpec
@@ -46,7 +47,7 @@ class PDWorker:
         self._engine_id = engine_id
         self._layers = tuple(layer_names)
         self._rank = rank
-        self._transports: list[MooncakePeerTransport] = []
+        self._transports: list[PeerTransport] = []
         self.producer: PDProducer | None = None
         self.consumer: PDConsumer | None = None
         self._sending: dict[str, str] = {}  # transfer id -> request id, offered and not yet freed
@@ -94,7 +95,7 @@ class PDWorker:
             self.shutdown()
             raise
 
-    def _transport(self) -> MooncakePeerTransport:
+    def _transport(self) -> PeerTransport:
         transport = MooncakePeerTransport.open(self._config)
         self._transports.append(transport)
         return transport

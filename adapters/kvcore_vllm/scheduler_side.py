@@ -17,12 +17,12 @@ import itertools
 import logging
 from typing import TYPE_CHECKING, Any
 
+from kvcore.compose import open_scheduler
 from kvcore.engine import EngineSpec
 from kvcore.errors import UnsupportedConfiguration
 from kvcore.ids import RequestId
 from kvcore.plan import StepPlan
 from kvcore.scheduler import SchedulerStats
-from kvcore_vllm.compose import scheduler_core
 from kvcore_vllm.events import ChunkNames
 from kvcore_vllm.evictions import EvictedChain, EvictionWatch
 from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata
@@ -52,7 +52,7 @@ class SchedulerSide:
         self, settings: VLLMSettings, engine: EngineSpec, hash_block_tokens: int, hash_identity: str
     ) -> None:
         config = settings.core
-        self.core = scheduler_core(config, engine, hash_identity)
+        self.core = open_scheduler(config, engine, hash_identity=hash_identity)
         self.lazy = settings.store_policy is StorePolicy.LAZY
         if self.lazy and hash_block_tokens != engine.layout.block_tokens:
             raise UnsupportedConfiguration(

@@ -16,12 +16,13 @@ from collections.abc import Iterable
 
 import torch
 
+from kvcore.compose import open_worker
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
 from kvcore.errors import InvalidSpecError
 from kvcore.plan import BlockOp, OpReport, StepPlan
 from kvcore.ports import Direction
-from kvcore_vllm.compose import RankWorker, open_rank_worker
+from kvcore.worker import BlockWorker
 from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata
 
 __all__ = ["WorkerSide"]
@@ -36,7 +37,7 @@ class WorkerSide:
         self._layers = layers
         self._rank = rank
         self._timeout = config.transfer_timeout_s
-        self._worker: RankWorker | None = None
+        self._worker: BlockWorker | None = None
         self._inflight: dict[int, BlockOp] = {}
         self._reports: list[OpReport] = []
         self._load_errors: set[int] = set()
@@ -45,7 +46,7 @@ class WorkerSide:
         self.last_load: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # for out-of-band checks
 
     @property
-    def worker(self) -> RankWorker:
+    def worker(self) -> BlockWorker:
         if self._worker is None:
             raise InvalidSpecError("register_kv_caches has not been called")
         return self._worker
@@ -55,7 +56,7 @@ class WorkerSide:
         if missing:
             raise InvalidSpecError(f"KV caches missing for layers {missing}")
         tensors = [kv_caches[name] for name in self._layers]
-        self._worker = open_rank_worker(self._config, self._engine, tensors, self._rank)
+        self._worker = open_worker(self._config, self._engine, tensors, rank=self._rank)
 
     def start_load_kv(self, meta: KVCoreMetadata) -> None:
         self._load_errors.update(meta.failed_blocks)

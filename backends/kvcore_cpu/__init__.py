@@ -3,14 +3,29 @@
 ``EngineKV`` registers the engine's KV tensors against their layout, ``HostMemory`` holds the host
 blocks, and ``TorchBlockMover`` (the ``kvcore.ports.BlockMover`` port) copies whole blocks between them:
 on a worker thread for a CPU engine, on copy streams for a CUDA engine. ``open_worker`` composes them
-for one rank from kvcore's configuration; ``pool_slots`` says how many host slots a configured size buys.
+for one rank from kvcore's configuration.
 """
 
 from __future__ import annotations
 
-from kvcore_cpu.engine_kv import EngineKV
-from kvcore_cpu.host_memory import HostMemory
-from kvcore_cpu.mover import TorchBlockMover
-from kvcore_cpu.tier import open_worker, pool_slots
+from typing import TYPE_CHECKING
 
-__all__ = ["EngineKV", "HostMemory", "TorchBlockMover", "open_worker", "pool_slots"]
+from kvcore.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from kvcore_cpu.engine_kv import EngineKV
+    from kvcore_cpu.host_memory import HostMemory
+    from kvcore_cpu.mover import TorchBlockMover
+    from kvcore_cpu.tier import open_worker
+
+__all__ = ["EngineKV", "HostMemory", "TorchBlockMover", "open_worker"]
+
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "EngineKV": "kvcore_cpu.engine_kv",
+        "HostMemory": "kvcore_cpu.host_memory",
+        "TorchBlockMover": "kvcore_cpu.mover",
+        "open_worker": "kvcore_cpu.tier",
+    },
+)

@@ -1,32 +1,30 @@
-"""A background thread that runs CPU copy jobs, so that saves never block the engine's thread.
+"""The CPU engine's copy lane: block copies on a ``JobLane``, so that saves never block the engine's thread.
 
-Loads go before saves that are still queued (a request is waiting on a load; a save only has to finish
-before its slot is used), and jobs of one direction run in submission order. The port promises no order
-between a load and a save.
+Loads are reads and saves writes (``kvcore.lane``): a queued load goes before queued saves (a request is
+waiting on a load; a save only has to finish before its slot is used), and jobs of one direction run in
+submission order. The port promises no order between a load and a save. Fault hooks, if given, run on
+the lane before each copy (``kvcore.faults``).
 """
 
 from __future__ import annotations
 
-import itertools
-import queue
 import threading
-from collections.abc import Callable
+from functools import partial
 
 from attrs import frozen
 
-from kvcore.errors import TransferTimeout, UsageError
+from kvcore.errors import TransferTimeout
+from kvcore.faults import FaultHooks, leading_failures
 from kvcore.ids import JobId
 from kvcore.jobs import JobBoard, JobResult
+from kvcore.lane import JobLane, LaneClosed, Priority
 from kvcore.ports import Direction
+from kvcore_cpu.cpu_copy import BlockCopier
 from kvcore_cpu.rows import IntArray
 
-__all__ = ["CopyFn", "CpuLane"]
+__all__ = ["CpuLane"]
 
-CopyFn = Callable[[Direction, IntArray, IntArray], tuple[int, ...]]
-"""Copies one job's block pairs on the calling thread; returns the indices of pairs that failed."""
-
-_PRIORITY = {Direction.LOAD: 0, Direction.SAVE: 1}
-_STOP = 2
+_PRIORITY = {Direction.LOAD: Priority.READ, Direction.SAVE: Priority.WRITE}
 
 
 @frozen(eq=False)
@@ -38,37 +36,33 @@ class _Job:
 
 
 class CpuLane:
-    """Runs jobs with ``copy`` on one worker thread and reports them to ``board``.
+    """Runs copies with ``copier`` on a ``JobLane`` and reports them to ``board``.
 
-    The worker is a daemon thread: it stops at ``close`` (once a copy in progress ends) and never keeps
-    the interpreter alive. ``start`` after ``close`` raises ``UsageError`` instead of queueing a job that
-    no thread would run.
+    ``start`` after ``close`` raises ``LaneClosed`` (a ``UsageError``) instead of queueing a job that no
+    thread would run.
     """
 
-    def __init__(self, board: JobBoard, copy: CopyFn) -> None:
+    def __init__(self, board: JobBoard, copier: BlockCopier, faults: FaultHooks | None = None) -> None:
         self._board = board
-        self._copy = copy
-        self._queue: queue.PriorityQueue[tuple[int, int, _Job | None]] = queue.PriorityQueue()
-        self._order = itertools.count()
+        self._copier = copier
+        self._faults = faults
+        self._lane = JobLane("kvcore-mover")
         self._loads: dict[JobId, threading.Event] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._serve, name="kvcore-mover", daemon=True)
-        self._thread.start()
 
     def start(
         self, job_id: JobId, direction: Direction, engine_ids: IntArray, host_ids: IntArray, after: object
     ) -> None:
         """Queue a job; ``after`` is ignored: a CPU engine's work is done when it calls kvcore.
 
-        Raises ``UsageError`` (nothing queued) once the lane is closed."""
+        Raises ``LaneClosed`` (nothing queued) once the lane is closed."""
         job = _Job(job_id, direction, engine_ids, host_ids)
-        with self._lock:
-            if self._closed:
-                raise UsageError("the mover's copy lane is closed")
-            if direction is Direction.LOAD:
-                self._loads[job_id] = threading.Event()
-            self._queue.put((_PRIORITY[direction], next(self._order), job))
+        if direction is Direction.LOAD:
+            self._loads[job_id] = threading.Event()
+        try:
+            self._lane.submit(partial(self._copy, job), partial(self._fail, job), _PRIORITY[direction])
+        except LaneClosed:
+            self._loads.pop(job_id, None)
+            raise
 
     def mark(self) -> None:
         return None
@@ -82,39 +76,23 @@ class CpuLane:
     def close(self, timeout: float) -> None:
         """Fail the jobs not yet started, let the running one finish, join the thread (at most
         ``timeout`` s: a copy still running then ends on its own and is reported). Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        while True:
-            try:
-                _, _, job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                self._report(job, JobResult(job.job_id, _all(job), "the mover closed before the copy ran"))
-        self._queue.put((_STOP, next(self._order), None))
-        self._thread.join(timeout)
+        self._lane.close(timeout, why="the mover closed before the copy ran")
 
-    def _serve(self) -> None:
-        while True:
-            _, _, job = self._queue.get()
-            if job is None:
-                return
-            try:
-                failed = self._copy(job.direction, job.engine_ids, job.host_ids)
-                result = JobResult(job.job_id, failed, "some blocks failed to copy" if failed else None)
-            # Any failure of a copy is the job's failure, reported through the board, never raised here.
-            except Exception as exc:
-                result = JobResult(job.job_id, _all(job), f"{type(exc).__name__}: {exc}")
-            self._report(job, result)
+    def _copy(self, job: _Job) -> None:
+        """On the lane: the copy, after the fault hooks, whose leading failed pairs are not copied. The
+        copier is looked up at each copy, so that instrumentation may wrap it while the mover runs."""
+        count = len(job.engine_ids)
+        failed = leading_failures(self._faults, job.direction, count)
+        if failed < count:
+            self._copier.copy(job.direction, job.engine_ids[failed:], job.host_ids[failed:])
+        error = "some blocks failed to copy" if failed else None
+        self._report(job, JobResult(job.job_id, tuple(range(failed)), error))
+
+    def _fail(self, job: _Job, why: str) -> None:
+        self._report(job, JobResult(job.job_id, tuple(range(len(job.engine_ids))), why))
 
     def _report(self, job: _Job, result: JobResult) -> None:
         self._board.finish(result)
         done = self._loads.pop(job.job_id, None)
         if done is not None:
             done.set()
-
-
-def _all(job: _Job) -> tuple[int, ...]:
-    return tuple(range(len(job.engine_ids)))

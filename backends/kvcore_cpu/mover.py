@@ -17,6 +17,7 @@ import numpy as np
 
 from kvcore.checks import is_int_in
 from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguration, UsageError
+from kvcore.faults import FaultHooks
 from kvcore.ids import JobId
 from kvcore.jobs import JobBoard, JobResult
 from kvcore.ports import BlockTransfer, Direction
@@ -54,11 +55,15 @@ class TorchBlockMover:
     result; a refused submit raises and leaves no job behind.
     """
 
-    def __init__(self, engine: EngineKV, host: HostMemory, *, copy_threads: int = 2) -> None:
-        """Raises ``InvalidSpecError`` for an ``engine`` or ``host`` of the wrong type or host blocks of
+    def __init__(
+        self, engine: EngineKV, host: HostMemory, *, copy_threads: int = 2, faults: FaultHooks | None = None
+    ) -> None:
+        """``faults`` (``kvcore.faults``) run on the worker thread before each copy of a CPU engine.
+
+        Raises ``InvalidSpecError`` for an ``engine`` or ``host`` of the wrong type or host blocks of
         the wrong size, ``UsageError`` for closed host memory, ``ConfigError`` for ``copy_threads``
         outside ``[1, MAX_COPY_THREADS]``, ``UnsupportedConfiguration`` for a device other than CPU or
-        CUDA."""
+        CUDA, or ``faults`` on a CUDA engine (its copies run on streams, with no thread to hook)."""
         if not isinstance(engine, EngineKV):
             raise InvalidSpecError(f"engine: got {type(engine).__name__}, expected an EngineKV (register it)")
         if not isinstance(host, HostMemory):
@@ -80,10 +85,12 @@ class TorchBlockMover:
         self._copier: BlockCopier | None = None
         device = engine.device
         if device.type == "cuda":
+            if faults is not None:
+                raise UnsupportedConfiguration(f"faults: got {faults!r}, expected None on a CUDA engine")
             self._lane: _Lane = CudaLane(routes(engine), host, self._board, device)
         elif device.type == "cpu":
             self._copier = BlockCopier(routes(engine), host, copy_threads)
-            self._lane = CpuLane(self._board, self._copy_on_worker)
+            self._lane = CpuLane(self._board, self._copier, faults)
         else:
             raise UnsupportedConfiguration(f"engine device: got {device}, expected cpu or cuda")
 
@@ -180,19 +187,6 @@ class TorchBlockMover:
         """Forget a job whose id was never handed out (with ``_lock`` held): finish it, take the result."""
         self._board.finish(JobResult(job_id))
         self._board.wait([job_id], 0.0)
-
-    def _copy_on_worker(
-        self, direction: Direction, engine_ids: IntArray, host_ids: IntArray
-    ) -> tuple[int, ...]:
-        """Copy one job's block pairs on the CPU worker thread; return the indices of pairs that failed.
-
-        The extension point for tests and instrumentation: an override may stall, or copy some pairs and
-        report the others failed; an exception fails every pair.
-        """
-        if self._copier is None:
-            raise UsageError("a CUDA engine copies on streams, not on the worker thread")
-        self._copier.copy(direction, engine_ids, host_ids)
-        return ()
 
 
 def _ids(name: str, values: Sequence[object], bound: int) -> IntArray:

@@ -1,80 +1,35 @@
-"""Composition of the CPU tier: how many host slots a config buys, and a rank's worker over them.
+"""A rank's worker over torch tensors: its host slots, its mover, and its remote tier opened over them.
 
-The scheduler side (``kvcore.scheduler.CacheScheduler``) indexes the slots; each worker holds the slot
-memory of its own rank and executes copies (docs/architecture.md, "Where things run"). ``size`` in the
-config is the total across the ranks of one engine, so each rank gets ``size / world_size`` bytes, in
-whole slots.
+The scheduler side (``kvcore.scheduler.CacheScheduler``) indexes the slots (``kvcore.sizing`` says how
+many a config buys); each worker holds the slot memory of its own rank and executes copies
+(docs/architecture.md, "Where things run"). A backend's remote tier sees the rank as a ``RankMemory``.
 """
 
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
+from attrs import frozen
 
-from kvcore.checks import SIZE_LIMIT, is_int_in
+from kvcore.checks import is_int_in
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError, UsageError
-from kvcore.remote import RemoteTier, close_quietly
+from kvcore.faults import FaultHooks
+from kvcore.plugins import RemoteOpener
+from kvcore.ports import RemoteTier
+from kvcore.sizing import check_world, pool_slots, slot_bytes
 from kvcore.worker import BlockWorker
+from kvcore_cpu.amx import claim_amx
 from kvcore_cpu.checksums import ChecksummedMover
 from kvcore_cpu.cuda_lane import stream_mark
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_cpu.host_memory import HostMemory
 from kvcore_cpu.mover import TorchBlockMover
 
-__all__ = [
-    "CPUWorker",
-    "MappedMover",
-    "MappedMovers",
-    "RemoteFactory",
-    "open_worker",
-    "pool_slots",
-    "slot_bytes",
-]
-
-
-RemoteFactory = Callable[[EngineKV, HostMemory | None], RemoteTier]
-"""Opens a rank's remote tier for its engine KV, over its host memory (registered once, the staging of
-every transfer), or with ``None`` when the rank has no host pool and the tier moves blocks itself."""
-
-
-def slot_bytes(config: KVCoreConfig, engine: EngineSpec) -> int:
-    """Bytes of one host slot: one chunk of one rank's shard, every layer. Raises ``ConfigError`` when
-    ``chunk_tokens`` is not a multiple of the engine's block size."""
-    return engine.blocks_per_chunk(config.chunk_tokens) * engine.host_block_bytes
-
-
-def pool_slots(config: KVCoreConfig, engine: EngineSpec, world_size: int = 1) -> int:
-    """Host slots (one chunk of one rank's shard each) that the backend's host memory buys per rank
-    (``size`` for the CPU tier, ``local_size`` in front of a remote tier). 0 for a backend that moves
-    blocks straight to its own memory and was given no host memory (``DIRECT``).
-
-    Raises ``ConfigError`` for a ``world_size`` other than the engine's ``tp_size``, a ``chunk_tokens``
-    that is not a multiple of the block size, or a size below one slot on each rank.
-    """
-    _check_world(engine, world_size)
-    one = slot_bytes(config, engine)
-    backend = config.backend
-    if backend.DIRECT and backend.host_bytes == 0:
-        return 0
-    slots = backend.host_bytes // world_size // one
-    if slots < 1:
-        raise ConfigError(
-            f"backend.{backend.HOST_FIELD}",
-            backend.host_bytes,
-            f"at least {one * world_size} bytes: one chunk of {config.chunk_tokens} tokens "
-            f"({one} bytes) on each of {world_size} rank(s)",
-        )
-    return slots
-
-
-def _check_world(engine: EngineSpec, world_size: int) -> None:
-    """The ranks of one engine are its tensor-parallel ranks: host memory is split among exactly those."""
-    if not is_int_in(world_size, 1, SIZE_LIMIT) or world_size != engine.tp_size:
-        raise ConfigError("world_size", world_size, f"the engine's tp_size {engine.tp_size}")
+__all__ = ["CPUWorker", "MappedMover", "MappedMovers", "TorchRankMemory", "open_worker"]
 
 
 class MappedMover(TorchBlockMover):
@@ -85,9 +40,12 @@ class MappedMover(TorchBlockMover):
     ``close`` refuses while one exists); the mapping goes once the mover is closed and dropped.
     """
 
-    def __init__(self, engine: EngineKV, buffer: mmap.mmap | bytearray) -> None:
+    def __init__(
+        self, engine: EngineKV, buffer: mmap.mmap | bytearray, *, faults: FaultHooks | None = None
+    ) -> None:
         """Raises ``ConfigError`` for a buffer that holds not one host block (as ``HostMemory.wrap``),
-        and whatever ``TorchBlockMover`` raises; the mapping is then left as it was."""
+        and whatever ``TorchBlockMover`` raises (``faults`` as there); the mapping is then left as it
+        was."""
         self._export = memoryview(buffer)
         # torch cannot view an empty buffer; an empty tensor is refused by wrap like any short one
         view = (
@@ -99,7 +57,7 @@ class MappedMover(TorchBlockMover):
             self._export.release()
             raise
         try:
-            super().__init__(engine, self.host)
+            super().__init__(engine, self.host, faults=faults)
         except BaseException:
             self.host.close()
             self._export.release()
@@ -113,10 +71,11 @@ class MappedMover(TorchBlockMover):
 
 class MappedMovers:
     """Movers over memory that a remote tier maps, for one engine's KV (``kvcore_lmcache``'s
-    ``BlockMovers``), and marks of that engine's queued work."""
+    ``BlockMovers``), and marks of that engine's queued work. Each mover gets ``faults``."""
 
-    def __init__(self, engine: EngineKV) -> None:
+    def __init__(self, engine: EngineKV, *, faults: FaultHooks | None = None) -> None:
         self._engine = engine
+        self._faults = faults
 
     def mark(self) -> object:
         """A CUDA event after the engine's queued work on the calling thread's stream (``None`` on a CPU
@@ -125,7 +84,23 @@ class MappedMovers:
         return stream_mark(device) if device.type == "cuda" else None
 
     def over(self, pool: mmap.mmap) -> MappedMover:
-        return MappedMover(self._engine, pool)
+        return MappedMover(self._engine, pool, faults=self._faults)
+
+
+@frozen
+class TorchRankMemory:
+    """A rank's memory as its remote tier sees it (``kvcore.ports.RankMemory``)."""
+
+    rank: int
+    host: memoryview | None
+    host_address: int | None
+    movers: MappedMovers
+
+    @classmethod
+    def of(cls, rank: int, engine: EngineKV, host: HostMemory | None) -> TorchRankMemory:
+        if host is None:
+            return cls(rank, None, None, MappedMovers(engine))
+        return cls(rank, host.buffer.numpy().data, host.buffer.data_ptr(), MappedMovers(engine))
 
 
 class CPUWorker(BlockWorker):
@@ -164,10 +139,7 @@ class CPUWorker(BlockWorker):
 
     def close(self) -> None:
         """Stop the remote tier, then the mover, then free the memory both use."""
-        if self.remote is not None:
-            close_quietly(self.remote)
-        if self.mover is not None:
-            self.mover.close()
+        super().close()
         if self.host is not None:
             self.host.close()
 
@@ -179,17 +151,18 @@ def open_worker(
     *,
     rank: int = 0,
     world_size: int = 1,
-    remote: RemoteFactory | None = None,
+    remote: RemoteOpener | None = None,
 ) -> CPUWorker:
     """Register the rank's KV tensors, allocate its host slots and start its mover; with ``remote``, open
-    the rank's remote tier over those slots. A backend configured with no host memory (``pool_slots``
-    0) gets no slots and no mover: its remote tier moves every block.
+    the rank's remote tier over those slots (AMX claimed first: a tier may start native threads). A
+    backend configured with no host memory (``pool_slots`` 0) gets no slots and no mover: its remote
+    tier moves every block.
 
     Raises ``ConfigError`` for a ``world_size`` other than the engine's ``tp_size`` or a ``rank`` outside
     it (and as ``pool_slots``), ``InvalidSpecError`` for tensors that do not match the engine (layer
     count, layout, ``kv_dtype``); nothing stays allocated.
     """
-    _check_world(engine, world_size)
+    check_world(engine, world_size)
     if not is_int_in(rank, 0, world_size - 1):
         raise ConfigError("rank", rank, f"an int in [0, {world_size}) (the engine's tp_size)")
     slots = pool_slots(config, engine, world_size)
@@ -199,17 +172,16 @@ def open_worker(
             f"tensors: got {kv.num_layers} KV tensors, expected {engine.num_layers} (the engine's layers)"
         )
     if slots == 0:
-        if remote is None:
+        tier = _open_remote(remote, TorchRankMemory.of(rank, kv, None))
+        if tier is None:
             raise ConfigError(f"backend.{config.backend.HOST_FIELD}", 0, "a size for the host pool")
-        return CPUWorker(
-            None, kv, None, rank, remote=remote(kv, None), fence_timeout=config.transfer_timeout_s
-        )
+        return CPUWorker(None, kv, None, rank, remote=tier, fence_timeout=config.transfer_timeout_s)
     blocks_per_chunk = engine.blocks_per_chunk(config.chunk_tokens)
     host = HostMemory.allocate(slots * blocks_per_chunk, kv.host_block_bytes, kv.device)
     mover: TorchBlockMover | None = None
     try:
         mover = TorchBlockMover(kv, host)
-        tier = remote(kv, host) if remote is not None else None
+        tier = _open_remote(remote, TorchRankMemory.of(rank, kv, host))
     except BaseException:
         if mover is not None:
             mover.close()
@@ -225,3 +197,10 @@ def open_worker(
         slot_bytes(config, engine) if tier is not None else 0,
         config.transfer_timeout_s,
     )
+
+
+def _open_remote(remote: RemoteOpener | None, memory: TorchRankMemory) -> RemoteTier | None:
+    if remote is None:
+        return None
+    claim_amx()  # before the tier starts native threads (see kvcore_cpu.amx)
+    return remote(memory)

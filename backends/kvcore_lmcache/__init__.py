@@ -9,8 +9,24 @@ answers again. See ``docs/lmcache.md``.
 
 from __future__ import annotations
 
-from kvcore_lmcache.index import LMCacheChunkIndex
-from kvcore_lmcache.link import NoSharedMemoryPool, ServerLink, SlotLayout
-from kvcore_lmcache.tier import LMCacheManagedTier
+from typing import TYPE_CHECKING
+
+from kvcore.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from kvcore_lmcache.index import LMCacheChunkIndex
+    from kvcore_lmcache.link import NoSharedMemoryPool, ServerLink, SlotLayout
+    from kvcore_lmcache.tier import LMCacheManagedTier
 
 __all__ = ["LMCacheChunkIndex", "LMCacheManagedTier", "NoSharedMemoryPool", "ServerLink", "SlotLayout"]
+
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "LMCacheChunkIndex": "kvcore_lmcache.index",
+        "NoSharedMemoryPool": "kvcore_lmcache.link",
+        "ServerLink": "kvcore_lmcache.link",
+        "SlotLayout": "kvcore_lmcache.link",
+        "LMCacheManagedTier": "kvcore_lmcache.tier",
+    },
+)

@@ -14,9 +14,9 @@ import itertools
 import threading
 from collections.abc import Sequence
 
-from kvcore.config import LMCacheMPConfig
 from kvcore.errors import UsageError
 from kvcore.ids import ChunkKey, LookupId, RequestId
+from kvcore_lmcache.config import LMCacheMPConfig
 from kvcore_lmcache.link import ServerLink, SlotLayout
 from kvcore_lmcache.lookups import LookupBook
 

@@ -27,10 +27,10 @@ from lmcache.v1.multiprocess.futures import MessagingFuture
 from lmcache.v1.multiprocess.transport.base import RequestClient
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
-from kvcore.config import LMCacheMPConfig
 from kvcore.errors import BackendError, BackendUnavailable, ConfigError, TransferTimeout
 from kvcore.health import CircuitBreaker
 from kvcore.ids import ChunkKey, RequestId
+from kvcore_lmcache.config import LMCacheMPConfig
 from kvcore_lmcache.wire import HEADER_BYTES, KeyCodec, server_model_name
 
 __all__ = ["NoSharedMemoryPool", "Segment", "ServerLink", "SlotLayout", "join", "register_slots"]

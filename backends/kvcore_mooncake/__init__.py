@@ -9,8 +9,22 @@ engine restarts. See ``docs/mooncake-store.md``.
 
 from __future__ import annotations
 
-from kvcore_mooncake.client import MooncakeClient
-from kvcore_mooncake.index import MooncakeChunkIndex
-from kvcore_mooncake.store import MooncakeChunkStore
+from typing import TYPE_CHECKING
+
+from kvcore.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from kvcore_mooncake.client import MooncakeClient
+    from kvcore_mooncake.index import MooncakeChunkIndex
+    from kvcore_mooncake.store import MooncakeChunkStore
 
 __all__ = ["MooncakeChunkIndex", "MooncakeChunkStore", "MooncakeClient"]
+
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "MooncakeClient": "kvcore_mooncake.client",
+        "MooncakeChunkIndex": "kvcore_mooncake.index",
+        "MooncakeChunkStore": "kvcore_mooncake.store",
+    },
+)

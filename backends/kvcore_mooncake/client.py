@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
-from kvcore.config import MooncakeStoreConfig
 from kvcore.errors import BackendUnavailable, ConfigError
+from kvcore_mooncake.config import MooncakeStoreConfig
 
 if TYPE_CHECKING:
     from mooncake.store import ReplicateConfig

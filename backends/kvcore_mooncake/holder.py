@@ -19,9 +19,10 @@ import sys
 import threading
 from types import FrameType
 
-from kvcore.config import MooncakeStoreConfig, load_config
+from kvcore.config import load_config
 from kvcore.errors import BackendUnavailable, ConfigError
 from kvcore_mooncake.client import MooncakeClient
+from kvcore_mooncake.config import MooncakeStoreConfig
 
 __all__ = ["main", "parse_config"]
 

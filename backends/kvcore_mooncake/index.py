@@ -2,7 +2,7 @@
 
 The scheduler holds no KV, so its client contributes no segment (``global_segment_size=0``); it only asks
 the master which keys exist (``batch_is_exist``, about 150-450 us for 256 keys on loopback). Lookups run
-on one worker thread so that the engine's step never waits on the network: ``submit_lookup`` returns at
+in order on a ``JobLane`` so that the engine's step never waits on the network: ``submit_lookup`` returns at
 once, ``poll_lookup`` answers ``None`` while the lookup is pending. A lookup not answered within
 ``timeout_s`` is a failure (the caller answers 0), and so is every master error; repeated failures open a
 circuit breaker, and while it is open ``submit_lookup`` refuses at once, so a dead master (whose calls
@@ -12,18 +12,20 @@ hang about 4 s each) costs the scheduler nothing per step.
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from attrs import define
 
-from kvcore.config import MooncakeStoreConfig
 from kvcore.errors import BackendError, BackendUnavailable, TransferTimeout
+from kvcore.faults import FaultHooks
 from kvcore.health import CircuitBreaker
 from kvcore.ids import ChunkKey, LookupId
+from kvcore.lane import JobLane, Priority
 from kvcore_mooncake.client import MooncakeClient, describe
+from kvcore_mooncake.config import MooncakeStoreConfig
 
 __all__ = ["MooncakeChunkIndex"]
 
@@ -41,7 +43,8 @@ class MooncakeChunkIndex:
     """Which leading chunks the Mooncake pool holds, every shard of each.
 
     Build it from a set-up client, or with ``open`` (a pure client it owns). ``timeout_s`` bounds each
-    lookup; ``breaker`` (default: open after 3 failures for 2 s) guards the master.
+    lookup; ``breaker`` (default: open after 3 failures for 2 s) guards the master. ``faults``
+    (``kvcore.faults``) run on the lookup thread before each lookup asks the master.
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class MooncakeChunkIndex:
         owns_client: bool = False,
         breaker: CircuitBreaker | None = None,
         clock: Callable[[], float] = time.monotonic,
+        faults: FaultHooks | None = None,
     ) -> None:
         self._client = client
         self._owns_client = owns_client
@@ -62,9 +66,8 @@ class MooncakeChunkIndex:
         self._lock = threading.Lock()
         self._lookups: dict[LookupId, _Lookup] = {}
         self._closed = False
-        self._queue: queue.SimpleQueue[_Lookup | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="kvcore-mooncake-index", daemon=True)
-        self._thread.start()
+        self._faults = faults
+        self._lane = JobLane("kvcore-mooncake-index")
 
     @classmethod
     def open(cls, config: MooncakeStoreConfig, timeout_s: float) -> MooncakeChunkIndex:
@@ -87,8 +90,8 @@ class MooncakeChunkIndex:
                 raise BackendUnavailable("the Mooncake index is closed")
             lookup_id = LookupId(next(self._ids))
             self._lookups[lookup_id] = lookup
-        if keys:
-            self._queue.put(lookup)
+            if keys:  # under the lock that close takes first: the lane is still open
+                self._lane.submit(partial(self._answer, lookup), partial(self._fail, lookup), Priority.READ)
         return lookup_id
 
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
@@ -119,40 +122,40 @@ class MooncakeChunkIndex:
                 return
             self._closed = True
             self._lookups.clear()
-        self._queue.put(None)
-        self._thread.join(timeout)
+        self._lane.close(timeout, why="the index closed before the lookup ran")
         if self._owns_client:
             self._client.close(timeout)
 
-    def _check(self, keys: list[str]) -> list[int]:
-        """Ask the master which keys exist (1, 0 or a negative code each), on the worker thread.
+    def _answer(self, lookup: _Lookup) -> None:
+        """On the lane: ask the master which keys exist (after the fault hooks), and record the answer.
 
-        The extension point for tests: an override may stall, or raise ``BackendError``.
+        A lookup cancelled while queued still runs, so that every lookup the breaker let through (a
+        probe, perhaps) reports its outcome; one that expired while queued counts as a failure.
         """
-        return self._client.exist(keys)
+        if self._clock() >= lookup.deadline:
+            self._breaker.record_failure()
+            return
+        try:
+            if self._faults is not None:
+                self._faults.before_lookup(len(lookup.keys))
+            codes = self._client.exist(lookup.keys)
+        # Any failure of the call is this lookup's failure, handed to its poll, never raised here.
+        except Exception as exc:
+            answer: int | None = None
+            error: str | None = f"lookup failed: {type(exc).__name__}: {exc}"
+        else:
+            answer = _leading(codes, lookup)
+            error = None if answer is not None else f"batch_is_exist answered {_bad(codes)}"
+        if answer is None:
+            self._breaker.record_failure()
+        else:
+            self._breaker.record_success()
+        with self._lock:
+            lookup.answer, lookup.error = answer, error
 
-    def _serve(self) -> None:
-        while (lookup := self._queue.get()) is not None:
-            # A lookup cancelled while queued still runs, so that every lookup the breaker let through
-            # (a probe, perhaps) reports its outcome; one that expired while queued counts as a failure.
-            if self._clock() >= lookup.deadline:
-                self._breaker.record_failure()
-                continue
-            try:
-                codes = self._check(lookup.keys)
-            # Any failure of the call is this lookup's failure, handed to its poll, never raised here.
-            except Exception as exc:
-                answer: int | None = None
-                error: str | None = f"lookup failed: {type(exc).__name__}: {exc}"
-            else:
-                answer = _leading(codes, lookup)
-                error = None if answer is not None else f"batch_is_exist answered {_bad(codes)}"
-            if answer is None:
-                self._breaker.record_failure()
-            else:
-                self._breaker.record_success()
-            with self._lock:
-                lookup.answer, lookup.error = answer, error
+    def _fail(self, lookup: _Lookup, why: str) -> None:
+        with self._lock:
+            lookup.error = why
 
 
 def _leading(codes: list[int], lookup: _Lookup) -> int | None:

@@ -1,9 +1,10 @@
 """``MooncakeChunkStore``: the ``ChunkStore`` port on a Mooncake distributed store.
 
 One host buffer is registered with the client once, at construction; every ``StoreItem`` names bytes of
-it, and puts and gets move those bytes zero-copy (``batch_put_from`` / ``batch_get_into``) on one worker
-thread, so ``submit_*`` return at once. Gets run before queued puts: a request waits on a get, while a
-put only has to finish before its host slot is reused.
+it, and puts and gets move those bytes zero-copy (``batch_put_from`` / ``batch_get_into``) on a
+``JobLane``, so ``submit_*`` return at once. Gets are reads and run before queued puts: a request waits
+on a get, while a put only has to finish before its host slot is reused. Fault hooks, if given, run
+before each batch (``kvcore.faults``).
 
 Semantics chosen, and why:
 
@@ -24,28 +25,28 @@ Semantics chosen, and why:
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Collection, Sequence
+from functools import partial
 
 from attrs import frozen
 
-from kvcore.config import MooncakeStoreConfig
 from kvcore.errors import BackendError, BackendUnavailable, InvalidSpecError, UsageError
+from kvcore.faults import FaultHooks, leading_failures
 from kvcore.health import CircuitBreaker
 from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobBoard, JobResult
-from kvcore.ports import StoreItem
+from kvcore.lane import JobLane, Priority
+from kvcore.ports import Direction, StoreItem
 from kvcore_mooncake.client import Code, MooncakeClient, describe
+from kvcore_mooncake.config import MooncakeStoreConfig
 
 __all__ = ["MooncakeChunkStore"]
 
 log = logging.getLogger(__name__)
 
-_GET, _PUT, _STOP = 0, 1, 2  # queue priorities: gets first, the stop marker last
 _REMOVE_RETRY_S = 0.02
 _QUIET = frozenset({Code.NOT_FOUND, Code.NO_SPACE})
 """Codes that are ordinary outcomes (a miss, a full pool): no warning. Anything else is logged."""
@@ -64,7 +65,8 @@ class MooncakeChunkStore:
 
     Build it from a set-up ``MooncakeClient`` and the buffer (``buffer_address``, ``buffer_length``),
     which the caller owns and keeps alive until ``close``; or with ``open``, which also sets up (and
-    then owns) the client. The registration lives as long as the client.
+    then owns) the client. The registration lives as long as the client. ``faults`` (``kvcore.faults``)
+    run on the job thread before each batch.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class MooncakeChunkStore:
         owns_client: bool = False,
         remove_timeout_s: float = 12.0,
         breaker: CircuitBreaker | None = None,
+        faults: FaultHooks | None = None,
     ) -> None:
         if buffer_length < 1:
             raise InvalidSpecError(f"buffer_length: got {buffer_length}, expected at least 1 byte")
@@ -86,15 +89,13 @@ class MooncakeChunkStore:
         self._length = buffer_length
         self._remove_timeout = remove_timeout_s
         self._breaker = breaker if breaker is not None else CircuitBreaker(threshold=3, backoff_s=2.0)
+        self._faults = faults
         self._board = JobBoard()
-        self._queue: queue.PriorityQueue[tuple[int, int, _Job | None]] = queue.PriorityQueue()
-        self._order = itertools.count()
         self._state = threading.Lock()  # closed flag, generation
         self._io = threading.Lock()  # held by the worker around one batch, and by clear
         self._closed = False
         self._generation = 0
-        self._thread = threading.Thread(target=self._serve, name="kvcore-mooncake-store", daemon=True)
-        self._thread.start()
+        self._lane = JobLane("kvcore-mooncake-store")
 
     @classmethod
     def open(cls, config: MooncakeStoreConfig, buffer_address: int, buffer_length: int) -> MooncakeChunkStore:
@@ -194,29 +195,21 @@ class MooncakeChunkStore:
             if self._closed:
                 return
             self._closed = True
-        while True:
-            try:
-                _, _, job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                self._board.finish(_failed(job, "the store closed before the job ran"))
-        self._queue.put((_STOP, next(self._order), None))
-        self._thread.join(timeout)
+        self._lane.close(timeout, why="the store closed before the job ran")
         if self._owns_client:
             self._client.close(timeout)
 
     # -- the worker ----------------------------------------------------------------------------------
 
     def _transfer(self, put: bool, keys: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
-        """Run one batch on the worker thread and return the native code of each item.
-
-        The extension point for tests and instrumentation: an override may stall, or answer failure
-        codes for some items without transferring them.
-        """
-        if put:
-            return self._client.put_from(keys, addresses, sizes)
-        return self._client.get_into(keys, addresses, sizes)
+        """Run one batch on the worker thread and return the native code of each item; the leading items
+        the fault hooks fail answer ``TRANSFER_FAILED`` without moving."""
+        failed = leading_failures(self._faults, Direction.SAVE if put else Direction.LOAD, len(keys))
+        codes = [int(Code.TRANSFER_FAILED)] * failed
+        if failed < len(keys):
+            transfer = self._client.put_from if put else self._client.get_into
+            codes.extend(transfer(keys[failed:], addresses[failed:], sizes[failed:]))
+        return codes
 
     def _submit(self, put: bool, items: Sequence[StoreItem]) -> JobId:
         for item in items:
@@ -230,23 +223,18 @@ class MooncakeChunkStore:
                 raise UsageError("the Mooncake store is closed")
             job_id = self._board.new()
             job = _Job(job_id, put, tuple(items), self._generation)
+            if items:  # under the lock that close takes first: the lane is still open
+                priority = Priority.WRITE if put else Priority.READ
+                self._lane.submit(partial(self._finish, job), partial(self._fail, job), priority)
         if not items:
             self._board.finish(JobResult(job_id))
-        else:
-            self._queue.put((_PUT if put else _GET, next(self._order), job))
         return job_id
 
-    def _serve(self) -> None:
-        while True:
-            _, _, job = self._queue.get()
-            if job is None:
-                return
-            try:
-                result = self._run(job)
-            # Whatever goes wrong in one job is that job's failure, reported, never raised here.
-            except Exception as exc:
-                result = _failed(job, f"{type(exc).__name__}: {exc}")
-            self._board.finish(result)
+    def _finish(self, job: _Job) -> None:
+        self._board.finish(self._run(job))
+
+    def _fail(self, job: _Job, why: str) -> None:
+        self._board.finish(_failed(job, why))
 
     def _run(self, job: _Job) -> JobResult:
         with self._io:

@@ -1,21 +1,48 @@
-"""A toy engine that is not vLLM, using kvcore's engine-agnostic API with the embedded CPU backend.
+"""A toy engine that is not vLLM, using kvcore's engine-agnostic API with any installed backend.
 
-Run it: ``python docs/examples/toy_engine.py``. It serves a prompt, saves its KV, forgets it, serves the
-same prompt again and loads the KV back instead of recomputing it, then checks the bytes.
+Run it: ``python docs/examples/toy_engine.py`` (the embedded CPU tier), or give the ``backend`` section
+of a config as JSON: ``python docs/examples/toy_engine.py '{"kind": "lmcache_mp", "url":
+"tcp://127.0.0.1:5555"}'``. It serves a prompt, saves its KV, forgets it, serves the same prompt again
+in other blocks and loads the KV back instead of recomputing it, then checks the bytes.
 """
 
 from __future__ import annotations
 
+import json
+import sys
+import time
+from collections.abc import Mapping
+
 import torch
 
-from kvcore import CacheScheduler, EngineSpec, HeadOrder, KVLayout, LayoutKind, RequestId, load_config
-from kvcore_cpu import open_worker, pool_slots
+from kvcore import (
+    CacheScheduler,
+    EngineSpec,
+    HeadOrder,
+    KVLayout,
+    LayoutKind,
+    RequestId,
+    load_config,
+    open_scheduler,
+    open_worker,
+)
 
 BLOCK = 16  # tokens per engine block
 LAYERS = 4
+CPU_TIER = {"kind": "cpu", "size": "256MiB"}
 
 
-def main() -> int:
+def lookup(scheduler: CacheScheduler, request: RequestId, prompt: list[int]) -> int:
+    """The tokens kvcore can load; a remote tier may answer a step later (``None``: ask again)."""
+    deadline = time.monotonic() + 10.0
+    while (hits := scheduler.lookup(request, tokens=prompt)) is None:
+        if time.monotonic() > deadline:
+            return 0
+        time.sleep(0.01)
+    return hits
+
+
+def main(backend: Mapping[str, object]) -> int:
     # 1. Describe the engine: its KV layout per layer (FlashInfer's [blocks, 2, block, heads, head], NHD).
     layout = KVLayout(
         kind=LayoutKind.FLASH_INFER,
@@ -31,9 +58,10 @@ def main() -> int:
     )
     kv = [torch.zeros(layout.shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
 
-    # 2. Build both sides: the scheduler decides, the worker (one per rank) copies.
-    config = load_config({"backend": {"kind": "cpu", "size": "256MiB"}, "chunk_tokens": 64})
-    scheduler = CacheScheduler(config, engine, pool_slots(config, engine))
+    # 2. Build both sides through the one composition call, whatever the backend: the scheduler
+    #    decides, the worker (one per rank) copies.
+    config = load_config({"backend": backend, "chunk_tokens": 128})
+    scheduler = open_scheduler(config, engine)
     worker = open_worker(config, engine, kv)
 
     def run_step() -> None:
@@ -46,7 +74,7 @@ def main() -> int:
     try:
         # 3. First request: nothing cached. "Compute" its KV, then save its full chunks.
         first = RequestId("first")
-        assert scheduler.lookup(first, tokens=prompt) == 0
+        assert lookup(scheduler, first, prompt) == 0
         for layer in kv:
             layer[blocks_a] = torch.randn(len(blocks_a), *layout.shape[1:]).to(torch.bfloat16)
         scheduler.save(first, blocks_a, num_tokens=len(prompt))
@@ -55,19 +83,22 @@ def main() -> int:
 
         # 4. Same prompt again, in other blocks: kvcore loads the cached prefix.
         second = RequestId("second")
-        cached = scheduler.lookup(second, tokens=prompt) or 0
+        cached = lookup(scheduler, second, prompt)
         blocks_b = list(range(40, 59))
         scheduler.start_load(second, blocks_b)
         run_step()
         assert not scheduler.take_load_errors()
         n = cached // BLOCK
         same = all(torch.equal(layer[blocks_a[:n]], layer[blocks_b[:n]]) for layer in kv)
-        print(f"loaded {cached} of {len(prompt)} tokens from kvcore; bytes identical: {same}")
+        print(
+            f"{backend['kind']}: loaded {cached} of {len(prompt)} tokens from kvcore; bytes identical: {same}"
+        )
         scheduler.finish(second)
         return 0 if same and cached == 256 else 1
     finally:
         worker.close()
+        scheduler.close()
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(json.loads(sys.argv[1]) if len(sys.argv) > 1 else CPU_TIER))

@@ -5,25 +5,28 @@ contract that the conformance suite is written against. Each also offers the tes
 ``kvcore.testing.capabilities``: ``fail_next`` (the next items fail), ``stall`` (jobs stay in flight)
 and, when built with one, a capacity.
 
-Jobs run in submission order on a short-lived worker thread that ``submit`` starts and that ends when
-the queue drains: nothing runs at import or construction, and ``submit`` returns before anything is
-copied. A failed item's destination is overwritten with ``POISON`` bytes ("undefined"), so that a caller
-that uses it anyway is caught by its own tests.
+Jobs run in submission order on a ``JobLane`` (``kvcore.lane``), whose thread the first ``submit`` starts
+and which ends once the backend is dropped: nothing runs at import or construction, and ``submit``
+returns before anything is copied. Stalls and failures are ``InjectedFaults`` (``kvcore.testing.faults``),
+the implementation every conformance harness shares. A failed item's destination is overwritten with
+``POISON`` bytes ("undefined"), so that a caller that uses it anyway is caught by its own tests.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Collection, Iterable, Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 
 from kvcore.errors import BackendError, ConfigError, InvalidSpecError, UsageError
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.jobs import JobBoard, JobResult
+from kvcore.lane import JobLane
 from kvcore.ports import BlockTransfer, ByteCopy, Direction, MemoryRegion, StoreItem
+from kvcore.testing.faults import InjectedFaults
 
 __all__ = [
     "POISON",
@@ -49,50 +52,33 @@ def _check_positive(name: str, value: int | None, expected: str = "an integer >=
 class _Gate:
     """Stalls and injected failures, shared by every reference backend.
 
-    One re-entrant condition guards the gate and the backend's own state: a reference backend does one
-    thing at a time, which is what makes it obviously right.
+    One re-entrant condition guards the backend's own state: a reference backend does one thing at a
+    time, which is what makes it obviously right.
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.RLock())
-        self._stalls = 0
-        self._failures = 0
+        self._faults = InjectedFaults()
 
     def fail_next(self, count: int) -> None:
         """The next ``count`` items processed fail (see ``SupportsFailureInjection``)."""
-        if count < 0:
-            raise UsageError(f"fail_next needs a count >= 0, got {count}")
-        with self._cond:
-            self._failures += count
+        self._faults.fail_next(count)
 
-    @contextlib.contextmanager
-    def stall(self) -> Iterator[None]:
+    def stall(self) -> AbstractContextManager[None]:
         """While inside, queued jobs and pending lookups do not finish."""
-        with self._cond:
-            self._stalls += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._stalls -= 1
-                self._cond.notify_all()
+        return self._faults.stall()
 
     def _take_failure(self) -> bool:
-        with self._cond:
-            if self._failures == 0:
-                return False
-            self._failures -= 1
-            return True
+        return self._faults.take(1) == 1
 
 
 class _Jobs(_Gate):
-    """A FIFO of jobs, run by at most one worker thread, with results handed out by a ``JobBoard``."""
+    """Jobs in submission order on a ``JobLane``, with results handed out by a ``JobBoard``."""
 
     def __init__(self) -> None:
         super().__init__()
         self._board = JobBoard()
-        self._queue: deque[tuple[JobId, _Work]] = deque()
-        self._worker_running = False
+        self._lane = JobLane(f"{type(self).__name__}-jobs")
 
     def poll(self) -> tuple[JobResult, ...]:
         return self._board.poll()
@@ -101,31 +87,17 @@ class _Jobs(_Gate):
         return self._board.wait(job_ids, timeout)
 
     def _submit(self, work: _Work) -> JobId:
-        with self._cond:
-            job_id = self._board.new()
-            self._queue.append((job_id, work))
-            if not self._worker_running:
-                self._worker_running = True
-                name = f"{type(self).__name__}-jobs"
-                threading.Thread(target=self._drain, name=name, daemon=True).start()
-            return job_id
+        job_id = self._board.new()
+        self._lane.submit(partial(self._run, job_id, work), partial(self._fail, job_id))
+        return job_id
 
-    def _drain(self) -> None:
-        while True:
-            with self._cond:
-                while self._stalls:
-                    self._cond.wait()
-                if not self._queue:
-                    self._worker_running = False
-                    return
-                job_id, work = self._queue.popleft()
-            try:
-                result = work(job_id)
-            except BaseException:  # a bug in the reference: surface it, and let a later submit run
-                with self._cond:
-                    self._worker_running = False
-                raise
-            self._board.finish(result)
+    def _run(self, job_id: JobId, work: _Work) -> None:
+        self._faults.wait_released()
+        self._board.finish(work(job_id))
+
+    def _fail(self, job_id: JobId, why: str) -> None:
+        """A job whose work raised: a bug in the reference, which the lane logs; the job still ends."""
+        self._board.finish(JobResult(job_id, error=why))
 
 
 def _check_items(items: Sequence[StoreItem], host_size: int) -> None:
@@ -259,7 +231,7 @@ class InMemoryChunkIndex(_Gate):
         with self._cond:
             if lookup_id not in self._lookups:
                 raise UsageError(f"lookup {lookup_id} is unknown, cancelled or already answered")
-            if self._stalls:
+            if self._faults.stalled:
                 return None
             chunks = self._lookups.pop(lookup_id)
             if self._take_failure():
@@ -536,7 +508,7 @@ class InMemoryManagedTier(_Jobs):
         with self._cond:
             if lookup_id not in self._lookups:
                 raise UsageError(f"lookup {lookup_id} is unknown or already answered")
-            if self._stalls:
+            if self._faults.stalled:
                 return None
             return self._lookups.pop(lookup_id)
 
@@ -645,6 +617,13 @@ class InMemoryAddressSpace:
         """Whether ``[address, address + length)`` lies inside one allocation."""
         return self._find(address, length) is not None
 
+    def view(self, region: MemoryRegion) -> memoryview:
+        """A writable view sharing the bytes of ``region`` (inside one allocation): out-of-band access
+        for a test that lays structured data over it (``torch.frombuffer``). Raises
+        ``InvalidSpecError`` outside allocated memory."""
+        memory, start = self._locate(region.address, region.length)
+        return memoryview(memory)[start : start + region.length]
+
     def _find(self, address: int, length: int) -> tuple[bytearray, int] | None:
         with self._lock:
             for base, memory in self._memory.items():
@@ -668,6 +647,18 @@ class InMemoryAddressSpace:
         with self._lock:
             self._registered[name].extend(regions)
 
+    def _unregister(self, name: str, regions: Sequence[MemoryRegion] | None) -> None:
+        """Drop ``name``'s registrations that one of ``regions`` covers (``None``: all of them)."""
+        with self._lock:
+            self._registered[name] = [
+                r
+                for r in self._registered[name]
+                if regions is not None
+                and not any(
+                    g.address <= r.address and r.address + r.length <= g.address + g.length for g in regions
+                )
+            ]
+
     def _regions_of(self, peer: str) -> tuple[MemoryRegion, ...] | None:
         with self._lock:
             regions = self._registered.get(peer)
@@ -675,29 +666,59 @@ class InMemoryAddressSpace:
 
 
 class InMemoryPeerTransport(_Jobs):
-    """Pushes bytes between transports that share one ``InMemoryAddressSpace``; its name is its address.
+    """Pushes bytes between transports that share one ``InMemoryAddressSpace``; its ``address`` is the
+    name it is built with.
 
     A write to an unknown peer fails every copy; a copy whose destination the peer has not registered
-    fails; a source outside allocated memory is refused at submit.
+    fails; a source outside allocated memory is refused at submit (sources need no registration).
+    ``close`` withdraws the registrations at once; jobs queued before it still run.
     """
 
     def __init__(self, space: InMemoryAddressSpace, name: str) -> None:
         super().__init__()
         space._join(name)
         self._space = space
-        self.name = name
+        self.address = name
+        self._closed = False
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         bad = [r for r in regions if not self._space.holds(r.address, r.length)]
         if bad:
             raise InvalidSpecError(f"regions {bad} are not allocated memory; nothing registered")
-        self._space._register(self.name, regions)
+        with self._cond:
+            self._check_open("register")
+            self._space._register(self.address, regions)
+
+    def unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        self._space._unregister(self.address, regions)
 
     def submit_write(self, peer: str, copies: Sequence[ByteCopy]) -> JobId:
         bad = [c for c in copies if not self._space.holds(c.src, c.length)]
         if bad:
             raise InvalidSpecError(f"copies {bad} read outside allocated memory; nothing copied")
-        return self._submit(partial(self._write, peer, tuple(copies)))
+        with self._cond:
+            self._check_open("submit_write")
+            return self._submit(partial(self._write, peer, tuple(copies)))
+
+    def submit_write_columns(
+        self, peer: str, srcs: Collection[int], dsts: Collection[int], lengths: Collection[int]
+    ) -> JobId:
+        if not len(srcs) == len(dsts) == len(lengths):
+            raise InvalidSpecError(
+                f"srcs, dsts and lengths: got {len(srcs)}, {len(dsts)} and {len(lengths)} entries, "
+                "expected columns of one length"
+            )
+        copies = [ByteCopy(int(s), int(d), int(n)) for s, d, n in zip(srcs, dsts, lengths, strict=True)]
+        return self.submit_write(peer, copies)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._space._unregister(self.address, None)
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise UsageError(f"{call}: transport {self.address!r} is closed")
 
     def _write(self, peer: str, copies: tuple[ByteCopy, ...], job_id: JobId) -> JobResult:
         regions = self._space._regions_of(peer)

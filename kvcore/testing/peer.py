@@ -2,7 +2,7 @@
 
 A backend's test module subclasses ``PeerTransportTests[MyTransport]`` and defines ``make_harness``: a
 context manager that yields a ``PeerHarness``, a producer and a consumer transport in one process and
-out-of-band access to the memory of both.
+out-of-band access to the memory of both. The transports are the test's own: some tests close them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Generic, Protocol, TypeVar
 
-from kvcore.errors import BackendError, InvalidSpecError
+import pytest
+
+from kvcore.errors import BackendError, InvalidSpecError, UsageError
 from kvcore.ids import JobId
 from kvcore.jobs import JobResult
 from kvcore.ports import ByteCopy, MemoryRegion, PeerTransport
@@ -44,7 +46,7 @@ class PeerHarness(Protocol[PeerT_co]):
 
     @property
     def consumer_name(self) -> str:
-        """The peer name under which the producer reaches the consumer."""
+        """The peer name under which the producer reaches the consumer (its ``address``)."""
         ...
 
     def allocate_local(self, length: int) -> int:
@@ -178,3 +180,91 @@ class PeerTransportTests(HarnessFixture[PeerHarness[PeerT]], Generic[PeerT]):
 
         run_threads(4, write_quarter)
         assert harness.read_memory(region.address, 4 * 256) == data
+
+    def test_a_transport_is_reached_by_its_address(self, harness: PeerHarness[PeerT]) -> None:
+        region = self._registered(harness, 64)
+        data = payload(64, "address")
+        copies = [ByteCopy(self._source(harness, data), region.address, 64)]
+        assert wait_one(harness.producer, harness.producer.submit_write(harness.consumer.address, copies)).ok
+        assert harness.read_memory(region.address, 64) == data
+
+    def test_columns_write_what_copies_write(self, harness: PeerHarness[PeerT]) -> None:
+        # the copies of test_write_is_bit_exact, as columns: [0, 100) -> [0, 100), [100, 300) -> [250, 450)
+        region = self._registered(harness, 512)
+        expected = bytearray(harness.read_memory(region.address, 512))
+        data = payload(300, "columns")
+        src = self._source(harness, data)
+        job = harness.producer.submit_write_columns(
+            harness.consumer_name, [src, src + 100], [region.address, region.address + 250], [100, 200]
+        )
+        assert wait_one(harness.producer, job).ok
+        expected[0:100], expected[250:450] = data[:100], data[100:]
+        assert harness.read_memory(region.address, 512) == expected
+
+    def test_failed_columns_are_reported_by_index(self, harness: PeerHarness[PeerT]) -> None:
+        failures = require_failure_injection(harness)
+        region = self._registered(harness, 128)
+        data = payload(128, "column failure")
+        src = self._source(harness, data)
+        failures.fail_next(1)
+        job = harness.producer.submit_write_columns(
+            harness.consumer_name, [src, src + 64], [region.address, region.address + 64], [64, 64]
+        )
+        assert wait_one(harness.producer, job).failed == (0,)
+        assert harness.read_memory(region.address + 64, 64) == data[64:]
+
+    def test_columns_of_different_lengths_are_refused(self, harness: PeerHarness[PeerT]) -> None:
+        region = self._registered(harness, 64)
+        src = self._source(harness, payload(64, "ragged"))
+        with pytest.raises(InvalidSpecError, match="srcs, dsts and lengths"):
+            harness.producer.submit_write_columns(
+                harness.consumer_name, [src, src + 32], [region.address], [32]
+            )
+
+    def test_unregistered_memory_is_written_no_more(self, harness: PeerHarness[PeerT]) -> None:
+        region = self._registered(harness, 128)
+        harness.consumer.unregister([region])
+        before = harness.read_memory(region.address, 128)
+        src = self._source(harness, payload(64, "withdrawn"))
+        result = self._write_or_refuse(harness, harness.consumer_name, [ByteCopy(src, region.address, 64)])
+        assert result is None or result.failed == (0,)
+        assert harness.read_memory(region.address, 128) == before
+
+    def test_unregister_keeps_other_regions_and_ignores_unknown_ones(
+        self, harness: PeerHarness[PeerT]
+    ) -> None:
+        kept, dropped = self._registered(harness, 64), self._registered(harness, 64)
+        harness.consumer.unregister([dropped, harness.allocate_remote(64)])
+        data = payload(64, "kept")
+        copies = [ByteCopy(self._source(harness, data), kept.address, 64)]
+        assert wait_one(harness.producer, harness.producer.submit_write(harness.consumer_name, copies)).ok
+        assert harness.read_memory(kept.address, 64) == data
+
+    def test_close_refuses_new_work_and_reports_earlier_jobs(self, harness: PeerHarness[PeerT]) -> None:
+        region = self._registered(harness, 64)
+        data = payload(64, "close")
+        src = self._source(harness, data)
+        copies = [ByteCopy(src, region.address, 64)]
+        job = harness.producer.submit_write(harness.consumer_name, copies)
+        harness.producer.close()
+        harness.producer.close()
+        (result,) = harness.producer.wait([job], SETTLE_S)
+        assert result.failed == (0,) or harness.read_memory(region.address, 64) == data
+        with pytest.raises(UsageError, match="closed"):
+            harness.producer.submit_write(harness.consumer_name, copies)
+        with pytest.raises(UsageError, match="closed"):
+            harness.producer.submit_write_columns(harness.consumer_name, [src], [region.address], [64])
+        with pytest.raises(UsageError, match="closed"):
+            harness.producer.register([harness.allocate_remote(64)])
+        harness.producer.unregister([region])
+        assert harness.producer.poll() == ()
+
+    def test_close_withdraws_every_registration(self, harness: PeerHarness[PeerT]) -> None:
+        region = self._registered(harness, 64)
+        before = harness.read_memory(region.address, 64)
+        harness.consumer.close()
+        harness.consumer.unregister([region])
+        src = self._source(harness, payload(64, "closed peer"))
+        result = self._write_or_refuse(harness, harness.consumer_name, [ByteCopy(src, region.address, 64)])
+        assert result is None or result.failed == (0,)
+        assert harness.read_memory(region.address, 64) == before

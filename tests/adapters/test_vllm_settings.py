@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.config import ByteCount, ByteSize, CPUBackendConfig, LMCacheMPConfig, MooncakeStoreConfig
+from kvcore.config_fields import ByteCount, ByteSize
 from kvcore.errors import ConfigError, UnsupportedConfiguration
 from kvcore_cli.vllm_config import CONNECTOR_NAME, transfer_config
+from kvcore_cpu.config import CPUBackendConfig
+from kvcore_lmcache.config import LMCacheMPConfig
+from kvcore_mooncake.config import MooncakeStoreConfig
 from kvcore_vllm import CONNECTOR_NAME as REGISTERED_NAME
 from kvcore_vllm.compat import check_vllm
 from kvcore_vllm.settings import StorePolicy, read_extra_config

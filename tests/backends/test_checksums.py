@@ -9,7 +9,8 @@ from kvcore.engine import EngineSpec
 from kvcore.ids import RequestId
 from kvcore.layout import KVLayout, LayoutKind
 from kvcore.scheduler import CacheScheduler
-from kvcore_cpu.tier import CPUWorker, open_worker, pool_slots
+from kvcore.sizing import pool_slots
+from kvcore_cpu.tier import CPUWorker, open_worker
 
 LAYOUT = KVLayout(
     kind=LayoutKind.VLLM_CPU, num_blocks=32, block_tokens=16, num_kv_heads=2, head_size=32, dtype_size=2

@@ -18,14 +18,17 @@ from hypothesis import strategies as st
 from kvcore.config import KVCoreConfig, load_config
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError, TransferTimeout, UsageError
+from kvcore.faults import FaultHooks
 from kvcore.ids import JobId
 from kvcore.jobs import JobBoard, JobResult
 from kvcore.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.ports import BlockTransfer, Direction
-from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover, pool_slots
-from kvcore_cpu.cpu_copy import ByteRows, RowTask, copy_rows
+from kvcore.sizing import pool_slots
+from kvcore.testing.faults import TransferGate
+from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
+from kvcore_cpu.cpu_copy import BlockCopier, ByteRows, RowTask, copy_rows
 from kvcore_cpu.cpu_lane import CpuLane
-from kvcore_cpu.rows import IntArray
+from kvcore_cpu.rows import IntArray, routes
 from kvcore_cpu.tier import MappedMover
 
 SETTLE = 10.0
@@ -82,13 +85,13 @@ def make_rig(
     blocks: int = ENGINE_BLOCKS,
     host_blocks: int = HOST_BLOCKS,
     tokens: int = 4,
-    mover_type: type[TorchBlockMover] = TorchBlockMover,
+    faults: FaultHooks | None = None,
 ) -> Rig:
     layout = make_layout(kind, blocks, tokens)
     engine = EngineKV.register(random_kv(layout, shared=shared), layout)
     host = HostMemory.allocate(host_blocks, engine.host_block_bytes, engine.device)
     host.buffer.copy_(torch.randint(0, 256, (host.nbytes,), dtype=torch.uint8))
-    return Rig(mover_type(engine, host), engine, host)
+    return Rig(TorchBlockMover(engine, host, faults=faults), engine, host)
 
 
 @pytest.fixture
@@ -98,39 +101,22 @@ def rig() -> Iterator[Rig]:
     made.mover.close()
 
 
-class GatedMover(TorchBlockMover):
-    """Copies only once ``gate`` is open; records the order in which jobs reach the worker."""
+class FirstPairFails(FaultHooks):
+    """The first pair of every copy fails (a partial tier failure); the others are copied."""
 
-    def __init__(self, engine: EngineKV, host: HostMemory) -> None:
-        self.gate = threading.Event()
-        self.gate.set()
-        self.order: list[Direction] = []
-        super().__init__(engine, host)
-
-    def _copy_on_worker(
-        self, direction: Direction, engine_ids: IntArray, host_ids: IntArray
-    ) -> tuple[int, ...]:
-        self.order.append(direction)
-        if not self.gate.wait(SETTLE):
-            raise RuntimeError("the test never opened the gate")
-        return super()._copy_on_worker(direction, engine_ids, host_ids)
+    def before_transfer(self, direction: Direction, items: int) -> int:
+        return 1
 
 
-class FirstPairFails(TorchBlockMover):
-    """Copies every pair but the first, which it reports failed (a partial tier failure)."""
-
-    def _copy_on_worker(
-        self, direction: Direction, engine_ids: IntArray, host_ids: IntArray
-    ) -> tuple[int, ...]:
-        super()._copy_on_worker(direction, engine_ids[1:], host_ids[1:])
-        return (0,)
-
-
-class BrokenMover(TorchBlockMover):
-    def _copy_on_worker(
-        self, direction: Direction, engine_ids: IntArray, host_ids: IntArray
-    ) -> tuple[int, ...]:
+class Broken(FaultHooks):
+    def before_transfer(self, direction: Direction, items: int) -> int:
         raise OSError("memory controller on fire")
+
+
+def gated_rig() -> tuple[Rig, TransferGate]:
+    """A rig whose copies wait at a closed gate."""
+    gate = TransferGate(SETTLE)
+    return make_rig(faults=gate), gate
 
 
 # -- bit-exact copies ---------------------------------------------------------------------------------
@@ -365,16 +351,14 @@ def test_concurrent_submitters_stay_correct(rig: Rig) -> None:
 
 
 def test_wait_times_out_and_the_result_arrives_later() -> None:
-    rig = make_rig(mover_type=GatedMover)
+    rig, gate = gated_rig()
     mover = rig.mover
-    assert isinstance(mover, GatedMover)
-    mover.gate.clear()
     job = mover.submit(BlockTransfer(Direction.SAVE, [1, 2], [3, 4]))
     with pytest.raises(TransferTimeout):
         mover.wait([job], 0)
     with pytest.raises(TransferTimeout):
         mover.wait([job], 0.02)
-    mover.gate.set()
+    gate.opened.set()
     (result,) = mover.wait([job], SETTLE)
     assert result.ok
     assert rig.host_block(3) == rig.engine_block(1)
@@ -382,14 +366,12 @@ def test_wait_times_out_and_the_result_arrives_later() -> None:
 
 
 def test_wait_loaded_blocks_until_the_load_is_in_place() -> None:
-    rig = make_rig(mover_type=GatedMover)
+    rig, gate = gated_rig()
     mover = rig.mover
-    assert isinstance(mover, GatedMover)
-    mover.gate.clear()
     job = mover.submit(BlockTransfer(Direction.LOAD, [5], [9]))
     with pytest.raises(TransferTimeout, match=f"load job {job}"):
         mover.wait_loaded(job, 0.02)
-    mover.gate.set()
+    gate.opened.set()
     mover.wait_loaded(job, SETTLE)
     assert rig.engine_block(5) == rig.host_block(9)
     (result,) = mover.wait([job], SETTLE)  # the result is still handed out once
@@ -399,23 +381,20 @@ def test_wait_loaded_blocks_until_the_load_is_in_place() -> None:
 
 def test_queued_loads_go_before_queued_saves() -> None:
     # first save holds the worker; then save, load queued -> the load runs next
-    rig = make_rig(mover_type=GatedMover)
+    rig, gate = gated_rig()
     mover = rig.mover
-    assert isinstance(mover, GatedMover)
-    mover.gate.clear()
     jobs = [mover.submit(BlockTransfer(Direction.SAVE, [0], [0]))]
-    while not mover.order:
-        threading.Event().wait(0.001)
+    assert gate.entered.wait(SETTLE)
     jobs.append(mover.submit(BlockTransfer(Direction.SAVE, [1], [1])))
     jobs.append(mover.submit(BlockTransfer(Direction.LOAD, [2], [2])))
-    mover.gate.set()
+    gate.opened.set()
     assert all(r.ok for r in mover.wait(jobs, SETTLE))
-    assert mover.order == [Direction.SAVE, Direction.LOAD, Direction.SAVE]
+    assert gate.order == [Direction.SAVE, Direction.LOAD, Direction.SAVE]
     mover.close()
 
 
 def test_a_copy_that_raises_is_a_failed_result() -> None:
-    rig = make_rig(mover_type=BrokenMover)
+    rig = make_rig(faults=Broken())
     result = rig.run(Direction.SAVE, [0, 1, 2], [0, 1, 2])
     assert result.failed == (0, 1, 2)
     assert result.error == "OSError: memory controller on fire"
@@ -425,7 +404,7 @@ def test_a_copy_that_raises_is_a_failed_result() -> None:
 
 def test_a_partial_failure_reports_the_failed_pairs() -> None:
     # save engine [0, 1, 2] -> host [4, 5, 6], pair 0 fails: 5 and 6 copied
-    rig = make_rig(mover_type=FirstPairFails)
+    rig = make_rig(faults=FirstPairFails())
     result = rig.run(Direction.SAVE, [0, 1, 2], [4, 5, 6])
     assert result.failed == (0,)
     assert not result.ok
@@ -436,19 +415,16 @@ def test_a_partial_failure_reports_the_failed_pairs() -> None:
 
 def test_close_with_jobs_in_flight_reports_every_job() -> None:
     # job 1 held at the worker, jobs 2-4 queued -> close: 2-4 fail at once, 1 finishes once released
-    rig = make_rig(mover_type=GatedMover)
+    rig, gate = gated_rig()
     mover = rig.mover
-    assert isinstance(mover, GatedMover)
-    mover.gate.clear()
     first = mover.submit(BlockTransfer(Direction.SAVE, [0], [0]))
-    while not mover.order:
-        threading.Event().wait(0.001)
+    assert gate.entered.wait(SETTLE)
     queued = [mover.submit(BlockTransfer(Direction.SAVE, [b], [b])) for b in (1, 2, 3)]
     mover.close(timeout=0.05)
     results = mover.wait(queued, SETTLE)
     assert all(r.error == "the mover closed before the copy ran" for r in results)
     assert all(r.failed == (0,) for r in results)
-    mover.gate.set()
+    gate.opened.set()
     (held,) = mover.wait([first], SETTLE)
     assert held.ok
     with pytest.raises(UsageError, match="closed"):
@@ -653,8 +629,9 @@ def test_the_copy_threads_end_with_close_and_the_worker_is_a_daemon() -> None:
 
 
 def test_a_closed_lane_refuses_jobs_instead_of_queueing_them_for_no_one() -> None:
+    rig = make_rig()
     board = JobBoard()
-    lane = CpuLane(board, lambda *_: ())
+    lane = CpuLane(board, BlockCopier(routes(rig.engine), rig.host, 1))
     lane.close(SETTLE)
     lane.close(SETTLE)  # idempotent
     job = board.new()
@@ -662,6 +639,7 @@ def test_a_closed_lane_refuses_jobs_instead_of_queueing_them_for_no_one() -> Non
     with pytest.raises(UsageError, match="closed"):
         lane.start(job, Direction.LOAD, ids, ids, None)
     lane.wait_loaded(job, 0)  # never queued: nothing to wait for
+    rig.mover.close()
 
 
 @pytest.mark.parametrize("size", [0, 1, -1], ids=["empty", "one-byte", "one-block-less-one"])

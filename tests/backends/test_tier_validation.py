@@ -14,7 +14,8 @@ from kvcore.config import KVCoreConfig, load_config
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError
 from kvcore.layout import KVLayout, LayoutKind
-from kvcore_cpu.tier import open_worker, pool_slots, slot_bytes
+from kvcore.sizing import pool_slots, slot_bytes
+from kvcore_cpu.tier import open_worker
 
 LAYOUT = KVLayout(
     LayoutKind.VLLM_CPU, num_blocks=8, block_tokens=16, num_kv_heads=1, head_size=8, dtype_size=2

@@ -12,7 +12,8 @@ from kvcore.engine import EngineSpec
 from kvcore.ids import RequestId
 from kvcore.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.scheduler import CacheScheduler
-from kvcore_cpu import open_worker, pool_slots
+from kvcore.sizing import pool_slots
+from kvcore_cpu import open_worker
 
 LAYOUT = KVLayout(
     kind=LayoutKind.FLASH_INFER,

@@ -4,13 +4,12 @@ The index harness changes what the pool holds out of band, through the pool's ow
 ``remove``, and declares the pool's slot count and pins. The mover harnesses copy between real torch
 tensors in three layouts; they read and write blocks out of band through the declared ``KVLayout``'s
 byte ranges, never through ``EngineKV``'s views, so that a view mapping the wrong bytes shows. Failures
-and stalls are injected through ``TorchBlockMover._copy_on_worker``, the hook it documents for tests.
+and stalls are injected through the mover's fault hooks (``kvcore.testing.faults.InjectedFaults``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
@@ -20,16 +19,14 @@ import torch
 from attrs import frozen
 
 from kvcore.block_pool import BlockPool
-from kvcore.errors import UsageError
 from kvcore.ids import ChunkKey
 from kvcore.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.pool_index import PoolIndex
-from kvcore.ports import Direction
+from kvcore.testing.faults import InjectedFaults
 from kvcore.testing.index import ChunkIndexTests, chunk_index_state_machine
 from kvcore.testing.mover import BlockMoverTests
 from kvcore.testing.support import SETTLE_S
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
-from kvcore_cpu.rows import IntArray
 
 POOL_SLOTS = 8
 ENGINE_BLOCKS = 12
@@ -80,42 +77,6 @@ TestPoolIndexMachine = chunk_index_state_machine(lambda: pool_index_harness(num_
 # -- the torch block mover -----------------------------------------------------------------------------
 
 
-class InstrumentedMover(TorchBlockMover):
-    """``TorchBlockMover`` whose worker can be held (``stall``) or told to fail pairs (``fail_next``)."""
-
-    def __init__(self, engine: EngineKV, host: HostMemory) -> None:
-        self._hook_lock = threading.Lock()
-        self._to_fail = 0
-        self._released = threading.Event()
-        self._released.set()
-        super().__init__(engine, host)
-
-    def fail_next(self, count: int) -> None:
-        if count < 0:
-            raise UsageError(f"fail_next needs a count >= 0, got {count}")
-        with self._hook_lock:
-            self._to_fail += count
-
-    @contextlib.contextmanager
-    def stall(self) -> Iterator[None]:
-        self._released.clear()
-        try:
-            yield
-        finally:
-            self._released.set()
-
-    def _copy_on_worker(
-        self, direction: Direction, engine_ids: IntArray, host_ids: IntArray
-    ) -> tuple[int, ...]:
-        # bounded, so that a test that forgets to leave its stall fails instead of hanging the worker
-        self._released.wait(SETTLE_S)
-        with self._hook_lock:
-            failed = min(self._to_fail, len(engine_ids))
-            self._to_fail -= failed
-        super()._copy_on_worker(direction, engine_ids[failed:], host_ids[failed:])
-        return tuple(range(failed))
-
-
 @frozen
 class MoverCase:
     """One way an engine hands its KV over: the layout, and whether all layers share one storage."""
@@ -146,12 +107,14 @@ class TorchMoverHarness:
         engine = EngineKV.register([t.transpose(2, 3) if permuted else t for t in layers], self.layout)
         self.host = HostMemory.allocate(HOST_BLOCKS, engine.host_block_bytes, engine.device)
         self.host_bytes: ByteArray = self.host.buffer.numpy()
-        self.backend = InstrumentedMover(engine, self.host)
+        # a stall is bounded, so that a test that forgets to leave it fails instead of hanging the worker
+        faults = InjectedFaults(stall_limit_s=SETTLE_S)
+        self.backend = TorchBlockMover(engine, self.host, faults=faults)
         self.num_engine_blocks = ENGINE_BLOCKS
         self.num_host_blocks = HOST_BLOCKS
         self.block_bytes = LAYERS * self.layout.block_bytes
-        self.fail_next = self.backend.fail_next
-        self.stall = self.backend.stall
+        self.fail_next = faults.fail_next
+        self.stall = faults.stall
 
     def read_engine_block(self, block: int) -> bytes:
         segments = self.layout.segments(block)

@@ -102,7 +102,7 @@ class MemoryPeerHarness:
         self.space = InMemoryAddressSpace()
         self.producer = InMemoryPeerTransport(self.space, "prefill-0")
         self.consumer = InMemoryPeerTransport(self.space, "decode-0")
-        self.consumer_name = self.consumer.name
+        self.consumer_name = self.consumer.address
         self.write_memory = self.space.write
         self.read_memory = self.space.read
         self.fail_next = self.producer.fail_next

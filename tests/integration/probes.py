@@ -7,6 +7,7 @@ import hashlib
 from typing import Any
 
 from kvcore_cpu.host_memory import HostMemory
+from kvcore_cpu.tier import CPUWorker
 from kvcore_vllm.worker_side import WorkerSide
 
 __all__ = [
@@ -45,9 +46,16 @@ def worker_side(worker: Any) -> WorkerSide:
     return connector.worker_side
 
 
+def rank_worker(worker: Any) -> CPUWorker:
+    """In the worker process: kvcore's worker of the rank (every backend here runs on torch's)."""
+    tier = worker_side(worker).worker
+    assert isinstance(tier, CPUWorker), tier
+    return tier
+
+
 def rank_pool(worker: Any) -> HostMemory:
     """In the worker process: the host pool of the rank (a backend with one)."""
-    host = worker_side(worker).worker.host
+    host = rank_worker(worker).host
     assert host is not None, "this backend has no host pool"
     return host
 
@@ -60,13 +68,13 @@ def damage_pool(worker: Any) -> bool:
 
 def host_digests(worker: Any) -> set[str]:
     """In the worker process: digests of every host block of the rank's pool."""
-    tier = worker_side(worker).worker
+    tier = rank_worker(worker)
     return {hashlib.sha256(tier.host_block_bytes(b)).hexdigest() for b in range(rank_pool(worker).num_blocks)}
 
 
 def engine_digests(worker: Any) -> set[str]:
     """In the worker process: digests of every engine block of the rank (what a tier can have saved)."""
-    tier = worker_side(worker).worker
+    tier = rank_worker(worker)
     return {hashlib.sha256(tier.engine_block_bytes(b)).hexdigest() for b in range(tier.engine_kv.num_blocks)}
 
 
@@ -75,7 +83,7 @@ def loaded_digests(worker: Any) -> tuple[list[str], bool]:
     host bytes they were loaded from (with no host pool, the tier moved them itself: true)."""
     side = worker_side(worker)
     engine_blocks, host_blocks = side.last_load
-    tier = side.worker
+    tier = rank_worker(worker)
     same = not host_blocks or all(
         tier.engine_block_bytes(e) == tier.host_block_bytes(h)
         for e, h in zip(engine_blocks, host_blocks, strict=True)

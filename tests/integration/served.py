@@ -19,16 +19,18 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from attrs import frozen
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["ServedEngine", "Stopped", "free_port", "session_processes"]
+__all__ = ["ServedEngine", "Stopped", "free_port", "serve", "session_processes"]
 
 MODEL_NAME = "tiny"  # --served-model-name
+READY_TIMEOUT_S = 300.0  # about 20 s on an idle machine; much more on 2 cores shared with other engines
+KV_BYTES_PER_TOKEN = 512  # the tiny model: 2 layers x 2 KV heads x 32 x (K, V) x bf16
 
 
 def free_port() -> int:
@@ -207,3 +209,48 @@ class ServedEngine:
                 time.sleep(0.2)
         self._stopped = Stopped(self.process.returncode, killed, survivors, seconds)
         return self._stopped
+
+
+@contextlib.contextmanager
+def serve(
+    vllm_env: Path,
+    model: Path,
+    log_path: Path,
+    kv_transfer_config: Mapping[str, Any],
+    *,
+    kv_cache_tokens: int,
+    max_model_len: int,
+    python_path: Sequence[Path] = (),
+) -> Iterator[ServedEngine]:
+    """A server with the integration tests' engine settings (a KV cache of ``kv_cache_tokens`` that vLLM
+    must evict from, eager mode, seed 0), ready; stopped when the block is left. ``python_path`` goes
+    in front of the server's ``PYTHONPATH`` (where a plugin is installed)."""
+    dropped = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ALLOW_INSECURE_SERIALIZATION")  # the server needs neither
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
+    env.update(
+        VLLM_CACHE_ROOT=str(vllm_env / "cache"), TMPDIR=str(vllm_env), VLLM_CPU_NUM_OF_RESERVED_CPU="1"
+    )
+    if python_path:
+        env["PYTHONPATH"] = os.pathsep.join([*map(str, python_path), env.get("PYTHONPATH", "")])
+    server = ServedEngine(
+        model,
+        log_path,
+        kv_transfer_config,
+        args=[
+            "--max-model-len",
+            str(max_model_len),
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            str(kv_cache_tokens * KV_BYTES_PER_TOKEN),
+            "--seed",
+            "0",
+            "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
+            "--disable-uvicorn-access-log",
+        ],
+        env=env,
+    )
+    try:
+        server.wait_ready(READY_TIMEOUT_S)
+        yield server
+    finally:
+        server.stop()

@@ -16,14 +16,14 @@ import pytest
 from kvcore.ports import Direction
 from kvcore_cpu.cpu_copy import BlockCopier
 from tests.integration.conftest import BLOCK, VLLM_MARKS, generate, prompt
-from tests.integration.probes import kvcore_metric, worker_side
+from tests.integration.probes import kvcore_metric, rank_worker
 from tests.integration.test_vllm_policies import GAUGES, _push_out, _settled
 
 pytestmark = VLLM_MARKS
 
 
 def _copier(worker: Any) -> BlockCopier:
-    mover = worker_side(worker).worker.mover
+    mover = rank_worker(worker).mover
     assert mover is not None
     copier = mover._copier
     if copier is None:

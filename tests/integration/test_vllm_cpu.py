@@ -17,7 +17,7 @@ from tests.integration.conftest import (
     start_engine,
     stop_engine,
 )
-from tests.integration.probes import damage_pool, external_hits, kvcore_metric, loaded_digests, worker_side
+from tests.integration.probes import damage_pool, external_hits, kvcore_metric, loaded_digests
 
 pytestmark = VLLM_MARKS
 
@@ -85,27 +85,6 @@ def test_preemption_and_reset_leak_nothing(kvcore_engine: Any) -> None:
         if not any(values.values()):
             break
     assert values == dict.fromkeys(gauges, 0.0)
-
-
-def _close_backend(worker: Any) -> bool:
-    """Runs in the worker process: the CPU tier's mover stops taking copies (a dead backend)."""
-    worker_side(worker).worker.halt()
-    return True
-
-
-def test_failed_loads_are_recomputed(kvcore_engine: Any) -> None:
-    # runs last on this engine: it leaves the backend dead
-    tokens = prompt(500, 3 * BLOCK + 40)
-    first = generate(kvcore_engine, tokens)
-    for seed in range(3):
-        generate(kvcore_engine, prompt(600 + seed, 1500), max_tokens=1)
-    failed_before = kvcore_metric(kvcore_engine, "failed_load_blocks")
-    assert kvcore_engine.collective_rpc(_close_backend) == [True]
-    again = generate(kvcore_engine, tokens)
-    assert kvcore_metric(kvcore_engine, "failed_load_blocks") > failed_before
-    # vLLM counts the scheduled hit in num_cached_tokens even when it recovers by recomputing
-    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
-    assert kvcore_metric(kvcore_engine, "pool_pinned") == 0
 
 
 BAD_ENGINE = """

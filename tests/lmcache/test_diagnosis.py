@@ -15,12 +15,12 @@ import uuid
 
 import pytest
 
-from kvcore.config import LMCacheMPConfig
 from kvcore.ids import ChunkKey, JobId, RequestId
 from kvcore.jobs import JobResult
 from kvcore.lookup import PrefixLookup
 from kvcore.ports import StoreItem
 from kvcore_lmcache import LMCacheChunkIndex, LMCacheManagedTier, NoSharedMemoryPool
+from kvcore_lmcache.config import LMCacheMPConfig
 from tests.lmcache.conftest import CHUNK_TOKENS, LMCacheServer, ServerFactory, new_shm_name
 
 VALUE = 1024

@@ -1,14 +1,12 @@
 """Engine blocks straight into and out of a real LMCache server's slots (no ``local_size``: no host pool).
 
 Two engines of the same model, each a scheduler and its ranks' workers as the vLLM adapter composes them
-(``kvcore_vllm.compose``), share one server: what engine A saves from its KV blocks, engine B loads into
+(``kvcore.compose``), share one server: what engine A saves from its KV blocks, engine B loads into
 its own, byte for byte, with no host memory of either engine in between.
 """
 
 from __future__ import annotations
 
-import mmap
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,19 +15,20 @@ from typing import Any
 import pytest
 import torch
 
-from kvcore.config import KVCoreConfig, LMCacheMPConfig, load_config
+from kvcore.compose import open_scheduler, open_worker
+from kvcore.config import KVCoreConfig, load_config
 from kvcore.engine import EngineSpec
 from kvcore.ids import ChunkKey, RequestId
 from kvcore.layout import KVLayout, LayoutKind
 from kvcore.plan import StepPlan
-from kvcore.ports import BlockItem, Direction
+from kvcore.ports import BlockItem
 from kvcore.scheduler import CacheScheduler
+from kvcore.testing.faults import TransferGate
 from kvcore.testing.support import SETTLE_S
 from kvcore_cpu.engine_kv import EngineKV
-from kvcore_cpu.rows import IntArray
-from kvcore_cpu.tier import CPUWorker, MappedMover, MappedMovers
+from kvcore_cpu.tier import CPUWorker, MappedMovers
 from kvcore_lmcache import LMCacheManagedTier
-from kvcore_vllm.compose import open_rank_worker, scheduler_core
+from kvcore_lmcache.config import LMCacheMPConfig
 from tests.lmcache.conftest import CHUNK_TOKENS, LMCacheServer
 
 BLOCK = 32  # tokens per engine block: a chunk of the server's is CHUNK_TOKENS // BLOCK blocks
@@ -56,13 +55,15 @@ class Engine:
 
     def __init__(self, config: KVCoreConfig, spec: EngineSpec, seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
-        self.sched: CacheScheduler = scheduler_core(config, spec, "test-hashes")
+        self.sched: CacheScheduler = open_scheduler(config, spec, hash_identity="test-hashes")
         self.plans: list[StepPlan] = []
         self.workers: list[CPUWorker] = []
         for rank in range(spec.tp_size):
             bits = torch.randint(-(2**15), 2**15, spec.layout.shape, dtype=torch.int16, generator=generator)
             kv = [bits.view(torch.bfloat16).clone() for _ in range(spec.num_layers)]
-            self.workers.append(open_rank_worker(config, spec, kv, rank))
+            worker = open_worker(config, spec, kv, rank=rank)
+            assert isinstance(worker, CPUWorker)
+            self.workers.append(worker)
 
     def step(self) -> None:
         plan = self.sched.take_plan()
@@ -191,38 +192,11 @@ def test_a_restarted_server_is_mapped_again_and_serves_new_saves(
     assert b.blocks(0, range(10, 10 + CHUNKS * PER_CHUNK)) == a.blocks(0, range(CHUNKS * PER_CHUNK))
 
 
-class GatedMover(MappedMover):
-    """Copies only once ``gate`` is open; ``entered`` is set when a copy waits at it."""
-
-    def __init__(self, engine: EngineKV, pool: mmap.mmap) -> None:
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-        super().__init__(engine, pool)
-
-    def _copy_on_worker(
-        self, direction: Direction, engine_ids: IntArray, host_ids: IntArray
-    ) -> tuple[int, ...]:
-        self.entered.set()
-        if not self.gate.wait(SETTLE_S):
-            raise RuntimeError("the test never opened the gate")
-        return super()._copy_on_worker(direction, engine_ids, host_ids)
-
-
-class GatedMovers(MappedMovers):
-    def __init__(self, engine: EngineKV) -> None:
-        super().__init__(engine)
-        self.made: list[GatedMover] = []
-
-    def over(self, pool: mmap.mmap) -> GatedMover:
-        self.made.append(GatedMover(self._engine, pool))
-        return self.made[-1]
-
-
 def test_a_store_abandoned_during_its_copy_never_serves_what_it_read(lmcache_server: LMCacheServer) -> None:
     spec = _spec(1)
     config = LMCacheMPConfig(url=lmcache_server.url, request_timeout_s=SETTLE_S)
     value_bytes = PER_CHUNK * spec.host_block_bytes
-    tiers, kvs = [], []
+    tiers, kvs, gate = [], [], TransferGate(SETTLE_S)
     for seed in (8, 9):
         bits = torch.randint(
             -(2**15), 2**15, spec.layout.shape, dtype=torch.int16, generator=torch.manual_seed(seed)
@@ -230,7 +204,7 @@ def test_a_store_abandoned_during_its_copy_never_serves_what_it_read(lmcache_ser
         kv = EngineKV.register(
             [bits.view(torch.bfloat16).clone() for _ in range(spec.num_layers)], spec.layout
         )
-        movers = GatedMovers(kv) if seed == 8 else MappedMovers(kv)
+        movers = MappedMovers(kv, faults=gate if seed == 8 else None)
         tier = LMCacheManagedTier(
             config,
             None,
@@ -240,20 +214,16 @@ def test_a_store_abandoned_during_its_copy_never_serves_what_it_read(lmcache_ser
             block_movers=movers,
             block_bytes=spec.host_block_bytes,
         )
-        tiers.append((tier, movers))
+        tiers.append(tier)
         kvs.append(kv)
-    (a, gated), (b, _) = tiers
+    a, b = tiers
     try:
         keys = [ChunkKey(f"abandoned/{uuid.uuid4().hex}/{i}") for i in range(2)]
         items = [BlockItem(k, range(i * PER_CHUNK, (i + 1) * PER_CHUNK)) for i, k in enumerate(keys)]
         job = a.submit_store_blocks(RequestId("a"), items)
-        assert isinstance(gated, GatedMovers)
-        deadline = time.monotonic() + SETTLE_S
-        while not (gated.made and gated.made[0].entered.is_set()):
-            assert time.monotonic() < deadline, "the copy never started"
-            time.sleep(0.01)
+        assert gate.entered.wait(SETTLE_S), "the copy never started"
         a.abandon(job)  # the engine may overwrite these blocks from now on
-        gated.made[0].gate.set()
+        gate.opened.set()
         (result,) = a.wait([job], SETTLE_S)
         assert result.failed == (0, 1)
         before = [bytes(p[40 : 40 + 2 * PER_CHUNK].numpy().tobytes()) for p in kvs[1].planes]
@@ -262,5 +232,5 @@ def test_a_store_abandoned_during_its_copy_never_serves_what_it_read(lmcache_ser
         assert loaded.failed == (0, 1)  # a miss: nothing of what the abandoned copy read is served
         assert [bytes(p[40 : 40 + 2 * PER_CHUNK].numpy().tobytes()) for p in kvs[1].planes] == before
     finally:
-        for tier, _ in tiers:
+        for tier in tiers:
             tier.close()

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from kvcore.config import LMCacheMPConfig
 from kvcore.errors import BackendError, BackendUnavailable, ConfigError
 from kvcore.ids import ChunkKey, JobId, RequestId
 from kvcore.layout import KVLayout, LayoutKind
@@ -25,6 +24,7 @@ from kvcore.ports import BlockItem, StoreItem
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_cpu.tier import MappedMovers
 from kvcore_lmcache import LMCacheChunkIndex, LMCacheManagedTier
+from kvcore_lmcache.config import LMCacheMPConfig
 from tests.lmcache.conftest import CHUNK_TOKENS, LMCacheServer
 
 VALUE = 1024

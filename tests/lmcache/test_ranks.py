@@ -11,11 +11,11 @@ from functools import partial
 
 import pytest
 
-from kvcore.config import LMCacheMPConfig
 from kvcore.ids import ChunkKey, RequestId
 from kvcore.ports import StoreItem
 from kvcore.testing.support import SETTLE_S, payload, settle, wait_one
 from kvcore_lmcache import LMCacheChunkIndex, LMCacheManagedTier
+from kvcore_lmcache.config import LMCacheMPConfig
 from tests.lmcache.conftest import LMCacheServer
 
 VALUE_BYTES = 4096

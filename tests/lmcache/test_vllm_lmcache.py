@@ -25,7 +25,7 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     tiny_model,
     vllm_env,
 )
-from tests.integration.probes import engine_digests, external_hits, loaded_digests, worker_side
+from tests.integration.probes import engine_digests, external_hits, loaded_digests, rank_worker
 from tests.lmcache.conftest import LMCacheServer
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
@@ -37,7 +37,7 @@ CHUNKS = 4  # full chunks (= vLLM blocks) per prompt; each prompt also has a par
 
 def has_host_pool(worker: Any) -> bool:
     """In the worker process: whether kvcore's worker holds a host pool."""
-    return worker_side(worker).worker.host is not None
+    return rank_worker(worker).host is not None
 
 
 def _engine(model: Path, server: LMCacheServer) -> Any:

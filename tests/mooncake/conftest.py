@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.config import ByteCount, ByteSize, MooncakeStoreConfig
+from kvcore.config_fields import ByteCount, ByteSize
 from kvcore.testing.support import start_owned
+from kvcore_mooncake.config import MooncakeStoreConfig
 from tests.netns import require_loopback_namespace
 
 MASTER_BIN = Path(sys.executable).parent / "mooncake_master"

@@ -4,7 +4,8 @@ Two clients per store test: the store under test, and a raw client that reads an
 band (``peek``/``poke``) so that the store itself is what is tested. ``TestStoreOnHolder`` runs the store
 as a pure client whose values live in the raw client's segment (an engine worker next to a segment
 holder); ``TestStoreOwnSegment`` lets the store's own client hold the segment. Failures and stalls are
-injected through the documented hooks ``MooncakeChunkStore._transfer`` and ``MooncakeChunkIndex._check``.
+injected through the store's and the index's fault hooks (``kvcore.testing.faults.InjectedFaults``),
+each stall bounded: the store calls its hooks under the lock that ``clear`` waits for.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import threading
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
@@ -20,8 +20,8 @@ import attrs
 import pytest
 from mooncake.store import MooncakeDistributedStore
 
-from kvcore.errors import BackendError, UsageError
 from kvcore.ids import ChunkKey
+from kvcore.testing.faults import InjectedFaults
 from kvcore.testing.index import ChunkIndexTests, chunk_index_state_machine
 from kvcore.testing.store import ChunkStoreTests, chunk_store_state_machine
 from kvcore.testing.support import SETTLE_S
@@ -30,51 +30,6 @@ from kvcore_mooncake.client import Code
 from tests.mooncake.conftest import Master, MiB, config_for
 
 HOST_BYTES = 64 << 10
-
-
-class _Hooks:
-    """Failure injection and stalls for a worker-thread hook (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._to_fail = 0
-        self._released = threading.Event()
-        self._released.set()
-
-    def fail_next(self, count: int) -> None:
-        if count < 0:
-            raise UsageError(f"fail_next needs a count >= 0, got {count}")
-        with self._lock:
-            self._to_fail += count
-
-    @contextlib.contextmanager
-    def stall(self) -> Iterator[None]:
-        self._released.clear()
-        try:
-            yield
-        finally:
-            self._released.set()
-
-    def take(self, count: int) -> int:
-        """Wait while stalled (bounded), then how many of ``count`` items must fail."""
-        self._released.wait(SETTLE_S)
-        with self._lock:
-            failed = min(self._to_fail, count)
-            self._to_fail -= failed
-            return failed
-
-
-class InstrumentedStore(MooncakeChunkStore):
-    def __init__(self, client: MooncakeClient, buffer: HostBuffer, hooks: _Hooks) -> None:
-        self.hooks = hooks
-        super().__init__(client, buffer.address, buffer.length, remove_timeout_s=2.0)
-
-    def _transfer(self, put: bool, keys: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
-        failed = self.hooks.take(len(keys))
-        rest = (
-            super()._transfer(put, keys[failed:], addresses[failed:], sizes[failed:]) if keys[failed:] else []
-        )
-        return [int(Code.TRANSFER_FAILED)] * failed + rest
 
 
 def raw_client(master: Master, segment_size: int) -> MooncakeDistributedStore:
@@ -129,13 +84,15 @@ class MooncakeStoreHarness:
 
     def __init__(self, pool: Pool) -> None:
         self._pool = pool
-        self.hooks = _Hooks()
-        self.backend = InstrumentedStore(pool.client, pool.buffer, self.hooks)
+        faults = InjectedFaults(stall_limit_s=SETTLE_S)
+        self.backend = MooncakeChunkStore(
+            pool.client, pool.buffer.address, pool.buffer.length, remove_timeout_s=2.0, faults=faults
+        )
         self.host_size = pool.buffer.length
         self.read_host = pool.buffer.read
         self.write_host = pool.buffer.write
-        self.fail_next = self.hooks.fail_next
-        self.stall = self.hooks.stall
+        self.fail_next = faults.fail_next
+        self.stall = faults.stall
 
     def peek(self, key: ChunkKey) -> bytes | None:
         # every conformance value has at least one byte: an empty answer is a missing key
@@ -178,26 +135,15 @@ class TestStoreOwnSegment(_StoreSuite):
 # -- the index -----------------------------------------------------------------------------------------
 
 
-class InstrumentedIndex(MooncakeChunkIndex):
-    def __init__(self, client: MooncakeClient, hooks: _Hooks) -> None:
-        self.hooks = hooks
-        super().__init__(client, timeout_s=2.0)
-
-    def _check(self, keys: list[str]) -> list[int]:
-        if self.hooks.take(1):
-            raise BackendError("injected lookup failure")
-        return super()._check(keys)
-
-
 class MooncakeIndexHarness:
     """An index on a pure client; presence changed through a raw client that holds the segment."""
 
     def __init__(self, pool: Pool) -> None:
         self._raw = pool.raw
-        self.hooks = _Hooks()
-        self.backend = InstrumentedIndex(pool.client, self.hooks)
-        self.fail_next = self.hooks.fail_next
-        self.stall = self.hooks.stall
+        faults = InjectedFaults(stall_limit_s=SETTLE_S)
+        self.backend = MooncakeChunkIndex(pool.client, timeout_s=2.0, faults=faults)
+        self.fail_next = faults.fail_next
+        self.stall = faults.stall
 
     def make_present(self, keys: Sequence[ChunkKey]) -> None:
         for key in keys:

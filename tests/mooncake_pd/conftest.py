@@ -1,20 +1,25 @@
-"""Fixtures for the P/D tests: real transfer engines, and simulated ranks holding KV in real layouts.
+"""Fixtures for the P/D tests: peer transports, and simulated ranks holding KV in real layouts.
 
-Every test here needs a loopback-only network namespace (Mooncake listens on every interface).
+The protocol tests take ``peers``, and run twice: over real transfer engines (``mooncake``) and over the
+in-memory reference transport (``memory``). The Mooncake runs need a loopback-only network namespace
+(Mooncake listens on every interface); the in-memory runs need none.
 
-Simulated ranks live in the test process, each with its own real ``TransferEngine`` (its own RPC port and
-TCP connections, bytes moving through loopback sockets) and its own side channel: that exercises
-everything a rank process does, and one process hosts a whole (P, D) pairing in milliseconds instead of
-the seconds a process per rank costs to start. The fault tests that kill a side run it in a subprocess.
-Engines are shared by the whole session and handed out by ``EnginePool``.
+Simulated ranks live in the test process, each with its own transport (with Mooncake its own real
+``TransferEngine``: its own RPC port and TCP connections, bytes moving through loopback sockets) and its
+own side channel: that exercises everything a rank process does, and one process hosts a whole (P, D)
+pairing in milliseconds instead of the seconds a process per rank costs to start. The fault tests that
+kill a side run it in a subprocess, with Mooncake only. Engines take a second each to start: the
+session shares them (``EnginePool``), and each test gets fresh transports over them, closed after it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import pytest
 import torch
@@ -22,7 +27,10 @@ from attrs import frozen
 
 from kvcore.config import PDConfig
 from kvcore.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.ports import PeerTransport
+from kvcore.testing.memory import InMemoryAddressSpace, InMemoryPeerTransport
 from kvcore_mooncake.pd import MooncakePeerTransport, RankSpec
+from kvcore_mooncake.pd.transport import TransferEngineLike, start_engine
 from tests.netns import require_loopback_namespace
 
 T = TypeVar("T")
@@ -35,33 +43,101 @@ FAST = PDConfig(handshake_timeout_s=0.5, handshake_retries=1, abort_timeout_s=3.
 """Short timeouts, so that fault tests end in seconds."""
 
 
-@pytest.fixture(autouse=True)
-def _loopback_only() -> None:
-    require_loopback_namespace()
+class Peers(Protocol):
+    """Where a P/D test gets its transports, and the memory its ranks' KV lives in."""
+
+    def take(self, count: int) -> Sequence[PeerTransport]:
+        """``count`` new transports, distinct peers; whatever the test leaves open is closed after it."""
+        ...
+
+    def memory(self, length: int) -> tuple[torch.Tensor, int]:
+        """``length`` zeroed bytes that these transports can read and write: a ``uint8`` tensor over
+        them, and the address of the first."""
+        ...
 
 
 class EnginePool:
-    """Real transfer engines, reused across tests: ``take(n)`` hands out ``n`` distinct ones."""
+    """Real transfer engines, started once per session: ``engines(n)`` gives ``n`` distinct ones."""
 
     def __init__(self) -> None:
-        self._engines: list[MooncakePeerTransport] = []
+        self._engines: list[TransferEngineLike] = []
 
-    def take(self, count: int) -> list[MooncakePeerTransport]:
+    def engines(self, count: int) -> list[TransferEngineLike]:
         while len(self._engines) < count:
-            self._engines.append(MooncakePeerTransport.open(PDConfig()))
+            self._engines.append(start_engine(PDConfig()))
         return self._engines[:count]
 
+
+class MooncakePeers:
+    """Fresh ``MooncakePeerTransport``s over the pool's engines; KV memory is torch's own."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self._pool = pool
+        self._taken: list[MooncakePeerTransport] = []
+
+    def take(self, count: int) -> list[MooncakePeerTransport]:
+        taken = [MooncakePeerTransport(engine, "127.0.0.1") for engine in self._pool.engines(count)]
+        self._taken.extend(taken)
+        return taken
+
+    def memory(self, length: int) -> tuple[torch.Tensor, int]:
+        tensor = torch.zeros(length, dtype=torch.uint8)
+        return tensor, tensor.data_ptr()
+
     def close(self) -> None:
-        for transport in self._engines:
+        for transport in self._taken:
+            transport.close()
+
+
+class MemoryPeers:
+    """``InMemoryPeerTransport``s on one address space; KV memory is allocated in it and seen through a
+    tensor that shares its bytes."""
+
+    def __init__(self) -> None:
+        self.space = InMemoryAddressSpace()
+        self._names = itertools.count()
+        self._taken: list[InMemoryPeerTransport] = []
+
+    def take(self, count: int) -> list[InMemoryPeerTransport]:
+        taken = [InMemoryPeerTransport(self.space, f"peer-{next(self._names)}") for _ in range(count)]
+        self._taken.extend(taken)
+        return taken
+
+    def memory(self, length: int) -> tuple[torch.Tensor, int]:
+        region = self.space.allocate(length)
+        return torch.frombuffer(self.space.view(region), dtype=torch.uint8), region.address
+
+    def close(self) -> None:
+        for transport in self._taken:
             transport.close()
 
 
 @pytest.fixture(scope="session")
-def engines() -> Iterator[EnginePool]:
+def engine_pool() -> EnginePool:
     require_loopback_namespace()
-    pool = EnginePool()
-    yield pool
-    pool.close()
+    return EnginePool()
+
+
+@pytest.fixture
+def mooncake(engine_pool: EnginePool) -> Iterator[MooncakePeers]:
+    """Transports over real engines (only inside a loopback-only namespace)."""
+    require_loopback_namespace()
+    with contextlib.closing(MooncakePeers(engine_pool)) as peers:
+        yield peers
+
+
+@pytest.fixture
+def memory() -> Iterator[MemoryPeers]:
+    """In-memory reference transports, with their test hooks (``fail_next``, ``stall``)."""
+    with contextlib.closing(MemoryPeers()) as peers:
+        yield peers
+
+
+@pytest.fixture(params=["mooncake", "memory"])
+def peers(request: pytest.FixtureRequest) -> Peers:
+    """Each protocol test runs over both transports."""
+    chosen: Peers = request.getfixturevalue(request.param)
+    return chosen
 
 
 def heads_of(rank: int, tp: int, total: int) -> range:
@@ -92,6 +168,7 @@ class SimRank:
 
 
 def make_rank(
+    peers: Peers,
     *,
     engine_id: str,
     kind: LayoutKind,
@@ -103,8 +180,10 @@ def make_rank(
     order: HeadOrder = HeadOrder.HND,
 ) -> SimRank:
     layout = KVLayout(kind, blocks, BLOCK_TOKENS, len(heads_of(rank, tp, total_heads)), HEAD_SIZE, 2, order)
-    storage = torch.full((LAYERS, *layout.physical_shape), SENTINEL, dtype=torch.int16)
-    bases = [storage[i].data_ptr() for i in range(LAYERS)]
+    flat, address = peers.memory(LAYERS * layout.nbytes)
+    storage = flat.view(torch.int16).view(LAYERS, *layout.physical_shape)
+    storage.fill_(SENTINEL)
+    bases = [address + i * layout.nbytes for i in range(LAYERS)]
     spec = RankSpec(engine_id, model, "bfloat16", tp, rank, total_heads, layout, bases)
     return SimRank(spec, storage)
 

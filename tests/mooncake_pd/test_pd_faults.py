@@ -1,6 +1,9 @@
-"""Faults on either side: incompatible peers, unreachable peers, a side that dies, aborts, duplicates.
+"""Faults on either side: incompatible peers, unreachable peers, a side that dies, aborts, duplicates,
+failed writes.
 
-A side that dies runs in a subprocess (``SIDE``), killed with SIGKILL: no goodbye reaches its peer.
+The protocol faults run over both transports (``peers``). A side that dies runs in a subprocess
+(``SIDE``, over a real transfer engine), killed with SIGKILL: no goodbye reaches its peer. A failed
+write is injected into the in-memory transport.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import attrs
 import pytest
@@ -21,6 +24,7 @@ import zmq
 from kvcore.config import PDConfig
 from kvcore.errors import BackendUnavailable, IncompatibleLayoutError
 from kvcore.layout import LayoutKind
+from kvcore.ports import PeerTransport
 from kvcore.testing.support import start_owned
 from kvcore_mooncake.pd import FreeReason, PDConsumer, PDProducer
 from kvcore_mooncake.pd.messages import Ack, Notice
@@ -33,7 +37,9 @@ from tests.mooncake_pd.conftest import (
     LAYERS,
     PRODUCER_BLOCKS,
     SENTINEL,
-    EnginePool,
+    MemoryPeers,
+    MooncakePeers,
+    Peers,
     SimRank,
     make_rank,
     new_transfer_id,
@@ -64,18 +70,19 @@ time.sleep(60)
 """
 
 
-def rank(role: str, *, model: str = "tiny", heads: int = 2) -> SimRank:
+def rank(peers: Peers, role: str, *, model: str = "tiny", heads: int = 2) -> SimRank:
     blocks = PRODUCER_BLOCKS if role == "prefill" else CONSUMER_BLOCKS
     return make_rank(
-        engine_id=role, kind=LayoutKind.VLLM_CPU, total_heads=heads, tp=1, rank=0, blocks=blocks, model=model
-    )
+        peers, engine_id=role, kind=LayoutKind.VLLM_CPU, total_heads=heads, tp=1, rank=0, blocks=blocks,
+        model=model,
+    )  # fmt: skip
 
 
 @contextlib.contextmanager
-def pair(
-    engines: EnginePool, producer: SimRank, consumer: SimRank, config: PDConfig = FAST
+def pair_on(
+    transports: Sequence[PeerTransport], producer: SimRank, consumer: SimRank, config: PDConfig = FAST
 ) -> Iterator[tuple[PDProducer, PDConsumer]]:
-    transports = engines.take(2)
+    """A started producer and consumer on ``transports`` (two of them, in that order)."""
     p, c = PDProducer(producer.spec, transports[0], config), PDConsumer(consumer.spec, transports[1], config)
     p.start()
     c.start()
@@ -84,6 +91,12 @@ def pair(
     finally:
         c.close()
         p.close()
+
+
+def pair(
+    peers: Peers, producer: SimRank, consumer: SimRank
+) -> contextlib.AbstractContextManager[tuple[PDProducer, PDConsumer]]:
+    return pair_on(peers.take(2), producer, consumer)
 
 
 @contextlib.contextmanager
@@ -108,10 +121,10 @@ def side_process(
             process.stdout.close()
 
 
-def test_fingerprint_mismatch_is_refused_before_any_byte_moves(engines: EnginePool) -> None:
-    consumer = rank("decode", model="other-model")
+def test_fingerprint_mismatch_is_refused_before_any_byte_moves(peers: Peers) -> None:
+    consumer = rank(peers, "decode", model="other-model")
     before = consumer.storage.clone()
-    with pair(engines, rank("prefill"), consumer) as (p, c):
+    with pair(peers, rank(peers, "prefill"), consumer) as (p, c):
         with pytest.raises(
             IncompatibleLayoutError, match="model differs: producer 'tiny', consumer 'other-model'"
         ):
@@ -124,17 +137,17 @@ def test_fingerprint_mismatch_is_refused_before_any_byte_moves(engines: EnginePo
     assert torch.equal(consumer.storage, before)
 
 
-def test_heads_that_differ_are_refused_with_every_difference(engines: EnginePool) -> None:
+def test_heads_that_differ_are_refused_with_every_difference(peers: Peers) -> None:
     with (
-        pair(engines, rank("prefill", heads=2), rank("decode", heads=1)) as (p, c),
+        pair(peers, rank(peers, "prefill", heads=2), rank(peers, "decode", heads=1)) as (p, c),
         pytest.raises(IncompatibleLayoutError, match="total_kv_heads differs: producer 2, consumer 1"),
     ):
         c.connect([p.address])
 
 
-def test_producer_addresses_must_name_every_rank_in_order(engines: EnginePool) -> None:
+def test_producer_addresses_must_name_every_rank_in_order(peers: Peers) -> None:
     with (
-        pair(engines, rank("prefill"), rank("decode")) as (p, c),
+        pair(peers, rank(peers, "prefill"), rank(peers, "decode")) as (p, c),
         pytest.raises(
             IncompatibleLayoutError, match="is prefill rank 0 of TP 1; expected prefill rank 0 of TP 2"
         ),
@@ -142,8 +155,8 @@ def test_producer_addresses_must_name_every_rank_in_order(engines: EnginePool) -
         c.connect([p.address, p.address])
 
 
-def test_unreachable_producer_fails_the_transfer_within_the_retries(engines: EnginePool) -> None:
-    with pair(engines, rank("prefill"), rank("decode")) as (_, c):
+def test_unreachable_producer_fails_the_transfer_within_the_retries(peers: Peers) -> None:
+    with pair(peers, rank(peers, "prefill"), rank(peers, "decode")) as (_, c):
         dead = "tcp://127.0.0.1:9"  # nothing listens on the discard port inside the namespace
         start = time.monotonic()
         with pytest.raises(BackendUnavailable, match="no reply"):
@@ -156,28 +169,21 @@ def test_unreachable_producer_fails_the_transfer_within_the_retries(engines: Eng
     assert elapsed < 4 * FAST.handshake_timeout_s + 1.0
 
 
-def test_unreachable_transfer_engine_fails_the_write_at_once(engines: EnginePool) -> None:
-    transport = engines.take(1)[0]
-    sim = rank("prefill")
-    region = sim.spec.regions[0]
+def test_unreachable_transfer_engine_fails_the_write_at_once(mooncake: MooncakePeers) -> None:
+    (transport,) = mooncake.take(1)
+    region = rank(mooncake, "prefill").spec.regions[0]
     transport.register([region])
-    try:
-        start = time.monotonic()
-        job = transport.submit_write_columns(
-            "127.0.0.1:9",
-            *(torch.tensor(v, dtype=torch.int64).numpy() for v in ([region.address], [region.address], [64])),
-        )
-        (result,) = transport.wait([job], 5.0)
-    finally:
-        transport.unregister([region])
+    start = time.monotonic()
+    job = transport.submit_write_columns("127.0.0.1:9", [region.address], [region.address], [64])
+    (result,) = transport.wait([job], 5.0)
     assert (result.ok, result.failed) == (False, (0,))
     assert time.monotonic() - start < 2.0
 
 
-def test_producer_that_dies_makes_the_consumer_report_failed_blocks(engines: EnginePool) -> None:
-    consumer = rank("decode")
+def test_producer_that_dies_makes_the_consumer_report_failed_blocks(mooncake: MooncakePeers) -> None:
+    consumer = rank(mooncake, "decode")
     with side_process("producer") as (process, address):
-        transport = engines.take(1)[0]
+        (transport,) = mooncake.take(1)
         c = PDConsumer(consumer.spec, transport, FAST)
         c.start()
         try:
@@ -193,10 +199,12 @@ def test_producer_that_dies_makes_the_consumer_report_failed_blocks(engines: Eng
     assert time.monotonic() - start < FAST.abort_timeout_s + 1.0
 
 
-def test_producer_that_dies_after_accepting_the_pull_times_out_on_the_consumer(engines: EnginePool) -> None:
-    consumer = rank("decode")
+def test_producer_that_dies_after_accepting_the_pull_times_out_on_the_consumer(
+    mooncake: MooncakePeers,
+) -> None:
+    consumer = rank(mooncake, "decode")
     with side_process("producer") as (process, address):
-        c = PDConsumer(consumer.spec, engines.take(1)[0], FAST)
+        c = PDConsumer(consumer.spec, mooncake.take(1)[0], FAST)
         c.start()
         try:
             start = time.monotonic()
@@ -211,10 +219,10 @@ def test_producer_that_dies_after_accepting_the_pull_times_out_on_the_consumer(e
     assert time.monotonic() - start >= FAST.abort_timeout_s
 
 
-def test_consumer_that_dies_mid_transfer_is_freed_after_the_abort_timeout(engines: EnginePool) -> None:
+def test_consumer_that_dies_mid_transfer_is_freed_after_the_abort_timeout(mooncake: MooncakePeers) -> None:
     transfer = new_transfer_id()
-    producer = rank("prefill")
-    p = PDProducer(producer.spec, engines.take(1)[0], FAST)
+    producer = rank(mooncake, "prefill")
+    p = PDProducer(producer.spec, mooncake.take(1)[0], FAST)
     p.start()
     try:
         with side_process("consumer", p.address, transfer) as (process, _):
@@ -231,8 +239,8 @@ def test_consumer_that_dies_mid_transfer_is_freed_after_the_abort_timeout(engine
     assert FAST.abort_timeout_s - 0.1 <= elapsed
 
 
-def test_abort_on_either_side_is_idempotent_and_frees_once(engines: EnginePool) -> None:
-    with pair(engines, rank("prefill"), rank("decode")) as (p, c):
+def test_abort_on_either_side_is_idempotent_and_frees_once(peers: Peers) -> None:
+    with pair(peers, rank(peers, "prefill"), rank(peers, "decode")) as (p, c):
         # consumer aborts before the producer offered: its release waits for the offer, then frees it
         c.receive("a", [p.address], SRC, DST)
         wait_for("pull", lambda: [1] if p.waiting() else [], 1)
@@ -258,9 +266,25 @@ def test_abort_on_either_side_is_idempotent_and_frees_once(engines: EnginePool) 
     ]
 
 
-def test_duplicate_and_stray_notices_are_acknowledged_and_ignored(engines: EnginePool) -> None:
-    consumer = rank("decode")
-    with pair(engines, rank("prefill"), consumer) as (p, c):
+def test_a_pull_that_its_offer_refuses_fails_when_the_offer_comes(peers: Peers) -> None:
+    consumer = rank(peers, "decode")
+    before = consumer.storage.clone()
+    with pair(peers, rank(peers, "prefill"), consumer) as (p, c):
+        c.receive("t", [p.address], (1, 2, 9), DST)  # block 9 is not offered
+        wait_for("pull", lambda: [1] if p.waiting() else [], 1)
+        start = time.monotonic()
+        p.offer("t", SRC)
+        (result,) = wait_for("received", c.poll, 1)
+        elapsed = time.monotonic() - start
+    assert (result.ok, result.failed_blocks) == (False, DST)
+    assert "blocks [9] are not part of transfer 't'" in (result.error or "")
+    assert elapsed < FAST.abort_timeout_s / 2
+    assert torch.equal(consumer.storage, before)
+
+
+def test_duplicate_and_stray_notices_are_acknowledged_and_ignored(peers: Peers) -> None:
+    consumer = rank(peers, "decode")
+    with pair(peers, rank(peers, "prefill"), consumer) as (p, c):
         p.offer("t", SRC)
         c.receive("t", [p.address], SRC, DST)
         (result,) = wait_for("received", c.poll, 1)
@@ -277,3 +301,15 @@ def test_duplicate_and_stray_notices_are_acknowledged_and_ignored(engines: Engin
         assert c.poll() == ()
     assert result.ok
     assert replies == [Ack()] * 4
+
+
+def test_a_failed_write_fails_the_transfer_and_frees_once_the_consumer_answered(memory: MemoryPeers) -> None:
+    transports = memory.take(2)
+    with pair_on(transports, rank(memory, "prefill"), rank(memory, "decode")) as (p, c):
+        transports[0].fail_next(1)
+        p.offer("t", SRC)
+        c.receive("t", [p.address], SRC, DST)
+        (result,) = wait_for("received", c.poll, 1)
+        (freed,) = wait_for("freed", p.poll_freed, 1)
+    assert (result.ok, result.failed_blocks) == (False, DST)
+    assert freed.reason is FreeReason.DELIVERED

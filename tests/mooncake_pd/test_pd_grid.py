@@ -1,5 +1,6 @@
-"""Every (P, D) pairing and KV head count, through real transfer engines: consumer ranks must hold
-exactly their heads of the producer's KV, byte for byte, and every producer rank must free its blocks."""
+"""Every (P, D) pairing and KV head count, through real transfer engines and through the in-memory
+transport: consumer ranks must hold exactly their heads of the producer's KV, byte for byte, and every
+producer rank must free its blocks."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from kvcore_mooncake.pd import FreeReason, PDConsumer, PDProducer
 from tests.mooncake_pd.conftest import (
     CONSUMER_BLOCKS,
     PRODUCER_BLOCKS,
-    EnginePool,
+    Peers,
     SimRank,
     expected_consumer,
     fill_producer,
@@ -34,9 +35,9 @@ DST_BLOCKS = (0, 5, 6, 7, 9)
 
 @contextlib.contextmanager
 def started(
-    engines: EnginePool, producers: list[SimRank], consumers: list[SimRank], config: PDConfig
+    peers: Peers, producers: list[SimRank], consumers: list[SimRank], config: PDConfig
 ) -> Iterator[tuple[list[PDProducer], list[PDConsumer]]]:
-    transports = engines.take(len(producers) + len(consumers))
+    transports = peers.take(len(producers) + len(consumers))
     ps = [PDProducer(sim.spec, t, config) for sim, t in zip(producers, transports, strict=False)]
     cs = [PDConsumer(sim.spec, t, config) for sim, t in zip(consumers, transports[len(ps) :], strict=True)]
     try:
@@ -50,25 +51,31 @@ def started(
             consumer.close()
         for producer in ps:
             producer.close()
+        for transport in transports:
+            transport.close()
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
 @pytest.mark.parametrize(("p", "d"), PAIRS, ids=str)
-def test_consumer_ranks_hold_their_head_slices(engines: EnginePool, kind: LayoutKind, p: int, d: int) -> None:
+def test_consumer_ranks_hold_their_head_slices(peers: Peers, kind: LayoutKind, p: int, d: int) -> None:
     for heads in HEADS:
         producers = [
-            make_rank(engine_id="prefill", kind=kind, total_heads=heads, tp=p, rank=r, blocks=PRODUCER_BLOCKS)
+            make_rank(
+                peers, engine_id="prefill", kind=kind, total_heads=heads, tp=p, rank=r, blocks=PRODUCER_BLOCKS
+            )
             for r in range(p)
         ]
         consumers = [
-            make_rank(engine_id="decode", kind=kind, total_heads=heads, tp=d, rank=r, blocks=CONSUMER_BLOCKS)
+            make_rank(
+                peers, engine_id="decode", kind=kind, total_heads=heads, tp=d, rank=r, blocks=CONSUMER_BLOCKS
+            )
             for r in range(d)
         ]
         kv = global_kv(kind, heads, len(SRC_BLOCKS), seed=heads * 100 + p * 10 + d)
         for sim in producers:
             fill_producer(sim, kv, SRC_BLOCKS)
         transfer = new_transfer_id()
-        with started(engines, producers, consumers, PDConfig(abort_timeout_s=10.0)) as (ps, cs):
+        with started(peers, producers, consumers, PDConfig(abort_timeout_s=10.0)) as (ps, cs):
             addresses = [producer.address for producer in ps]
             for producer in ps:
                 producer.offer(transfer, SRC_BLOCKS)
@@ -83,18 +90,18 @@ def test_consumer_ranks_hold_their_head_slices(engines: EnginePool, kind: Layout
             assert torch.equal(sim.storage, expected), f"heads={heads} consumer rank {sim.spec.tp_rank}"
 
 
-def test_nhd_layout_with_heterogeneous_tp_is_refused_at_handshake(engines: EnginePool) -> None:
+def test_nhd_layout_with_heterogeneous_tp_is_refused_at_handshake(peers: Peers) -> None:
     # NHD: a consumer rank's heads would be one small run per token: the plan refuses, before any byte
     producer = make_rank(
-        engine_id="prefill", kind=LayoutKind.FLASH_ATTN, total_heads=8, tp=1, rank=0,
+        peers, engine_id="prefill", kind=LayoutKind.FLASH_ATTN, total_heads=8, tp=1, rank=0,
         blocks=PRODUCER_BLOCKS, order=HeadOrder.NHD,
     )  # fmt: skip
     consumer = make_rank(
-        engine_id="decode", kind=LayoutKind.FLASH_ATTN, total_heads=8, tp=2, rank=0,
+        peers, engine_id="decode", kind=LayoutKind.FLASH_ATTN, total_heads=8, tp=2, rank=0,
         blocks=CONSUMER_BLOCKS, order=HeadOrder.NHD,
     )  # fmt: skip
     before = consumer.storage.clone()
-    with started(engines, [producer], [consumer], PDConfig()) as (ps, cs):
+    with started(peers, [producer], [consumer], PDConfig()) as (ps, cs):
         ps[0].offer("t", SRC_BLOCKS)
         cs[0].receive("t", [ps[0].address], SRC_BLOCKS, DST_BLOCKS)
         (result,) = wait_for("received", cs[0].poll, 1)

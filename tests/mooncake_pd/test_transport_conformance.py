@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-from collections.abc import Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -14,18 +12,17 @@ from kvcore.ports import MemoryRegion
 from kvcore.testing.peer import PeerTransportTests
 from kvcore_mooncake.pd import MooncakePeerTransport
 from kvcore_mooncake.pd.transport import coalesce
-from tests.mooncake_pd.conftest import EnginePool
+from tests.mooncake_pd.conftest import MooncakePeers
 
 
 class MooncakePeerHarness:
-    """Two pooled engines; memory is numpy buffers, registered for the test and withdrawn after it."""
+    """Two fresh transports over pooled engines; memory is numpy buffers. Closing the transports after
+    the test withdraws what it registered."""
 
-    def __init__(self, engines: EnginePool) -> None:
-        self.producer, self.consumer = engines.take(2)
+    def __init__(self, peers: MooncakePeers) -> None:
+        self.producer, self.consumer = peers.take(2)
         self.consumer_name = self.consumer.address
         self._buffers: list[npt.NDArray[np.uint8]] = []
-        self._local: list[MemoryRegion] = []
-        self._remote: list[MemoryRegion] = []
 
     def _buffer(self, length: int) -> MemoryRegion:
         buffer = np.random.default_rng(len(self._buffers)).integers(0, 256, length, dtype=np.uint8)
@@ -35,13 +32,10 @@ class MooncakePeerHarness:
     def allocate_local(self, length: int) -> int:
         region = self._buffer(length)
         self.producer.register([region])
-        self._local.append(region)
         return region.address
 
     def allocate_remote(self, length: int) -> MemoryRegion:
-        region = self._buffer(length)
-        self._remote.append(region)
-        return region
+        return self._buffer(length)
 
     def write_memory(self, address: int, data: bytes) -> None:
         ctypes.memmove(address, data, len(data))
@@ -49,16 +43,11 @@ class MooncakePeerHarness:
     def read_memory(self, address: int, length: int) -> bytes:
         return ctypes.string_at(address, length)
 
-    def close(self) -> None:
-        self.producer.unregister(self._local)
-        self.consumer.unregister(self._remote)
-
 
 class TestMooncakePeerTransport(PeerTransportTests[MooncakePeerTransport]):
     @pytest.fixture
-    def harness(self, engines: EnginePool) -> Iterator[MooncakePeerHarness]:
-        with contextlib.closing(MooncakePeerHarness(engines)) as harness:
-            yield harness
+    def harness(self, mooncake: MooncakePeers) -> MooncakePeerHarness:
+        return MooncakePeerHarness(mooncake)
 
 
 def test_coalesce_merges_ranges_that_touch_on_both_sides() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvcore.config import load_config
@@ -77,6 +77,7 @@ def test_lookup_answers_or_refuses_naming_the_argument(
 
 @settings(max_examples=300, deadline=None)
 @given(blocks=block_tables, num_tokens=values, tokens=values)
+@example(blocks=[], num_tokens=32, tokens=True)  # once a TypeError out of the keyer
 def test_save_and_start_load_queue_or_refuse_naming_the_argument(
     blocks: Any, num_tokens: Any, tokens: Any
 ) -> None:

@@ -11,19 +11,12 @@ from typing import Any
 
 import pytest
 
-from kvcore.config import (
-    CPUBackendConfig,
-    LMCacheMPConfig,
-    MooncakeStoreConfig,
-    PDConfig,
-    config_to_dict,
-    load_config,
-    load_config_file,
-    load_pd_config,
-    parse_size,
-)
+from kvcore.config import PDConfig, config_to_dict, load_config, load_config_file, load_pd_config, parse_size
 from kvcore.errors import ConfigError
 from kvcore.hashing import HashAlgorithm, PartialChunkPolicy
+from kvcore_cpu.config import CPUBackendConfig
+from kvcore_lmcache.config import LMCacheMPConfig
+from kvcore_mooncake.config import MooncakeStoreConfig
 
 
 @pytest.mark.parametrize(

@@ -13,18 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore.config import (
-    CPUBackendConfig,
-    KVCoreConfig,
-    LMCacheMPConfig,
-    MooncakeStoreConfig,
-    PDConfig,
-    config_to_dict,
-    load_config,
-    load_pd_config,
-    parse_size,
-)
+from kvcore.config import KVCoreConfig, PDConfig, config_to_dict, load_config, load_pd_config, parse_size
 from kvcore.errors import ConfigError
+from kvcore_cpu.config import CPUBackendConfig
+from kvcore_lmcache.config import LMCacheMPConfig
+from kvcore_mooncake.config import MooncakeStoreConfig
 from tests.unit.test_config import nested
 
 CPU = {"kind": "cpu", "size": "1GiB"}
@@ -137,7 +130,7 @@ def test_any_value_in_any_field_loads_or_names_that_field(
         assert load_config({"backend": CPU, **data}).pd == outcome
     else:
         assert isinstance(outcome, KVCoreConfig)
-        parts = [outcome, outcome.backend, *([outcome.pd] if outcome.pd else [])]
+        parts: list[attrs.AttrsInstance] = [outcome, outcome.backend, *([outcome.pd] if outcome.pd else [])]
         numbers = [v for part in parts for v in attrs.asdict(part, recurse=False).values()]
         assert all(math.isfinite(v) for v in numbers if isinstance(v, float))
         masked = attrs.evolve(outcome, secret=None if outcome.secret is None else "***")  # printed masked

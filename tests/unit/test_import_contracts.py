@@ -1,6 +1,7 @@
 """The architecture's arrows, enforced: the core imports no adapter or backend; a backend imports neither
 an adapter nor another backend; adapters do not import each other. Every import counts — at module level
-or inside a function (a lazy import is still a dependency) — read from the source with ``ast``."""
+or inside a function (a lazy import is still a dependency) — read from the source with ``ast``. And the
+core spells no backend's kind: backends are found through the registry only."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import ast
 from pathlib import Path
 
 import pytest
+
+from kvcore.registry import backends
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {
@@ -17,6 +20,7 @@ PACKAGES = {
     "kvcore_cpu": ("backend", ROOT / "backends" / "kvcore_cpu"),
     "kvcore_mooncake": ("backend", ROOT / "backends" / "kvcore_mooncake"),
     "kvcore_lmcache": ("backend", ROOT / "backends" / "kvcore_lmcache"),
+    "kvcore_dirstore": ("backend", ROOT / "docs" / "examples" / "dirstore" / "kvcore_dirstore"),
 }
 ALLOWED = {"core": {"core"}, "backend": {"core"}, "adapter": {"core", "backend"}}
 """Which layers each layer may import besides itself (its own package)."""
@@ -52,3 +56,15 @@ def test_the_check_sees_lazy_imports(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from kvcore_vllm.settings import x\n    import kvcore_cpu.tier\n")
     assert _imports(module) == {"kvcore_vllm", "kvcore_cpu"}
+
+
+def test_the_core_spells_no_backend_kind() -> None:
+    kinds = set(backends())
+    spelled = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}"
+        for path in sorted((ROOT / "kvcore").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value in kinds
+    ]
+    assert kinds >= {"cpu", "mooncake_store", "lmcache_mp"}
+    assert spelled == []

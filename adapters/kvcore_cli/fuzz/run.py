@@ -14,6 +14,7 @@ from kvcore.errors import UsageError
 from kvcore.layout import KVLayout, LayoutKind
 from kvcore.ports import Direction
 from kvcore.scheduler import CacheScheduler
+from kvcore.sizing import pool_slots
 from kvcore.worker import BlockWorker
 from kvcore_cli.fuzz.checks import KVChecks
 from kvcore_cli.fuzz.connector import Connector
@@ -25,7 +26,7 @@ from kvcore_cli.fuzz.oracle import Bytes, KVOracle
 from kvcore_cli.fuzz.requests import BLOCK_TOKENS, RequestBook
 from kvcore_cli.fuzz.results import FuzzSummary
 from kvcore_cli.fuzz.trace import Clock, Trace
-from kvcore_cpu.tier import open_worker, pool_slots
+from kvcore_cpu.tier import open_worker
 
 __all__ = ["run_fuzz"]
 

@@ -1,10 +1,11 @@
 """``PDConsumer``: the decode side of one rank. It asks producer ranks for KV and learns when it arrived.
 
 ``receive`` names a transfer, the producer ranks' side-channel addresses (rank order), the producer's
-block ids and this rank's block ids. A worker thread handshakes with every producer rank (cached per
-address; refused on any incompatibility before a byte moves), sends a ``Pull`` to each producer rank that
-holds heads this rank needs and a ``Release`` to the others, then waits for the producers' ``Notice``s on
-the side channel. ``poll`` reports each transfer exactly once: received when every needed producer rank
+block ids and this rank's block ids; producers write into this rank's KV, registered with its
+``PeerTransport``. A worker thread handshakes with every producer rank (cached per address; refused on
+any incompatibility before a byte moves), sends a ``Pull`` to each producer rank that holds heads this
+rank needs and a ``Release`` to the others, then waits for the producers' ``Notice``s on the side
+channel. ``poll`` reports each transfer exactly once: received when every needed producer rank
 said done; failed -- with every destination block listed for recompute -- when one refused, failed, could
 not be reached, or stayed silent past ``abort_timeout_s`` (by then the producer has freed its blocks, so
 nothing more can come), or when the engine aborted it. Duplicate or late notices are acknowledged and
@@ -19,13 +20,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import zmq
 from attrs import frozen
 
 from kvcore.config import PDConfig
 from kvcore.errors import BackendError, IncompatibleLayoutError, InvalidSpecError, KVCoreError, UsageError
+from kvcore.ports import PeerTransport
 from kvcore.transfer_plan import TransferPlan
-from kvcore_mooncake.pd.handshake import check_pair, rank_info
+from kvcore_mooncake.pd.endpoint import Endpoint
+from kvcore_mooncake.pd.handshake import check_pair
 from kvcore_mooncake.pd.messages import (
     Ack,
     Hello,
@@ -38,9 +40,8 @@ from kvcore_mooncake.pd.messages import (
     Request,
     Welcome,
 )
-from kvcore_mooncake.pd.side_channel import SideChannelClient, SideChannelServer, listen_port
+from kvcore_mooncake.pd.side_channel import SideChannelClient
 from kvcore_mooncake.pd.spec import RankSpec
-from kvcore_mooncake.pd.transport import MooncakePeerTransport
 
 __all__ = ["PDConsumer", "ReceivedTransfer"]
 
@@ -98,13 +99,13 @@ class PDConsumer:
     def __init__(
         self,
         spec: RankSpec,
-        transport: MooncakePeerTransport,
+        transport: PeerTransport,
         config: PDConfig,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.spec = spec
-        self._transport = transport
+        self._endpoint = Endpoint("consumer", spec, transport, config)
         self._config = config
         self._clock = clock
         self._lock = threading.Lock()
@@ -113,60 +114,43 @@ class PDConsumer:
         self._results: list[ReceivedTransfer] = []
         self._work_queue: queue.SimpleQueue[_Ask | _Release | None] = queue.SimpleQueue()
         self._stop = threading.Event()
-        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
-        self._server: SideChannelServer | None = None
         self._thread: threading.Thread | None = None
-        self._info: RankInfo | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def start(self) -> str:
         """Register this rank's KV with the transport (peers write into it), open the side channel.
 
-        Returns the side-channel address. Raises ``BackendError`` (nothing left open) when either fails.
+        Returns the side-channel address. Raises ``BackendError`` (nothing left open) when either fails,
+        ``UsageError`` when started before.
         """
-        if self._context is not None:
-            raise UsageError("the consumer is already started")
-        self._transport.register(self.spec.regions)
-        self._context = zmq.Context()
-        try:
-            port = listen_port(self._config, self.spec.tp_rank)
-            self._server = SideChannelServer(self._context, self._config.host, port, self._handle)
-        except BackendError:
-            self._transport.unregister(self.spec.regions)
-            self._context.term()
-            raise
-        self._info = rank_info(self.spec, self._transport.address, self._server.address)
+        address = self._endpoint.start(self._handle)
         self._thread = threading.Thread(
-            target=self._work, args=(self._client(),), name="kvcore-pd-consumer", daemon=True
+            target=self._work, args=(self._endpoint.client(),), name="kvcore-pd-consumer", daemon=True
         )
         self._thread.start()
-        return self._server.address
+        return address
 
     @property
     def address(self) -> str:
-        if self._server is None:
-            raise UsageError("the consumer is not started")
-        return self._server.address
+        """This rank's side-channel address (``tcp://host:port``), announced in its handshakes."""
+        return self._endpoint.address
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop the side channel and the worker, report open transfers failed, unregister the KV memory.
 
         Idempotent. A producer still writing into this rank then fails its write.
         """
-        if self._stop.is_set() or self._context is None:
+        if not self._endpoint.running:
             return
         self._stop.set()
         self._work_queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
-        if self._server is not None:
-            self._server.close()
         with self._lock:
             for transfer_id in list(self._receiving):
                 self._finish(transfer_id, "the consumer closed")
-        self._transport.unregister(self.spec.regions)
-        self._context.term()
+        self._endpoint.close()
 
     # -- the engine's calls ------------------------------------------------------------------------------
 
@@ -176,7 +160,7 @@ class PDConsumer:
         Raises ``IncompatibleLayoutError`` naming every difference when the two engines cannot exchange
         KV, ``BackendUnavailable`` when a rank does not answer within the retries.
         """
-        client = self._client()
+        client = self._endpoint.client()
         try:
             self._producers_of(client, tuple(producer_addresses))
         finally:
@@ -207,8 +191,8 @@ class PDConsumer:
             )
         if not producer_addresses:
             raise InvalidSpecError(f"receive {transfer_id}: no producer addresses")
-        if self._context is None:
-            raise UsageError("the consumer is not started")
+        if not self._endpoint.running:
+            raise UsageError("the consumer is not running")
         addresses = tuple(producer_addresses)
         with self._lock:
             if transfer_id in self._receiving:
@@ -262,13 +246,6 @@ class PDConsumer:
             self._results.append(ReceivedTransfer(transfer_id, False, state.dst_blocks, error))
 
     # -- worker ------------------------------------------------------------------------------------------
-
-    def _client(self) -> SideChannelClient:
-        if self._context is None:
-            raise UsageError("the consumer is not started")
-        return SideChannelClient(
-            self._context, self._config.handshake_timeout_s, self._config.handshake_retries
-        )
 
     def _work(self, client: SideChannelClient) -> None:
         try:
@@ -344,9 +321,10 @@ class PDConsumer:
             known = self._producers.get(address)
         if known is not None:
             return known
-        if self._info is None:
+        mine = self._endpoint.info
+        if mine is None:
             raise UsageError("the consumer is not started")
-        reply = client.request(address, Hello(self._info))
+        reply = client.request(address, Hello(mine))
         if isinstance(reply, Refused):
             raise IncompatibleLayoutError(f"producer {address} refused the handshake: {reply.reason}")
         if not isinstance(reply, Welcome):

@@ -11,6 +11,10 @@ one is waited on. Results go to a ``JobBoard``.
 Native failures are return codes: a batch id of 0 (the peer could not be reached: its segment did not
 open) or a status of -1 (the write failed, the peer rejected it, or Mooncake's own transfer timeout,
 ``MC_TRANSFER_TIMEOUT``, 30 s by default, ran out) fail every copy of the job.
+
+A transport wraps a native engine (``start_engine``) and leaves nothing on it after ``close``, which
+withdraws its registrations: the engine can then carry a new transport (tests reuse engines, which take
+a second each to start).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from kvcore.ids import JobId
 from kvcore.jobs import JobBoard, JobResult
 from kvcore.ports import ByteCopy, MemoryRegion
 
-__all__ = ["MooncakePeerTransport", "TransferEngineLike", "coalesce"]
+__all__ = ["MooncakePeerTransport", "TransferEngineLike", "coalesce", "start_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,30 @@ def coalesce(srcs: IntArray, dsts: IntArray, lengths: IntArray) -> tuple[IntArra
     return srcs[starts], dsts[starts], merged
 
 
+def start_engine(config: PDConfig) -> TransferEngineLike:
+    """Start a transfer engine on ``config.host`` (peer-to-peer handshakes, no metadata server).
+
+    Raises ``BackendUnavailable`` when the engine does not start (or Mooncake is not installed).
+    """
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise BackendUnavailable(f"mooncake.engine cannot be imported: {exc}") from exc
+    engine = TransferEngine()
+    code = engine.initialize(config.host, "P2PHANDSHAKE", config.protocol, config.devices)
+    if code != 0:
+        raise BackendUnavailable(
+            f"TransferEngine.initialize({config.host!r}, P2PHANDSHAKE, {config.protocol!r}, "
+            f"{config.devices!r}) returned {code}"
+        )
+    return engine
+
+
+def _column(values: Collection[int]) -> IntArray:
+    """An int64 array of ``values``: the array itself when it is one already."""
+    return np.asarray(values, dtype=np.int64)
+
+
 def _merge(regions: Sequence[MemoryRegion]) -> list[tuple[int, int]]:
     """Regions as sorted ``(start, stop)`` spans, touching ones joined; ``InvalidSpecError`` on overlap."""
     merged: list[tuple[int, int]] = []
@@ -110,7 +138,7 @@ class MooncakePeerTransport:
     """Writes local registered memory into a peer's registered memory through one ``TransferEngine``.
 
     Peers are named by the address their engine listens on (``address``: ``"host:rpc_port"``). Build it
-    with ``open`` (a real engine) or hand in any ``TransferEngineLike``.
+    with ``open`` (a new engine) or over any started ``TransferEngineLike``.
     """
 
     def __init__(self, engine: TransferEngineLike, hostname: str, *, max_entries: int = 1024) -> None:
@@ -132,22 +160,8 @@ class MooncakePeerTransport:
 
     @classmethod
     def open(cls, config: PDConfig) -> MooncakePeerTransport:
-        """Start a transfer engine on ``config.host`` (peer-to-peer handshakes, no metadata server).
-
-        Raises ``BackendUnavailable`` when the engine does not start (or Mooncake is not installed).
-        """
-        try:
-            from mooncake.engine import TransferEngine
-        except ImportError as exc:
-            raise BackendUnavailable(f"mooncake.engine cannot be imported: {exc}") from exc
-        engine = TransferEngine()
-        code = engine.initialize(config.host, "P2PHANDSHAKE", config.protocol, config.devices)
-        if code != 0:
-            raise BackendUnavailable(
-                f"TransferEngine.initialize({config.host!r}, P2PHANDSHAKE, {config.protocol!r}, "
-                f"{config.devices!r}) returned {code}"
-            )
-        return cls(engine, config.host)
+        """A transport on a new engine (``start_engine``). Raises ``BackendUnavailable`` as it does."""
+        return cls(start_engine(config), config.host)
 
     # -- PeerTransport --------------------------------------------------------------------------------
 
@@ -155,10 +169,12 @@ class MooncakePeerTransport:
         """Make ``regions`` readable and writable by peers. Regions that touch are registered as one.
 
         Raises ``InvalidSpecError`` for an empty or overlapping region and ``BackendError`` when the
-        engine refuses; either way nothing new is registered.
+        engine refuses; either way nothing new is registered. ``UsageError`` after ``close``.
         """
         merged = _merge(regions)
         with self._lock:
+            if self._closed:
+                raise UsageError(f"register: transport {self.address} is closed")
             for start, stop in merged:
                 if self._overlaps(start, stop):
                     raise InvalidSpecError(f"register: [{start:#x}, {stop:#x}) is already registered")
@@ -170,53 +186,58 @@ class MooncakePeerTransport:
     def unregister(self, regions: Sequence[MemoryRegion]) -> None:
         """Withdraw the registrations that ``regions`` cover (as passed to ``register``); others stay.
 
-        The caller makes sure no job in flight reads them and no peer still writes them.
+        The caller makes sure no job in flight reads them. Regions never registered are ignored, as are
+        regions that could not be (empty or overlapping).
         """
-        spans = _merge(regions)
+        try:
+            spans = _merge(regions)
+        except InvalidSpecError:
+            return
         with self._lock:
-            gone = [
-                r
-                for r in self._regions
-                if any(start <= r.address and r.address + r.length <= stop for start, stop in spans)
-            ]
-            if gone:
-                self._engine.batch_unregister_memory([r.address for r in gone])
-                self._set_regions([r for r in self._regions if r not in gone])
+            self._withdraw(
+                [
+                    r
+                    for r in self._regions
+                    if any(start <= r.address and r.address + r.length <= stop for start, stop in spans)
+                ]
+            )
 
     def submit_write(self, peer: str, copies: Sequence[ByteCopy]) -> JobId:
         """Queue a write of local bytes into ``peer``'s registered memory; returns at once.
 
         Raises ``InvalidSpecError`` (nothing sent) for a peer name that is not ``host:port`` or a source
-        outside the memory registered here. A write that fails later fails every copy of the job: the
-        peer's destination bytes are undefined and must be recomputed.
+        outside the memory registered here, ``UsageError`` after ``close``. A write that fails later fails
+        every copy of the job: the peer's destination bytes are undefined and must be recomputed.
         """
-        n = len(copies)
         return self.submit_write_columns(
-            peer,
-            np.fromiter((c.src for c in copies), np.int64, n),
-            np.fromiter((c.dst for c in copies), np.int64, n),
-            np.fromiter((c.length for c in copies), np.int64, n),
+            peer, [c.src for c in copies], [c.dst for c in copies], [c.length for c in copies]
         )
 
-    def submit_write_columns(self, peer: str, srcs: IntArray, dsts: IntArray, lengths: IntArray) -> JobId:
-        """``submit_write`` with the copies as three parallel arrays (no object per range)."""
+    def submit_write_columns(
+        self, peer: str, srcs: Collection[int], dsts: Collection[int], lengths: Collection[int]
+    ) -> JobId:
+        """``submit_write`` with the copies as three columns; int64 arrays are taken without copying."""
         if not _PEER.match(peer):
             raise InvalidSpecError(f"peer: got {peer!r}, expected 'host:port' of a transfer engine")
         if not len(srcs) == len(dsts) == len(lengths):
-            raise InvalidSpecError("srcs, dsts and lengths must have the same length")
-        if len(lengths) and int(lengths.min()) < 1:
+            raise InvalidSpecError(
+                f"srcs, dsts and lengths: got {len(srcs)}, {len(dsts)} and {len(lengths)} entries, "
+                "expected columns of one length"
+            )
+        src, dst, length = _column(srcs), _column(dsts), _column(lengths)
+        if len(length) and int(length.min()) < 1:
             raise InvalidSpecError("every copy needs a length of at least 1 byte")
         with self._lock:
             if self._closed:
-                raise UsageError("the transport is closed")
-            self._check_sources(srcs, lengths)
+                raise UsageError(f"submit_write: transport {self.address} is closed")
+            self._check_sources(src, length)
             job_id = self._board.new()
-        count = len(srcs)
+        count = len(src)
         if not count:
             self._board.finish(JobResult(job_id))
             return job_id
-        srcs, dsts, lengths = coalesce(srcs, dsts, lengths)
-        self._queue.put(_Job(job_id, peer, srcs.tolist(), dsts.tolist(), lengths.tolist(), count))
+        src, dst, length = coalesce(src, dst, length)
+        self._queue.put(_Job(job_id, peer, src.tolist(), dst.tolist(), length.tolist(), count))
         return job_id
 
     def poll(self) -> tuple[JobResult, ...]:
@@ -226,9 +247,10 @@ class MooncakePeerTransport:
         return self._board.wait(job_ids, timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop taking jobs; queued ones still run and report. Joins the worker for at most ``timeout``.
+        """Stop taking jobs; queued ones still run and report. Joins the worker for at most ``timeout``,
+        then withdraws every registration. Idempotent.
 
-        Idempotent. The engine itself is released when the last reference to it goes.
+        The engine itself stays up (it may carry a new transport) until the last reference to it goes.
         """
         with self._lock:
             if self._closed:
@@ -236,8 +258,18 @@ class MooncakePeerTransport:
             self._closed = True
         self._queue.put(None)
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("transport %s closing with writes still in flight after %.1fs", self.address, timeout)
+        with self._lock:
+            self._withdraw(self._regions)
 
     # -- internals -------------------------------------------------------------------------------------
+
+    def _withdraw(self, gone: list[MemoryRegion]) -> None:
+        """Unregister ``gone`` (registered here) from the engine (under the lock)."""
+        if gone:
+            self._engine.batch_unregister_memory([r.address for r in gone])
+            self._set_regions([r for r in self._regions if r not in gone])
 
     def _set_regions(self, regions: list[MemoryRegion]) -> None:
         self._regions = sorted(regions, key=lambda r: r.address)

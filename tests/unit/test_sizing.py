@@ -1,4 +1,4 @@
-"""The composition root's start-up check: a local pool too small to stage one step's saves to a remote
+"""The start-up check of every composition: a local pool too small to stage one step's saves to a remote
 tier is named, with the field and the size that would do."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 from kvcore.config import KVCoreConfig, load_config
 from kvcore.engine import EngineSpec
 from kvcore.layout import KVLayout, LayoutKind
-from kvcore_vllm.compose import staging_shortfall
+from kvcore.sizing import staging_shortfall
 
 BLOCK = 16
 CHUNK = 64

@@ -1,0 +1,64 @@
+"""The ``lmcache_mp`` backend's registration (``kvcore.backends``): an LMCache multiprocess server, with
+or without a host pool in front. Importing it loads no socket library; the server is reached on first
+use."""
+
+from __future__ import annotations
+
+from kvcore.config import KVCoreConfig
+from kvcore.engine import EngineSpec
+from kvcore.errors import UsageError
+from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
+from kvcore.remote import ManagedRemote
+from kvcore.sizing import pool_slots, slot_bytes
+from kvcore_lmcache.config import LMCacheMPConfig
+
+__all__ = ["BACKEND", "LMCacheBackend"]
+
+
+class LMCacheBackend:
+    """The scheduler looks chunks up on the server without holding locks; each rank stores and retrieves
+    them through the server's shared-memory slots: from its host pool, or straight from the engine's
+    blocks when it has none."""
+
+    kind = "lmcache_mp"
+    config_class = LMCacheMPConfig
+
+    def open_index(self, config: KVCoreConfig, engine: EngineSpec) -> ChunkIndex | None:
+        from kvcore_lmcache.index import LMCacheChunkIndex
+
+        return LMCacheChunkIndex(
+            _settings(config),
+            value_bytes=slot_bytes(config, engine),
+            chunk_tokens=config.chunk_tokens,
+            model_name=engine.model_id,
+            block_bytes=_block_bytes(config, engine),
+        )
+
+    def open_remote(self, config: KVCoreConfig, engine: EngineSpec, memory: RankMemory) -> RemoteTier | None:
+        from kvcore_lmcache.tier import LMCacheManagedTier
+
+        tier = LMCacheManagedTier(
+            _settings(config),
+            memory.host,
+            value_bytes=slot_bytes(config, engine),
+            chunk_tokens=config.chunk_tokens,
+            model_name=engine.model_id,
+            block_movers=memory.movers if memory.host is None else None,
+            block_bytes=_block_bytes(config, engine),
+        )
+        return ManagedRemote(tier)
+
+
+def _block_bytes(config: KVCoreConfig, engine: EngineSpec) -> int:
+    """The alignment of values in the server's slots: one host block when blocks move straight between
+    the engine and the slots (no host pool), else none."""
+    return engine.host_block_bytes if pool_slots(config, engine, engine.tp_size) == 0 else 1
+
+
+def _settings(config: KVCoreConfig) -> LMCacheMPConfig:
+    if not isinstance(config.backend, LMCacheMPConfig):
+        raise UsageError(f"config.backend: got {config.backend!r}, expected an LMCacheMPConfig")
+    return config.backend
+
+
+BACKEND = LMCacheBackend()

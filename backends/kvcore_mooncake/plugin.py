@@ -1,0 +1,43 @@
+"""The ``mooncake_store`` backend's registration (``kvcore.backends``): a Mooncake store behind the host
+pool. Importing it loads no native library; the client is opened on first use."""
+
+from __future__ import annotations
+
+from kvcore.config import KVCoreConfig
+from kvcore.engine import EngineSpec
+from kvcore.errors import ConfigError, UsageError
+from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
+from kvcore.remote import StoreRemote
+from kvcore_mooncake.config import MooncakeStoreConfig
+
+__all__ = ["BACKEND", "MooncakeBackend"]
+
+
+class MooncakeBackend:
+    """The scheduler asks a pure client of the master which chunks exist; each rank moves chunks
+    between its host pool (registered with the transfer engine) and the store."""
+
+    kind = "mooncake_store"
+    config_class = MooncakeStoreConfig
+
+    def open_index(self, config: KVCoreConfig, engine: EngineSpec) -> ChunkIndex | None:
+        from kvcore_mooncake.index import MooncakeChunkIndex
+
+        return MooncakeChunkIndex.open(_settings(config), config.lookup_timeout_s)
+
+    def open_remote(self, config: KVCoreConfig, engine: EngineSpec, memory: RankMemory) -> RemoteTier | None:
+        settings = _settings(config)
+        if memory.host is None or memory.host_address is None:
+            raise ConfigError(f"backend.{settings.HOST_FIELD}", 0, "a host pool to stage transfers")
+        from kvcore_mooncake.store import MooncakeChunkStore
+
+        return StoreRemote(MooncakeChunkStore.open(settings, memory.host_address, memory.host.nbytes))
+
+
+def _settings(config: KVCoreConfig) -> MooncakeStoreConfig:
+    if not isinstance(config.backend, MooncakeStoreConfig):
+        raise UsageError(f"config.backend: got {config.backend!r}, expected a MooncakeStoreConfig")
+    return config.backend
+
+
+BACKEND = MooncakeBackend()

@@ -1,0 +1,44 @@
+"""The scheduler side: a ``ChunkIndex`` that answers from the files, at once."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvcore.ids import ChunkKey, LookupId
+from kvcore_dirstore.files import chunk_path
+
+__all__ = ["DirChunkIndex"]
+
+
+class DirChunkIndex:
+    """Counts the leading chunks whose every shard has a file under ``root`` (``SupportsImmediateLookup``
+    too: a stat per key is cheap enough to answer in the scheduler's step)."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._ids = itertools.count(1)
+        self._answers: dict[LookupId, int] = {}
+        root.mkdir(parents=True, exist_ok=True)
+
+    def lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> int:
+        hits = 0
+        for shards in chunks:
+            if not all(chunk_path(self._root, key).is_file() for key in shards):
+                break
+            hits += 1
+        return hits
+
+    def submit_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
+        lookup_id = LookupId(next(self._ids))
+        self._answers[lookup_id] = self.lookup(chunks)
+        return lookup_id
+
+    def poll_lookup(self, lookup_id: LookupId) -> int | None:
+        return self._answers.pop(lookup_id, 0)
+
+    def cancel_lookup(self, lookup_id: LookupId) -> None:
+        self._answers.pop(lookup_id, None)

@@ -1,0 +1,60 @@
+"""One composition for every engine: a config, an engine spec and each rank's KV tensors in, the
+scheduler side and the rank workers out, whatever the backend.
+
+The backend comes from the registry by ``config.backend.kind`` (``kvcore.registry``), the engine memory
+by the tensors' library. vLLM's connector, the CLI's demo and any other engine build kvcore through
+these two calls (docs/engine-api.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvcore.checks import is_int_in
+from kvcore.config import KVCoreConfig
+from kvcore.engine import EngineSpec
+from kvcore.errors import ConfigError
+from kvcore.ports import RankMemory, RemoteTier
+from kvcore.registry import backend, engine_memory
+from kvcore.remote import close_quietly
+from kvcore.scheduler import CacheScheduler
+from kvcore.sizing import pool_slots
+from kvcore.worker import BlockWorker
+
+__all__ = ["open_scheduler", "open_worker"]
+
+
+def open_scheduler(
+    config: KVCoreConfig, engine: EngineSpec, *, hash_identity: str | None = None
+) -> CacheScheduler:
+    """The scheduler side for ``engine``: the index of its host slots (``pool_slots`` per rank) and of the
+    backend's tier beyond them. ``hash_identity`` names the engine's own block hashing when lookups pass
+    its block hashes (see ``CacheScheduler``). Raises ``ConfigError`` as ``pool_slots`` does, and for a
+    backend that is not installed; the backend's index is then closed again."""
+    chosen = backend(config.backend.KIND)
+    slots = pool_slots(config, engine, engine.tp_size)
+    index = chosen.open_index(config, engine)
+    try:
+        return CacheScheduler(
+            config, engine, slots, world_size=engine.tp_size, hash_identity=hash_identity, remote=index
+        )
+    except BaseException:
+        close_quietly(index)
+        raise
+
+
+def open_worker(
+    config: KVCoreConfig, engine: EngineSpec, tensors: Sequence[object], *, rank: int = 0
+) -> BlockWorker:
+    """Rank ``rank``'s worker over its KV ``tensors`` (one per layer, the engine's layout): its host
+    slots, its mover and the backend's remote tier over them. Raises ``ConfigError`` for a rank outside
+    the engine's ``tp_size`` or a backend that is not installed, ``UsageError`` for tensors no installed
+    engine memory accepts or that do not match the engine; nothing then stays open."""
+    if not is_int_in(rank, 0, engine.tp_size - 1):
+        raise ConfigError("rank", rank, f"an int in [0, {engine.tp_size}) (the engine's tp_size)")
+    chosen = backend(config.backend.KIND)
+
+    def remote(memory: RankMemory) -> RemoteTier | None:
+        return chosen.open_remote(config, engine, memory)
+
+    return engine_memory(tensors).open_worker(config, engine, tensors, rank=rank, remote=remote)
