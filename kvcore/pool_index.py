@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Sequence
 
 from kvcore.block_pool import BlockPool
-from kvcore.errors import UsageError
+from kvcore.errors import BackendUnavailable, UsageError
 from kvcore.ids import ChunkKey, LookupId
 
 __all__ = ["PoolIndex"]
@@ -28,6 +28,7 @@ class PoolIndex:
         self._pool = pool
         self._lookups: dict[LookupId, tuple[tuple[ChunkKey, ...], ...]] = {}
         self._ids = itertools.count(1)
+        self._closed = False
 
     def lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> int:
         """How many leading chunks have every shard key ready in the pool. Changes nothing."""
@@ -42,16 +43,19 @@ class PoolIndex:
     def submit_lookup(
         self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
     ) -> LookupId:
-        """Record ``chunks``; ``poll_lookup`` answers from the pool as it is then. Never raises.
+        """Record ``chunks``; ``poll_lookup`` answers from the pool as it is then. Raises only after
+        ``close`` (``BackendUnavailable``).
 
         The pool keys each chunk alone, so ``preceding`` is ignored."""
+        self._check_open()
         lookup_id = LookupId(next(self._ids))
         self._lookups[lookup_id] = tuple(tuple(chunk) for chunk in chunks)
         return lookup_id
 
     def poll_lookup(self, lookup_id: LookupId) -> int:
         """The answer, once (never pending). Raises ``UsageError`` for an id that is unknown, cancelled or
-        already answered."""
+        already answered, ``BackendUnavailable`` after ``close``."""
+        self._check_open()
         chunks = self._lookups.pop(lookup_id, None)
         if chunks is None:
             raise UsageError(f"lookup {lookup_id} is unknown, cancelled or already answered")
@@ -60,3 +64,13 @@ class PoolIndex:
     def cancel_lookup(self, lookup_id: LookupId) -> None:
         """Forget a lookup. Unknown, answered or cancelled ids are ignored."""
         self._lookups.pop(lookup_id, None)
+
+    def close(self) -> None:
+        """Answer no more lookups (``ChunkIndex.close``); the pool is the scheduler's and stays.
+        Idempotent."""
+        self._closed = True
+        self._lookups.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendUnavailable("the pool index is closed: it answers no lookup")

@@ -9,7 +9,8 @@ memory and sessions) and ``PeerTransport`` (prefill -> decode pushes).
 
 Every asynchronous method hands out a ``JobId``; results come back once through ``poll`` or ``wait``.
 Each method says what state a failure leaves. Implementations map their native failures to
-``kvcore.errors`` at their edge; nothing else may escape them.
+``kvcore.errors`` at their edge; nothing else may escape them. Every port that holds threads, sockets or
+memory ends with ``close``: idempotent, it refuses new work and says what becomes of the work in flight.
 """
 
 from __future__ import annotations
@@ -191,6 +192,15 @@ class ChunkIndex(Protocol):
         """Forget a lookup; a late answer is dropped. Unknown ids are ignored."""
         ...
 
+    def close(self) -> None:
+        """Stop answering; idempotent.
+
+        Afterwards ``submit_lookup`` raises ``BackendUnavailable`` (the caller answers 0, as for a tier
+        that is down), and lookups still pending are dropped: ``poll_lookup`` raises ``BackendError`` for
+        them. ``cancel_lookup`` keeps working; an immediate ``lookup`` may still answer.
+        """
+        ...
+
 
 @runtime_checkable
 class SupportsImmediateLookup(Protocol):
@@ -216,6 +226,14 @@ class BlockMover(JobQueue, Protocol):
         """
         ...
 
+    def close(self) -> None:
+        """Stop copying; idempotent.
+
+        Afterwards every submit raises ``UsageError`` and queues nothing. Jobs submitted before still
+        finish or fail (a job not started yet may fail at once), and ``poll``/``wait`` report them.
+        """
+        ...
+
 
 @runtime_checkable
 class OrderedMover(BlockMover, Protocol):
@@ -232,7 +250,8 @@ class OrderedMover(BlockMover, Protocol):
         ...
 
     def submit_after(self, transfer: BlockTransfer, mark: object) -> JobId:
-        """``submit``, ordered after ``mark`` instead of the calling thread's queued work."""
+        """``submit``, ordered after ``mark`` instead of the calling thread's queued work; refused as
+        ``submit`` is (after ``close`` included)."""
         ...
 
 
@@ -261,6 +280,15 @@ class ChunkStore(JobQueue, Protocol):
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
         """Drop keys; missing keys are ignored. Failure: raises ``BackendError``; some keys may remain."""
+        ...
+
+    def close(self) -> None:
+        """Stop moving values; idempotent. The host buffer is the caller's again once it returns.
+
+        Afterwards ``submit_put`` and ``submit_get`` raise ``UsageError`` and queue nothing. Jobs
+        submitted before still finish or fail, and ``poll``/``wait`` report them. ``exists`` and
+        ``remove`` either still work or raise ``BackendError``.
+        """
         ...
 
 
@@ -305,15 +333,26 @@ class ManagedTier(JobQueue, Protocol):
         """Release every lock the session holds. Idempotent; never raises."""
         ...
 
+    def close(self) -> None:
+        """Leave the tier; idempotent.
+
+        Afterwards every submit (lookups, stores, retrieves) raises ``BackendUnavailable``, as for a
+        tier that is down, and queues nothing; lookups still pending are dropped: ``poll_lookup`` raises
+        ``BackendError`` for them. Jobs submitted before still finish or fail, and ``poll``/``wait``
+        report them. ``end_session`` keeps working (it never raises).
+        """
+        ...
+
 
 @runtime_checkable
-class SupportsBlockTransfer(Protocol):
+class SupportsBlockTransfer(ManagedTier, Protocol):
     """A ``ManagedTier`` whose own memory an engine's blocks can be copied into and out of directly,
     with no host buffer of the engine's between them (an LMCache server's shared-memory slots).
 
     The tier copies with a block mover over its memory; the calls name the chain as the host-bytes calls
-    of ``ManagedTier`` do, and fail items the same way. Both order their copies after the engine work
-    queued on the calling thread, so they are called on the engine's thread.
+    of ``ManagedTier`` do, and fail items the same way, and are refused after ``close`` as they are.
+    Both order their copies after the engine work queued on the calling thread, so they are called on
+    the engine's thread.
     """
 
     def submit_store_blocks(
@@ -420,6 +459,15 @@ class RemoteTier(JobQueue, Protocol):
 
     def end_session(self, session: str) -> None:
         """The request is over and none of its jobs is in flight: release what the tier holds for it."""
+        ...
+
+    def close(self) -> None:
+        """Close the tier beneath; idempotent, never raises (a failure is logged).
+
+        Afterwards every submit raises ``UsageError`` and queues nothing (the worker fails its chunks).
+        Jobs submitted before still finish or fail, and ``poll``/``wait`` report them; ``end_session``
+        keeps working.
+        """
         ...
 
 

@@ -9,10 +9,11 @@ its ``BlockMover`` copies, so a load is fetch-then-copy and a save copy-then-pub
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Collection, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
-from kvcore.errors import BackendError
+from kvcore.errors import BackendError, UsageError
 from kvcore.ids import ChunkKey, JobId, RequestId
 from kvcore.jobs import JobResult
 from kvcore.ports import BlockItem, ChunkStore, ManagedTier, StoreItem, SupportsBlockTransfer
@@ -22,71 +23,97 @@ __all__ = ["Closeable", "ManagedRemote", "StoreRemote", "close_quietly"]
 log = logging.getLogger(__name__)
 
 
-@runtime_checkable
 class Closeable(Protocol):
-    """A backend object holding threads, sockets or registered memory until closed."""
+    """A backend object holding threads, sockets or registered memory until closed (every port)."""
 
     def close(self) -> None: ...
 
 
-def close_quietly(resource: object) -> None:
-    """Close ``resource`` if it can be closed; a failure is logged, never raised (shutdown paths)."""
-    if isinstance(resource, Closeable):
+def close_quietly(resource: Closeable | None) -> None:
+    """Close ``resource`` unless it is ``None``; a failure is logged, never raised (shutdown paths)."""
+    if resource is not None:
         try:
             resource.close()
         except Exception as exc:  # shutdown must go on whatever one backend does
             log.warning("kvcore: closing %s failed: %s", type(resource).__name__, exc)
 
 
-class StoreRemote:
+class _Remote:
+    """What both remote tiers share: the tier beneath's job queue, and ``close``, after which the remote
+    tier refuses every submit with ``UsageError`` (whatever the tier beneath would raise)."""
+
+    def __init__(self, tier: ChunkStore | ManagedTier) -> None:
+        self._tier = tier
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def poll(self) -> tuple[JobResult, ...]:
+        return self._tier.poll()
+
+    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
+        return self._tier.wait(job_ids, timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        close_quietly(self._tier)
+
+    def _check_open(self, call: str) -> None:
+        with self._lock:
+            if self._closed:
+                raise UsageError(f"{call}: the remote tier ({type(self).__name__}) is closed")
+
+
+class StoreRemote(_Remote):
     """A ``ChunkStore`` as a remote tier (sessions mean nothing to it)."""
 
     def __init__(self, store: ChunkStore) -> None:
+        super().__init__(store)
         self.store = store
 
     def submit_fetch(self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()) -> JobId:
+        self._check_open("submit_fetch")
         return self.store.submit_get(items)
 
     def submit_publish(
         self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
+        self._check_open("submit_publish")
         return self.store.submit_put(items)
 
     def end_session(self, session: str) -> None:
         """A store keeps no sessions."""
 
-    def poll(self) -> tuple[JobResult, ...]:
-        return self.store.poll()
 
-    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
-        return self.store.wait(job_ids, timeout)
-
-    def close(self) -> None:
-        close_quietly(self.store)
-
-
-class ManagedRemote:
+class ManagedRemote(_Remote):
     """A ``ManagedTier`` as a remote tier: a request is a session."""
 
     def __init__(self, tier: ManagedTier) -> None:
+        super().__init__(tier)
         self.tier = tier
 
     def submit_fetch(self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()) -> JobId:
+        self._check_open("submit_fetch")
         return self.tier.submit_retrieve(RequestId(session), items, chain)
 
     def submit_publish(
         self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
+        self._check_open("submit_publish")
         return self.tier.submit_store(RequestId(session), items, chain)
 
     def submit_fetch_blocks(
         self, session: str, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
+        self._check_open("submit_fetch_blocks")
         return self._blocks().submit_retrieve_blocks(RequestId(session), items, chain)
 
     def submit_publish_blocks(
         self, session: str, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
+        self._check_open("submit_publish_blocks")
         return self._blocks().submit_store_blocks(RequestId(session), items, chain)
 
     def abandon(self, job_id: JobId) -> None:
@@ -100,12 +127,3 @@ class ManagedRemote:
 
     def end_session(self, session: str) -> None:
         self.tier.end_session(RequestId(session))
-
-    def poll(self) -> tuple[JobResult, ...]:
-        return self.tier.poll()
-
-    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
-        return self.tier.wait(job_ids, timeout)
-
-    def close(self) -> None:
-        close_quietly(self.tier)

@@ -14,7 +14,7 @@ import itertools
 import threading
 from collections.abc import Sequence
 
-from kvcore.errors import UsageError
+from kvcore.errors import BackendUnavailable, UsageError
 from kvcore.ids import ChunkKey, LookupId, RequestId
 from kvcore_lmcache.config import LMCacheMPConfig
 from kvcore_lmcache.link import ServerLink, SlotLayout
@@ -50,11 +50,14 @@ class LMCacheChunkIndex:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._asked: dict[LookupId, int] = {}  # chunks asked (after the preceding ones)
+        self._closed = False
 
     def submit_lookup(
         self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
     ) -> LookupId:
-        """One server lookup per shard: the shard's keys of ``preceding`` and ``chunks`` as one chain."""
+        """One server lookup per shard: the shard's keys of ``preceding`` and ``chunks`` as one chain.
+        Raises ``BackendUnavailable`` while the server is down, and after ``close``."""
+        self._check_open()
         shards = {len(chunk) for chunk in (*preceding, *chunks)}
         if len(shards) > 1 or 0 in shards:
             raise UsageError(f"every chunk needs the same, non-zero number of shard keys, got {shards}")
@@ -68,6 +71,7 @@ class LMCacheChunkIndex:
         return lookup_id
 
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
+        self._check_open()
         with self._lock:
             asked = self._asked.get(lookup_id)
         if asked is None:
@@ -93,4 +97,14 @@ class LMCacheChunkIndex:
         self._lookups.cancel(lookup_id)
 
     def close(self) -> None:
+        """Drop the pending lookups and the connection; later lookups raise ``BackendUnavailable``.
+        Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._asked.clear()
         self.link.close()
+
+    def _check_open(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise BackendUnavailable("the LMCache index is closed")

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Collection, Sequence
 from functools import partial
 
-from kvcore.errors import BackendError, InvalidSpecError
+from kvcore.errors import BackendError, BackendUnavailable, InvalidSpecError
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.jobs import JobBoard, JobResult
 from kvcore.lane import JobLane, Priority
@@ -95,9 +95,11 @@ class LMCacheManagedTier:
     def submit_lookup(
         self, session: RequestId, chunks: Sequence[ChunkKey], preceding: Sequence[ChunkKey] = ()
     ) -> LookupId:
+        self._check_open()
         return self._lookups.submit(session, [(*preceding, *chunks)], len(preceding))
 
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
+        self._check_open()
         answer = self._lookups.poll(lookup_id)
         if answer is None:
             return None
@@ -155,7 +157,8 @@ class LMCacheManagedTier:
         """Fail the queued jobs at once (a job running now finishes, each wait bounded by the request
         timeout; the job thread is joined for at most two request timeouts and a second), stop the block
         mover (a job still running then starts no more copies), then drop the connection.
-        Idempotent; a later submit raises ``BackendError`` (the worker fails its chunks at once)."""
+        Idempotent; a later submit raises ``BackendUnavailable`` (the worker fails its chunks at once),
+        and so does ``poll_lookup``: pending lookups are dropped."""
         with self._lock:
             self._closing = True
         self._lane.close(2 * self.link.config.request_timeout_s + 1.0, why="the LMCache tier closed")
@@ -163,6 +166,10 @@ class LMCacheManagedTier:
             close_quietly(self._mapped[1])
             self._mapped = None
         self.link.close()
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise BackendUnavailable("the LMCache tier is closed")
 
     def _host_values(self, items: Sequence[StoreItem]) -> HostValues:
         if self._host is None:
@@ -226,8 +233,7 @@ class LMCacheManagedTier:
         store: bool = False,
     ) -> JobId:
         with self._lock:  # close sets ``_closing`` under it first: the lane is still open
-            if self._closing:
-                raise BackendError("the LMCache tier is closed")
+            self._check_open()
             job_id = self._board.new()
             if store:
                 self._stores[job_id] = values

@@ -3,8 +3,8 @@
 Importing this package needs neither pytest nor hypothesis: it holds the reference backends
 (``kvcore.testing.memory``) and the capability protocols that harnesses declare
 (``kvcore.testing.capabilities``). The suites are in one module per port and import pytest:
-``kvcore.testing.index``, ``.mover``, ``.store``, ``.managed``, ``.peer``. A backend's test module
-subclasses a suite and provides a harness; see ``docs/writing-a-backend.md``.
+``kvcore.testing.index``, ``.mover``, ``.ordered``, ``.store``, ``.managed``, ``.blocks``, ``.peer``. A
+backend's test module subclasses a suite and provides a harness; see ``docs/writing-a-backend.md``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from kvcore.testing.memory import (
     POISON,
     InMemoryAddressSpace,
     InMemoryBlockMover,
+    InMemoryBlockTransferTier,
     InMemoryChunkIndex,
     InMemoryChunkStore,
     InMemoryManagedTier,
@@ -29,6 +30,7 @@ __all__ = [
     "POISON",
     "InMemoryAddressSpace",
     "InMemoryBlockMover",
+    "InMemoryBlockTransferTier",
     "InMemoryChunkIndex",
     "InMemoryChunkStore",
     "InMemoryManagedTier",

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from kvcore.errors import BackendError
+from kvcore.errors import BackendError, BackendUnavailable
 from kvcore.ids import ChunkKey, LookupId
 from kvcore.ports import ChunkIndex, SupportsClear, SupportsImmediateLookup
 from kvcore.testing.support import (
@@ -124,6 +124,18 @@ class ChunkIndexTests(HarnessFixture[IndexHarness[IndexT]], Generic[IndexT]):
         harness.backend.cancel_lookup(lookup_id)
         harness.backend.cancel_lookup(LookupId(2**62))
         assert answer(harness.backend, [keys]) == 1
+
+    def test_close_refuses_lookups_and_drops_pending_ones(self, harness: IndexHarness[IndexT]) -> None:
+        keys = fresh_keys(1)
+        harness.make_present(keys)
+        pending = harness.backend.submit_lookup([keys])
+        harness.backend.close()
+        harness.backend.close()
+        with pytest.raises(BackendError):
+            harness.backend.poll_lookup(pending)
+        harness.backend.cancel_lookup(pending)
+        with pytest.raises(BackendUnavailable, match="closed"):
+            harness.backend.submit_lookup([keys])
 
     def test_cancel_drops_a_pending_lookup(self, harness: IndexHarness[IndexT]) -> None:
         stall = require_stall(harness)

@@ -15,13 +15,14 @@ from typing import Generic, Protocol, TypeVar
 
 import pytest
 
-from kvcore.errors import InvalidSpecError
+from kvcore.errors import BackendError, BackendUnavailable, InvalidSpecError
 from kvcore.ids import ChunkKey, RequestId
 from kvcore.jobs import JobResult
 from kvcore.ports import JobQueue, ManagedTier, StoreItem
 from kvcore.testing.store import StoreHarness, held_bytes, read_items, scribble, stage, values_for
 from kvcore.testing.support import (
     HarnessFixture,
+    check_close,
     check_result_handed_out_once,
     check_wait_timeout_then_poll,
     fresh_keys,
@@ -34,7 +35,7 @@ from kvcore.testing.support import (
     wait_one,
 )
 
-__all__ = ["ManagedHarness", "ManagedTierTests"]
+__all__ = ["ManagedHarness", "ManagedTierTests", "new_session", "peek_chain"]
 
 TierT = TypeVar("TierT", bound=ManagedTier)
 QueueT_co = TypeVar("QueueT_co", bound=JobQueue, covariant=True)
@@ -57,7 +58,8 @@ def peek_chain(harness: ManagedHarness[JobQueue], keys: Sequence[ChunkKey]) -> l
     return [harness.peek(key, keys[:i]) for i, key in enumerate(keys)]
 
 
-def _session(tag: str) -> RequestId:
+def new_session(tag: str) -> RequestId:
+    """A session no other test (or earlier run against a shared tier) has used."""
     return RequestId(f"conformance-{tag}-{uuid.uuid4().hex[:12]}")
 
 
@@ -66,7 +68,7 @@ class ManagedTierTests(HarnessFixture[ManagedHarness[TierT]], Generic[TierT]):
 
     @staticmethod
     def _store(harness: ManagedHarness[TierT], values: Mapping[ChunkKey, bytes], base: int = 0) -> JobResult:
-        job = harness.backend.submit_store(_session("store"), stage(harness, values, base))
+        job = harness.backend.submit_store(new_session("store"), stage(harness, values, base))
         return wait_one(harness.backend, job)
 
     @staticmethod
@@ -93,7 +95,7 @@ class ManagedTierTests(HarnessFixture[ManagedHarness[TierT]], Generic[TierT]):
         values = values_for(fresh_keys(3), 1, 100, 1000)
         assert self._store(harness, values).ok
         assert peek_chain(harness, list(values)) == list(values.values())
-        session = _session("round-trip")
+        session = new_session("round-trip")
         assert self._lookup(harness, session, list(values)) == 3
         items = stage(harness, values)
         assert self._retrieve(harness, session, items).ok
@@ -105,7 +107,7 @@ class ManagedTierTests(HarnessFixture[ManagedHarness[TierT]], Generic[TierT]):
         keys = fresh_keys(4)
         for i in (0, 1, 3):
             harness.poke(keys[i], b"v", keys[:i])
-        session = _session("leading")
+        session = new_session("leading")
         assert self._lookup(harness, session, keys) == 2
         harness.backend.end_session(session)
 
@@ -114,7 +116,7 @@ class ManagedTierTests(HarnessFixture[ManagedHarness[TierT]], Generic[TierT]):
         a, missing = fresh_keys(2)
         values = values_for([a, missing], 64)
         harness.poke(a, values[a])
-        session = _session("missing")
+        session = new_session("missing")
         items = stage(harness, values)
         assert self._retrieve(harness, session, items).failed == (1,)
         assert read_items(harness, items[:1]) == [values[a]]
@@ -134,7 +136,7 @@ class ManagedTierTests(HarnessFixture[ManagedHarness[TierT]], Generic[TierT]):
         values = values_for(fresh_keys(2), 64)
         for i, (key, value) in enumerate(values.items()):
             harness.poke(key, value, list(values)[:i])
-        session = _session("failed-retrieve")
+        session = new_session("failed-retrieve")
         assert self._lookup(harness, session, list(values)) == 2
         items = stage(harness, values)
         failures.fail_next(1)
@@ -145,18 +147,18 @@ class ManagedTierTests(HarnessFixture[ManagedHarness[TierT]], Generic[TierT]):
     def test_end_session_is_idempotent(self, harness: ManagedHarness[TierT]) -> None:
         (key,) = fresh_keys(1)
         harness.poke(key, b"v")
-        session = _session("end")
+        session = new_session("end")
         assert self._lookup(harness, session, [key]) == 1
         harness.backend.end_session(session)
         harness.backend.end_session(session)
-        harness.backend.end_session(_session("never-started"))
+        harness.backend.end_session(new_session("never-started"))
         assert harness.peek(key) == b"v"
 
     def test_pending_lookup_answers_none(self, harness: ManagedHarness[TierT]) -> None:
         stall = require_stall(harness)
         (key,) = fresh_keys(1)
         harness.poke(key, b"v")
-        session = _session("pending")
+        session = new_session("pending")
         with stall.stall():
             lookup_id = harness.backend.submit_lookup(session, [key])
             assert harness.backend.poll_lookup(lookup_id) is None
@@ -172,7 +174,7 @@ class ManagedTierTests(HarnessFixture[ManagedHarness[TierT]], Generic[TierT]):
             harness.poke(good, payload(64, "stored"))
         submit = harness.backend.submit_store if op == "store" else harness.backend.submit_retrieve
         with pytest.raises(InvalidSpecError):
-            submit(_session("range"), items)
+            submit(new_session("range"), items)
         assert harness.read_host(0, 64) == value
         assert harness.peek(good) == (None if op == "store" else payload(64, "stored"))
 
@@ -192,7 +194,7 @@ class ManagedTierTests(HarnessFixture[ManagedHarness[TierT]], Generic[TierT]):
         keys = list(values)
         for key in keys[:4]:
             self._store(harness, {key: values[key]})
-        session = _session("locked")
+        session = new_session("locked")
         assert self._lookup(harness, session, keys[:1]) == 1
         for key in keys[4:]:
             self._store(harness, {key: values[key]})
@@ -205,14 +207,36 @@ class ManagedTierTests(HarnessFixture[ManagedHarness[TierT]], Generic[TierT]):
         check_wait_timeout_then_poll(
             harness.backend,
             stall,
-            lambda: harness.backend.submit_store(_session("timeout"), stage(harness, values)),
+            lambda: harness.backend.submit_store(new_session("timeout"), stage(harness, values)),
         )
         assert peek_chain(harness, list(values)) == list(values.values())
+
+    def test_close_refuses_new_work_and_reports_earlier_jobs(self, harness: ManagedHarness[TierT]) -> None:
+        key, stored = fresh_keys(2)
+        harness.poke(key, b"v")
+        value = payload(64, stored)
+        items = stage(harness, {stored: value})
+        session = new_session("close")
+        pending = harness.backend.submit_lookup(session, [key])
+        result = check_close(
+            harness.backend,
+            harness.backend.close,
+            lambda: harness.backend.submit_store(session, items),
+            BackendUnavailable,
+        )
+        assert harness.peek(stored) == (value if result.ok else None)
+        with pytest.raises(BackendError):
+            harness.backend.poll_lookup(pending)
+        with pytest.raises(BackendUnavailable, match="closed"):
+            harness.backend.submit_lookup(session, [key])
+        with pytest.raises(BackendUnavailable, match="closed"):
+            harness.backend.submit_retrieve(session, items)
+        harness.backend.end_session(session)
 
     def test_a_result_is_handed_out_once(self, harness: ManagedHarness[TierT]) -> None:
         values = values_for(fresh_keys(1), 64)
         check_result_handed_out_once(
-            harness.backend, lambda: harness.backend.submit_store(_session("once"), stage(harness, values))
+            harness.backend, lambda: harness.backend.submit_store(new_session("once"), stage(harness, values))
         )
 
     def test_concurrent_sessions_stay_correct(self, harness: ManagedHarness[TierT]) -> None:
@@ -222,7 +246,7 @@ class ManagedTierTests(HarnessFixture[ManagedHarness[TierT]], Generic[TierT]):
         def session_round_trip(thread: int) -> None:
             values = values_for(fresh_keys(5, f"t{thread}-"), 64, 200)
             items = stage(harness, values, thread * region)
-            session = _session(f"thread-{thread}")
+            session = new_session(f"thread-{thread}")
             assert wait_one(harness.backend, harness.backend.submit_store(session, items)).ok
             assert self._lookup(harness, session, list(values)) == 5
             assert self._retrieve(harness, session, items).ok
@@ -235,7 +259,7 @@ class ManagedTierTests(HarnessFixture[ManagedHarness[TierT]], Generic[TierT]):
         # chain [k0, k1, k2, k3]: k0, k1 stored by one job, k2, k3 by another that names the chain
         values = values_for(fresh_keys(4), 128, 300)
         keys = list(values)
-        session = _session("chained")
+        session = new_session("chained")
         assert self._store(harness, {k: values[k] for k in keys[:2]}).ok
         tail = stage(harness, {k: values[k] for k in keys[2:]})
         assert wait_one(harness.backend, harness.backend.submit_store(session, tail, keys)).ok
@@ -245,7 +269,7 @@ class ManagedTierTests(HarnessFixture[ManagedHarness[TierT]], Generic[TierT]):
         assert read_items(harness, tail) == [values[k] for k in keys[2:]]
         harness.backend.end_session(session)
         # a worker retrieves without a lookup of its own session: the tier locks what it reads itself
-        worker = _session("chained-worker")
+        worker = new_session("chained-worker")
         assert self._retrieve(harness, worker, tail, keys).ok
         assert read_items(harness, tail) == [values[k] for k in keys[2:]]
         harness.backend.end_session(worker)
@@ -255,12 +279,14 @@ class ManagedTierTests(HarnessFixture[ManagedHarness[TierT]], Generic[TierT]):
         values = values_for(fresh_keys(3), 64, 96)
         a, b, c = values
         items = stage(harness, {a: values[a], c: values[c]})
-        assert wait_one(harness.backend, harness.backend.submit_store(_session("gap"), items, [a, b, c])).ok
-        session = _session("gap-lookup")
+        assert wait_one(
+            harness.backend, harness.backend.submit_store(new_session("gap"), items, [a, b, c])
+        ).ok
+        session = new_session("gap-lookup")
         assert self._lookup(harness, session, [a, b, c]) == 1
         harness.backend.end_session(session)
         harness.poke(b, values[b], [a])
-        session = _session("gap-filled")
+        session = new_session("gap-filled")
         assert self._lookup(harness, session, [a, b, c]) == 3
         assert self._retrieve(harness, session, items[1:], [a, b, c]).ok
         assert read_items(harness, items[1:]) == [values[c]]
@@ -272,7 +298,7 @@ class ManagedTierTests(HarnessFixture[ManagedHarness[TierT]], Generic[TierT]):
         values = values_for([a, stray], 64)
         harness.poke(a, values[a])
         items = stage(harness, values)
-        session = _session("stray")
+        session = new_session("stray")
         submit = harness.backend.submit_store if op == "store" else harness.backend.submit_retrieve
         result = wait_one(harness.backend, submit(session, items, [a]))
         assert result.failed == (1,)

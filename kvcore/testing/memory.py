@@ -7,7 +7,8 @@ and, when built with one, a capacity.
 
 Jobs run in submission order on a ``JobLane`` (``kvcore.lane``), whose thread the first ``submit`` starts
 and which ends once the backend is dropped: nothing runs at import or construction, and ``submit``
-returns before anything is copied. Stalls and failures are ``InjectedFaults`` (``kvcore.testing.faults``),
+returns before anything is copied. ``close`` refuses new work as each port says; jobs queued before it
+still run. Stalls and failures are ``InjectedFaults`` (``kvcore.testing.faults``),
 the implementation every conformance harness shares. A failed item's destination is overwritten with
 ``POISON`` bytes ("undefined"), so that a caller that uses it anyway is caught by its own tests.
 """
@@ -20,18 +21,27 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
+from typing import ClassVar
 
-from kvcore.errors import BackendError, ConfigError, InvalidSpecError, UsageError
+from kvcore.errors import (
+    BackendError,
+    BackendUnavailable,
+    ConfigError,
+    InvalidSpecError,
+    KVCoreError,
+    UsageError,
+)
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.jobs import JobBoard, JobResult
 from kvcore.lane import JobLane
-from kvcore.ports import BlockTransfer, ByteCopy, Direction, MemoryRegion, StoreItem
+from kvcore.ports import BlockItem, BlockTransfer, ByteCopy, Direction, MemoryRegion, StoreItem
 from kvcore.testing.faults import InjectedFaults
 
 __all__ = [
     "POISON",
     "InMemoryAddressSpace",
     "InMemoryBlockMover",
+    "InMemoryBlockTransferTier",
     "InMemoryChunkIndex",
     "InMemoryChunkStore",
     "InMemoryManagedTier",
@@ -73,12 +83,28 @@ class _Gate:
 
 
 class _Jobs(_Gate):
-    """Jobs in submission order on a ``JobLane``, with results handed out by a ``JobBoard``."""
+    """Jobs in submission order on a ``JobLane``, with results handed out by a ``JobBoard``.
+
+    ``close`` refuses later submits with ``refused_after_close`` (the port's error); jobs queued before
+    it still run.
+    """
+
+    refused_after_close: ClassVar[type[KVCoreError]] = UsageError
 
     def __init__(self) -> None:
         super().__init__()
         self._board = JobBoard()
         self._lane = JobLane(f"{type(self).__name__}-jobs")
+        self._closed = False
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+
+    def _check_open(self, call: str) -> None:
+        with self._cond:
+            if self._closed:
+                raise self.refused_after_close(f"{call}: this {type(self).__name__} is closed")
 
     def poll(self) -> tuple[JobResult, ...]:
         return self._board.poll()
@@ -87,9 +113,11 @@ class _Jobs(_Gate):
         return self._board.wait(job_ids, timeout)
 
     def _submit(self, work: _Work) -> JobId:
-        job_id = self._board.new()
-        self._lane.submit(partial(self._run, job_id, work), partial(self._fail, job_id))
-        return job_id
+        with self._cond:
+            self._check_open("submit")
+            job_id = self._board.new()
+            self._lane.submit(partial(self._run, job_id, work), partial(self._fail, job_id))
+            return job_id
 
     def _run(self, job_id: JobId, work: _Work) -> None:
         self._faults.wait_released()
@@ -148,7 +176,8 @@ class InMemoryChunkIndex(_Gate):
 
     Optionally bounded to ``capacity`` keys: adding to a full index evicts the least recently added (or
     re-added) key that is not pinned; when every key is pinned the new key is refused. Submitted lookups
-    are answered from the keys held when they are polled.
+    are answered from the keys held when they are polled. Once closed, it answers none
+    (``BackendUnavailable``); the immediate ``lookup`` still answers.
     """
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -159,6 +188,7 @@ class InMemoryChunkIndex(_Gate):
         self._pins: Counter[ChunkKey] = Counter()
         self._lookups: dict[LookupId, tuple[tuple[ChunkKey, ...], ...]] = {}
         self._ids = itertools.count(1)
+        self._closed = False
 
     def __len__(self) -> int:
         with self._cond:
@@ -222,6 +252,7 @@ class InMemoryChunkIndex(_Gate):
     ) -> LookupId:
         """Record ``chunks``, answered when polled; keys stand alone here, so ``preceding`` is ignored."""
         with self._cond:
+            _check_answering(self._closed, self)
             lookup_id = LookupId(next(self._ids))
             self._lookups[lookup_id] = tuple(tuple(c) for c in chunks)
             return lookup_id
@@ -229,6 +260,7 @@ class InMemoryChunkIndex(_Gate):
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
         """The answer, once; ``UsageError`` for an id that is unknown, cancelled or already answered."""
         with self._cond:
+            _check_answering(self._closed, self)
             if lookup_id not in self._lookups:
                 raise UsageError(f"lookup {lookup_id} is unknown, cancelled or already answered")
             if self._faults.stalled:
@@ -241,6 +273,17 @@ class InMemoryChunkIndex(_Gate):
     def cancel_lookup(self, lookup_id: LookupId) -> None:
         with self._cond:
             self._lookups.pop(lookup_id, None)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._lookups.clear()
+
+
+def _check_answering(closed: bool, owner: object) -> None:
+    """A closed index or tier answers no lookup (``ChunkIndex.close``)."""
+    if closed:
+        raise BackendUnavailable(f"this {type(owner).__name__} is closed: it answers no lookup")
 
 
 # -- worker side ---------------------------------------------------------------------------------------
@@ -277,6 +320,13 @@ class InMemoryBlockMover(_Jobs):
         return self._host
 
     def submit(self, transfer: BlockTransfer) -> JobId:
+        return self.submit_after(transfer, None)
+
+    def mark(self) -> None:
+        """No mark is needed: the engine's writes to ``bytearray``s are done when it calls kvcore."""
+
+    def submit_after(self, transfer: BlockTransfer, mark: object) -> JobId:
+        """``submit`` (``OrderedMover``): jobs run in submission order, whichever thread submits them."""
         for name, blocks, bound in [
             ("engine_blocks", transfer.engine_blocks, self.num_engine_blocks),
             ("host_blocks", transfer.host_blocks, self.num_host_blocks),
@@ -472,8 +522,11 @@ class InMemoryManagedTier(_Jobs):
     A lookup locks its hits for the session; a retrieve releases the session's lock on what it read and
     ``end_session`` releases the rest. Storing into a full tier evicts the least recently used unlocked
     values; an item that finds no room fails. There is no remove. It keys chunks alone: a chain only
-    fails the items whose keys it lacks, as the port requires.
+    fails the items whose keys it lacks, as the port requires. Once closed, it refuses every submit with
+    ``BackendUnavailable`` and drops its pending lookups.
     """
+
+    refused_after_close = BackendUnavailable
 
     def __init__(self, host: bytearray, capacity: int | None = None) -> None:
         super().__init__()
@@ -495,6 +548,7 @@ class InMemoryManagedTier(_Jobs):
     ) -> LookupId:
         """Lock the session's leading hits; keys stand alone here, so ``preceding`` is ignored."""
         with self._cond:
+            _check_answering(self._closed, self)
             hits = list(itertools.takewhile(self._values.data.__contains__, chunks))
             self._locks.setdefault(session, Counter()).update(hits)
             for key in hits:
@@ -506,6 +560,7 @@ class InMemoryManagedTier(_Jobs):
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
         """The answer, once; ``UsageError`` for an id that is unknown or already answered."""
         with self._cond:
+            _check_answering(self._closed, self)
             if lookup_id not in self._lookups:
                 raise UsageError(f"lookup {lookup_id} is unknown or already answered")
             if self._faults.stalled:
@@ -516,20 +571,30 @@ class InMemoryManagedTier(_Jobs):
         self, session: RequestId, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
         _check_items(items, len(self._host))
-        return self._submit(partial(self._store, tuple(items), _outside(chain)))
+        items = tuple(items)
+        keys = tuple(item.key for item in items)
+        return self._submit(partial(self._store, keys, partial(self._read_host, items), _outside(chain)))
+
+    def _read_host(self, items: tuple[StoreItem, ...], i: int) -> bytes:
+        return bytes(self._host[items[i].offset : items[i].offset + items[i].length])
 
     def _store(
-        self, items: tuple[StoreItem, ...], outside: Callable[[ChunkKey], bool], job_id: JobId
+        self,
+        keys: tuple[ChunkKey, ...],
+        read: Callable[[int], bytes],
+        outside: Callable[[ChunkKey], bool],
+        job_id: JobId,
     ) -> JobResult:
+        """Keep the value ``read(i)`` under each ``keys[i]`` (a present key keeps its value)."""
         failed: list[int] = []
         with self._cond:
-            for i, item in enumerate(items):
-                if self._take_failure() or outside(item.key):
+            for i, key in enumerate(keys):
+                if self._take_failure() or outside(key):
                     failed.append(i)
-                elif item.key in self._values.data:
-                    self._values.data.move_to_end(item.key)
-                elif self._values.make_room(item.length, self._locked):
-                    self._values.data[item.key] = bytes(self._host[item.offset : item.offset + item.length])
+                elif key in self._values.data:
+                    self._values.data.move_to_end(key)
+                elif self._values.make_room(len(value := read(i)), self._locked):
+                    self._values.data[key] = value
                 else:
                     failed.append(i)
         return JobResult(job_id, tuple(failed))
@@ -548,19 +613,28 @@ class InMemoryManagedTier(_Jobs):
         job_id: JobId,
     ) -> JobResult:
         with self._cond:
-            data = self._values.data
-            failed = _copy_out(
-                self._host, items, lambda k: None if outside(k) else data.get(k), self._take_failure
-            )
-            held = self._locks.get(session)
-            if held is not None:
-                held.subtract(item.key for item in items if held[item.key])
-                self._locks[session] = +held
+            failed = _copy_out(self._host, items, partial(self._value, outside), self._take_failure)
+            self._release(session, [item.key for item in items])
         return JobResult(job_id, failed)
+
+    def _value(self, outside: Callable[[ChunkKey], bool], key: ChunkKey) -> bytes | None:
+        return None if outside(key) else self._values.data.get(key)
+
+    def _release(self, session: RequestId, keys: Sequence[ChunkKey]) -> None:
+        """Release the session's lock on each of ``keys`` it holds (a retrieve read them)."""
+        held = self._locks.get(session)
+        if held is not None:
+            held.subtract(key for key in keys if held[key])
+            self._locks[session] = +held
 
     def end_session(self, session: RequestId) -> None:
         with self._cond:
             self._locks.pop(session, None)
+
+    def close(self) -> None:
+        with self._cond:
+            super().close()
+            self._lookups.clear()
 
     # Out-of-band access, for tests.
 
@@ -579,6 +653,102 @@ def _outside(chain: Sequence[ChunkKey]) -> Callable[[ChunkKey], bool]:
     """Whether a key lies outside ``chain``: never for an empty chain (the items' keys are the chain)."""
     members = frozenset(chain)
     return lambda key: bool(members) and key not in members
+
+
+class InMemoryBlockTransferTier(InMemoryManagedTier):
+    """An ``InMemoryManagedTier`` that also moves chunks straight between its values and the engine
+    blocks of ``engine`` (``SupportsBlockTransfer``): a value is ``blocks_per_chunk`` engine blocks, in
+    the byte form of host blocks, one after another.
+
+    Its jobs run in submission order on the tier's lane, so no ``mark`` is needed. A failed retrieve
+    item's engine blocks are overwritten with ``POISON``. An abandoned store job that has not run yet
+    stores nothing and fails every item.
+    """
+
+    def __init__(
+        self,
+        host: bytearray,
+        capacity: int | None = None,
+        *,
+        engine: InMemoryBlockMover,
+        blocks_per_chunk: int,
+    ) -> None:
+        super().__init__(host, capacity)
+        _check_positive("blocks_per_chunk", blocks_per_chunk)
+        self._engine = engine
+        self.blocks_per_chunk = blocks_per_chunk
+        self._unfinished: set[JobId] = set()  # block stores not run yet
+        self._abandoned: set[JobId] = set()
+
+    def submit_store_blocks(
+        self, session: RequestId, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        items = tuple(items)
+        self._check_blocks(items, whole=True)
+        keys = tuple(item.key for item in items)
+        store = partial(self._store, keys, partial(self._read_blocks, items), _outside(chain))
+        with self._cond:
+            job_id = self._submit(partial(self._store_unless_abandoned, len(items), store))
+            self._unfinished.add(job_id)
+            return job_id
+
+    def _read_blocks(self, items: tuple[BlockItem, ...], i: int) -> bytes:
+        return b"".join(self._engine.read_engine_block(block) for block in items[i].engine_blocks)
+
+    def _store_unless_abandoned(self, count: int, store: _Work, job_id: JobId) -> JobResult:
+        with self._cond:
+            self._unfinished.discard(job_id)
+            if job_id in self._abandoned:
+                self._abandoned.discard(job_id)
+                return JobResult(job_id, tuple(range(count)), "abandoned before its copies ran")
+            return store(job_id)
+
+    def submit_retrieve_blocks(
+        self, session: RequestId, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        items = tuple(items)
+        self._check_blocks(items, whole=False)
+        return self._submit(partial(self._retrieve_blocks, session, items, _outside(chain)))
+
+    def _retrieve_blocks(
+        self,
+        session: RequestId,
+        items: tuple[BlockItem, ...],
+        outside: Callable[[ChunkKey], bool],
+        job_id: JobId,
+    ) -> JobResult:
+        size = self._engine.host_block_bytes
+        failed: list[int] = []
+        with self._cond:
+            for i, item in enumerate(items):
+                value = self._value(outside, item.key)
+                if self._take_failure() or value is None or len(value) != size * self.blocks_per_chunk:
+                    failed.append(i)
+                    value = bytes([POISON]) * size * self.blocks_per_chunk
+                for n, block in enumerate(item.engine_blocks, start=item.first):
+                    self._engine.write_engine_block(block, value[n * size : (n + 1) * size])
+            self._release(session, [item.key for item in items])
+        return JobResult(job_id, tuple(failed))
+
+    def abandon(self, job_id: JobId) -> None:
+        with self._cond:
+            if job_id in self._unfinished:
+                self._abandoned.add(job_id)
+
+    def _check_blocks(self, items: Sequence[BlockItem], *, whole: bool) -> None:
+        """Refuse, before anything is queued, items that are no whole chunk (a store) or no part of one,
+        or that name engine blocks out of range."""
+        size, bound = self.blocks_per_chunk, self._engine.num_engine_blocks
+        for i, item in enumerate(items):
+            count = len(item.engine_blocks)
+            if (whole and (item.first or count != size)) or count < 1 or item.first + count > size:
+                raise InvalidSpecError(
+                    f"items[{i}] ({item.key}): blocks [{item.first}, {item.first + count}) of a chunk of "
+                    f"{size}" + (" (a store moves whole chunks)" if whole else "")
+                )
+            bad = [b for b in item.engine_blocks if not 0 <= b < bound]
+            if bad:
+                raise InvalidSpecError(f"items[{i}] ({item.key}): engine_blocks {bad} outside [0, {bound})")
 
 
 class InMemoryAddressSpace:
@@ -679,7 +849,6 @@ class InMemoryPeerTransport(_Jobs):
         space._join(name)
         self._space = space
         self.address = name
-        self._closed = False
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         bad = [r for r in regions if not self._space.holds(r.address, r.length)]
@@ -713,12 +882,8 @@ class InMemoryPeerTransport(_Jobs):
 
     def close(self) -> None:
         with self._cond:
-            self._closed = True
+            super().close()
             self._space._unregister(self.address, None)
-
-    def _check_open(self, call: str) -> None:
-        if self._closed:
-            raise UsageError(f"{call}: transport {self.address!r} is closed")
 
     def _write(self, peer: str, copies: tuple[ByteCopy, ...], job_id: JobId) -> JobResult:
         regions = self._space._regions_of(peer)

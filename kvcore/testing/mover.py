@@ -11,12 +11,13 @@ from typing import Generic, Protocol, TypeVar
 
 import pytest
 
-from kvcore.errors import InvalidSpecError
+from kvcore.errors import InvalidSpecError, UsageError
 from kvcore.ids import JobId
 from kvcore.ports import BlockMover, BlockTransfer, Direction
 from kvcore.testing.support import (
     SETTLE_S,
     HarnessFixture,
+    check_close,
     check_result_handed_out_once,
     check_wait_timeout_then_poll,
     payload,
@@ -27,7 +28,7 @@ from kvcore.testing.support import (
     wait_one,
 )
 
-__all__ = ["BlockMoverTests", "MoverHarness"]
+__all__ = ["BlockMoverTests", "MoverHarness", "fill_blocks", "read_engine", "read_host"]
 
 MoverT = TypeVar("MoverT", bound=BlockMover)
 MoverT_co = TypeVar("MoverT_co", bound=BlockMover, covariant=True)
@@ -64,7 +65,7 @@ class MoverHarness(Protocol[MoverT_co]):
     def write_host_block(self, block: int, data: bytes) -> None: ...
 
 
-def _fill(harness: MoverHarness[BlockMover], seed: str) -> tuple[list[bytes], list[bytes]]:
+def fill_blocks(harness: MoverHarness[BlockMover], seed: str) -> tuple[list[bytes], list[bytes]]:
     """Random bytes in every engine and host block; returns what was written."""
     size = harness.block_bytes
     engine = [payload(size, (seed, "engine", b)) for b in range(harness.num_engine_blocks)]
@@ -76,11 +77,11 @@ def _fill(harness: MoverHarness[BlockMover], seed: str) -> tuple[list[bytes], li
     return engine, host
 
 
-def _engine(harness: MoverHarness[BlockMover]) -> list[bytes]:
+def read_engine(harness: MoverHarness[BlockMover]) -> list[bytes]:
     return [harness.read_engine_block(b) for b in range(harness.num_engine_blocks)]
 
 
-def _host(harness: MoverHarness[BlockMover]) -> list[bytes]:
+def read_host(harness: MoverHarness[BlockMover]) -> list[bytes]:
     return [harness.read_host_block(b) for b in range(harness.num_host_blocks)]
 
 
@@ -89,24 +90,24 @@ class BlockMoverTests(HarnessFixture[MoverHarness[MoverT]], Generic[MoverT]):
 
     def test_save_copies_blocks_bit_exact(self, harness: MoverHarness[MoverT]) -> None:
         # save engine [0, 2, 1] -> host [3, 0, 1]; host 2, 4.. untouched
-        engine, host = _fill(harness, "save")
+        engine, host = fill_blocks(harness, "save")
         transfer = BlockTransfer(Direction.SAVE, (0, 2, 1), (3, 0, 1))
         assert wait_one(harness.backend, harness.backend.submit(transfer)).ok
         host[3], host[0], host[1] = engine[0], engine[2], engine[1]
-        assert _host(harness) == host
-        assert _engine(harness) == engine
+        assert read_host(harness) == host
+        assert read_engine(harness) == engine
 
     def test_load_copies_blocks_bit_exact(self, harness: MoverHarness[MoverT]) -> None:
         # load host [5, 0] -> engine [1, 7]; other engine blocks untouched
-        engine, host = _fill(harness, "load")
+        engine, host = fill_blocks(harness, "load")
         transfer = BlockTransfer(Direction.LOAD, (1, 7), (5, 0))
         assert wait_one(harness.backend, harness.backend.submit(transfer)).ok
         engine[1], engine[7] = host[5], host[0]
-        assert _engine(harness) == engine
-        assert _host(harness) == host
+        assert read_engine(harness) == engine
+        assert read_host(harness) == host
 
     def test_save_then_load_round_trip(self, harness: MoverHarness[MoverT]) -> None:
-        engine, _ = _fill(harness, "round trip")
+        engine, _ = fill_blocks(harness, "round trip")
         blocks = (0, 1, 2, 3)
         save = harness.backend.submit(BlockTransfer(Direction.SAVE, blocks, blocks))
         assert wait_one(harness.backend, save).ok
@@ -114,39 +115,39 @@ class BlockMoverTests(HarnessFixture[MoverHarness[MoverT]], Generic[MoverT]):
             harness.write_engine_block(block, payload(harness.block_bytes, ("scribble", block)))
         load = harness.backend.submit(BlockTransfer(Direction.LOAD, blocks, blocks))
         assert wait_one(harness.backend, load).ok
-        assert _engine(harness)[:4] == engine[:4]
+        assert read_engine(harness)[:4] == engine[:4]
 
     @pytest.mark.parametrize("side", ["engine", "host"])
     @pytest.mark.parametrize("bad", ["past the end", "negative"])
     def test_out_of_range_blocks_raise_before_copying(
         self, harness: MoverHarness[MoverT], side: str, bad: str
     ) -> None:
-        engine, host = _fill(harness, "range")
+        engine, host = fill_blocks(harness, "range")
         bound = harness.num_engine_blocks if side == "engine" else harness.num_host_blocks
         wrong = bound if bad == "past the end" else -1
         engine_blocks, host_blocks = ((0, wrong), (0, 1)) if side == "engine" else ((0, 1), (0, wrong))
         with pytest.raises(InvalidSpecError):
             harness.backend.submit(BlockTransfer(Direction.SAVE, engine_blocks, host_blocks))
-        assert _host(harness) == host
-        assert _engine(harness) == engine
+        assert read_host(harness) == host
+        assert read_engine(harness) == engine
 
     def test_failed_items_are_reported_and_the_others_copied(self, harness: MoverHarness[MoverT]) -> None:
         # save engine [0, 1, 2] -> host [4, 5, 6], first pair fails: host 4 undefined, 5 and 6 copied
         failures = require_failure_injection(harness)
-        engine, host = _fill(harness, "failure")
+        engine, host = fill_blocks(harness, "failure")
         failures.fail_next(1)
         result = wait_one(
             harness.backend, harness.backend.submit(BlockTransfer(Direction.SAVE, (0, 1, 2), (4, 5, 6)))
         )
         assert result.failed == (0,)
         host[5], host[6] = engine[1], engine[2]
-        after = _host(harness)
+        after = read_host(harness)
         assert after[:4] + after[5:] == host[:4] + host[5:]
-        assert _engine(harness) == engine
+        assert read_engine(harness) == engine
 
     def test_wait_times_out_and_the_result_comes_later(self, harness: MoverHarness[MoverT]) -> None:
         stall = require_stall(harness)
-        engine, _ = _fill(harness, "timeout")
+        engine, _ = fill_blocks(harness, "timeout")
         check_wait_timeout_then_poll(harness.backend, stall, lambda: self._save(harness, 0, 0))
         assert harness.read_host_block(0) == engine[0]
 
@@ -155,7 +156,7 @@ class BlockMoverTests(HarnessFixture[MoverHarness[MoverT]], Generic[MoverT]):
 
     def test_concurrent_submits_stay_correct(self, harness: MoverHarness[MoverT]) -> None:
         # 4 threads, each saving its own engine blocks into its own host blocks, one job per block
-        engine, _ = _fill(harness, "threads")
+        engine, _ = fill_blocks(harness, "threads")
         pairs = list(zip(split(harness.num_engine_blocks, 4), split(harness.num_host_blocks, 4), strict=True))
         copied: dict[int, int] = {}
 
@@ -170,6 +171,13 @@ class BlockMoverTests(HarnessFixture[MoverHarness[MoverT]], Generic[MoverT]):
         run_threads(4, save)
         assert copied
         assert all(harness.read_host_block(h) == engine[e] for h, e in copied.items())
+
+    def test_close_refuses_new_copies_and_reports_earlier_ones(self, harness: MoverHarness[MoverT]) -> None:
+        engine, _ = fill_blocks(harness, "close")
+        result = check_close(
+            harness.backend, harness.backend.close, lambda: self._save(harness, 0, 0), UsageError
+        )
+        assert not result.ok or harness.read_host_block(0) == engine[0]
 
     @staticmethod
     def _save(harness: MoverHarness[MoverT], engine_block: int, host_block: int) -> JobId:

@@ -16,13 +16,14 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcore.errors import InvalidSpecError
+from kvcore.errors import InvalidSpecError, UsageError
 from kvcore.ids import ChunkKey
 from kvcore.jobs import JobResult
 from kvcore.ports import ChunkStore, JobQueue, StoreItem, SupportsClear
 from kvcore.testing.capabilities import SupportsFailureInjection
 from kvcore.testing.support import (
     HarnessFixture,
+    check_close,
     check_result_handed_out_once,
     check_wait_timeout_then_poll,
     collect,
@@ -236,6 +237,16 @@ class ChunkStoreTests(HarnessFixture[StoreHarness[StoreT]], Generic[StoreT]):
         check_result_handed_out_once(
             harness.backend, lambda: harness.backend.submit_put(stage(harness, values))
         )
+
+    def test_close_refuses_new_jobs_and_reports_earlier_ones(self, harness: StoreHarness[StoreT]) -> None:
+        values = values_for(fresh_keys(1), 64)
+        items = stage(harness, values)
+        result = check_close(
+            harness.backend, harness.backend.close, lambda: harness.backend.submit_put(items), UsageError
+        )
+        assert [harness.peek(key) for key in values] == [v if result.ok else None for v in values.values()]
+        with pytest.raises(UsageError, match="closed"):
+            harness.backend.submit_get(items)
 
     def test_capacity_is_respected(self, harness: StoreHarness[StoreT]) -> None:
         # values of capacity/4 bytes, 8 puts -> at most 4 held, the last one among them

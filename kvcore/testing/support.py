@@ -39,6 +39,7 @@ __all__ = [
     "HarnessFixture",
     "SETTLE_S",
     "SHORT_S",
+    "check_close",
     "check_result_handed_out_once",
     "check_wait_timeout_then_poll",
     "collect",
@@ -200,6 +201,23 @@ def check_wait_timeout_then_poll(queue: JobQueue, stall: SupportsStall, submit: 
         with pytest.raises(TransferTimeout):
             queue.wait([job_id], SHORT_S)
     assert collect(queue, [job_id])[job_id].ok
+
+
+def check_close(
+    queue: JobQueue, close: Callable[[], None], submit: Callable[[], JobId], refused: type[Exception]
+) -> JobResult:
+    """The ``close`` of a port with jobs: idempotent; a job submitted before it is still reported, once;
+    a later submit raises ``refused`` saying the port is closed; ``poll`` and ``wait`` keep working.
+    Returns the earlier job's result (it finished or failed)."""
+    job_id = submit()
+    close()
+    close()
+    result = wait_one(queue, job_id)
+    with pytest.raises(refused, match="closed"):
+        submit()
+    assert queue.poll() == ()
+    assert queue.wait([], SHORT_S) == ()
+    return result
 
 
 def check_result_handed_out_once(queue: JobQueue, submit: Callable[[], JobId]) -> None:

@@ -25,6 +25,7 @@ from kvcore.pool_index import PoolIndex
 from kvcore.testing.faults import InjectedFaults
 from kvcore.testing.index import ChunkIndexTests, chunk_index_state_machine
 from kvcore.testing.mover import BlockMoverTests
+from kvcore.testing.ordered import OrderedMoverTests
 from kvcore.testing.support import SETTLE_S
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
 
@@ -150,7 +151,7 @@ def torch_mover_harness(case: MoverCase) -> Iterator[TorchMoverHarness]:
         harness.close()
 
 
-class _TorchBlockMoverSuite(BlockMoverTests[TorchBlockMover]):
+class _TorchBlockMoverSuite(BlockMoverTests[TorchBlockMover], OrderedMoverTests[TorchBlockMover]):
     case: ClassVar[MoverCase]
 
     def make_harness(self) -> contextlib.AbstractContextManager[TorchMoverHarness]:

@@ -14,17 +14,20 @@ import pytest
 
 from kvcore.ids import ChunkKey
 from kvcore.ports import MemoryRegion
+from kvcore.testing.blocks import BlockTransferTests
 from kvcore.testing.index import ChunkIndexTests, chunk_index_state_machine
 from kvcore.testing.managed import ManagedTierTests
 from kvcore.testing.memory import (
     InMemoryAddressSpace,
     InMemoryBlockMover,
+    InMemoryBlockTransferTier,
     InMemoryChunkIndex,
     InMemoryChunkStore,
     InMemoryManagedTier,
     InMemoryPeerTransport,
 )
 from kvcore.testing.mover import BlockMoverTests
+from kvcore.testing.ordered import OrderedMoverTests
 from kvcore.testing.peer import PeerTransportTests
 from kvcore.testing.store import ChunkStoreTests, chunk_store_state_machine
 from kvcore.testing.support import require_stall
@@ -33,7 +36,9 @@ INDEX_CAPACITY = 8  # keys
 STORE_CAPACITY = 4096  # bytes
 HOST_SIZE = 16 * 1024  # bytes
 
-TierT = TypeVar("TierT", InMemoryChunkStore, InMemoryManagedTier)
+BLOCKS_PER_CHUNK = 2
+
+TierT = TypeVar("TierT", InMemoryChunkStore, InMemoryManagedTier, InMemoryBlockTransferTier)
 
 
 class MemoryIndexHarness:
@@ -54,11 +59,13 @@ class MemoryIndexHarness:
         self.backend.discard(keys)
 
 
+def new_mover() -> InMemoryBlockMover:
+    return InMemoryBlockMover(num_engine_blocks=12, num_host_blocks=16, layer_block_bytes=32, num_layers=3)
+
+
 class MemoryMoverHarness:
     def __init__(self) -> None:
-        self.backend = InMemoryBlockMover(
-            num_engine_blocks=12, num_host_blocks=16, layer_block_bytes=32, num_layers=3
-        )
+        self.backend = new_mover()
         self.num_engine_blocks = self.backend.num_engine_blocks
         self.num_host_blocks = self.backend.num_host_blocks
         self.block_bytes = self.backend.host_block_bytes
@@ -93,6 +100,24 @@ class MemoryTierHarness(Generic[TierT]):
 
     def write_host(self, offset: int, data: bytes) -> None:
         self._host[offset : offset + len(data)] = data
+
+
+class MemoryBlockTierHarness(MemoryTierHarness[InMemoryBlockTransferTier]):
+    """A managed tier over a host ``bytearray`` that also copies the engine blocks of a mover of its own
+    (whose host blocks go unused)."""
+
+    def __init__(self) -> None:
+        host = bytearray(HOST_SIZE)
+        engine = new_mover()
+        tier = InMemoryBlockTransferTier(
+            host, STORE_CAPACITY, engine=engine, blocks_per_chunk=BLOCKS_PER_CHUNK
+        )
+        super().__init__(tier, host, STORE_CAPACITY)
+        self.num_engine_blocks = engine.num_engine_blocks
+        self.block_bytes = engine.host_block_bytes
+        self.blocks_per_chunk = BLOCKS_PER_CHUNK
+        self.read_engine_block = engine.read_engine_block
+        self.write_engine_block = engine.write_engine_block
 
 
 class MemoryPeerHarness:
@@ -146,7 +171,7 @@ class TestInMemoryChunkIndex(ChunkIndexTests[InMemoryChunkIndex]):
         assert len(harness.backend) == 8
 
 
-class TestInMemoryBlockMover(BlockMoverTests[InMemoryBlockMover]):
+class TestInMemoryBlockMover(BlockMoverTests[InMemoryBlockMover], OrderedMoverTests[InMemoryBlockMover]):
     def make_harness(self) -> contextlib.AbstractContextManager[MemoryMoverHarness]:
         return contextlib.nullcontext(MemoryMoverHarness())
 
@@ -161,6 +186,13 @@ class TestInMemoryManagedTier(ManagedTierTests[InMemoryManagedTier]):
         host = bytearray(HOST_SIZE)
         tier = InMemoryManagedTier(host, STORE_CAPACITY)
         return contextlib.nullcontext(MemoryTierHarness(tier, host, STORE_CAPACITY))
+
+
+class TestInMemoryBlockTransferTier(
+    ManagedTierTests[InMemoryBlockTransferTier], BlockTransferTests[InMemoryBlockTransferTier]
+):
+    def make_harness(self) -> contextlib.AbstractContextManager[MemoryBlockTierHarness]:
+        return contextlib.nullcontext(MemoryBlockTierHarness())
 
 
 class TestInMemoryPeerTransport(PeerTransportTests[InMemoryPeerTransport]):

@@ -3,9 +3,10 @@
 The example distribution of docs/writing-a-backend.md (``docs/examples/dirstore``: chunks as files in a
 directory) is installed into a folder of its own — its package and a ``.dist-info`` carrying the entry
 points of its ``pyproject.toml``, as ``pip install`` lays them out — that goes on the server's
-``PYTHONPATH``; nothing of kvcore changes. vLLM's server is started with ``"kind": "dirstore"`` and
-serves a prompt, is stopped, and a second server on the same directory serves the prompt's prefix from
-the files alone (its own cache and kvcore's pool start empty), with the tokens of the first run.
+``PYTHONPATH``; nothing of kvcore changes. vLLM's server is started with ``"kind": "dirstore"`` and a host
+pool of four chunks: once other prompts have turned over both vLLM's cache and the pool, a prompt's
+prefix can only come back from the files, and does, with the tokens of the first run; with its files
+deleted, it does not.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tests.integration.conftest import (
     kvcore_transfer_config,
     prompt,
 )
-from tests.integration.served import serve
+from tests.integration.served import KV_BYTES_PER_TOKEN, ServedEngine, serve
 
 pytestmark = VLLM_MARKS
 
@@ -58,26 +59,51 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _complete(vllm_env: Path, model: Path, site: Path, store: Path, log: Path) -> dict[str, Any]:
-    """``PROMPT`` completed by a fresh server with the dirstore backend on ``store``."""
-    config = kvcore_transfer_config(backend={"kind": "dirstore", "path": str(store), "local_size": "64MiB"})
-    tokens = ENGINE_BLOCKS * BLOCK
-    with serve(
-        vllm_env, model, log, config, kv_cache_tokens=tokens, max_model_len=MAX_MODEL_LEN, python_path=[site]
-    ) as server:
-        return server.complete(PROMPT, kv_transfer_params={"num_extra_cached_tokens": True})
+POOL_CHUNKS = 4  # the host pool: a chunk is 128 tokens x 512 bytes
 
 
-def test_an_installed_backend_serves_vllm_across_a_restart(
+def _chunk_files(store: Path) -> set[Path]:
+    return {p for p in store.iterdir() if not p.name.startswith(".")}  # a temporary starts with "."
+
+
+def _push_out(server: ServedEngine, seed: int) -> None:
+    """Three prompts of 12 blocks each through vLLM's 24-block cache and the 4-chunk pool."""
+    for i in range(3):
+        server.complete(prompt(seed + i, 1500), max_tokens=1)
+
+
+def _extra(answer: dict[str, Any]) -> int:
+    tokens: int = answer["kv_transfer_params"]["num_extra_cached_tokens"]
+    return tokens
+
+
+def test_an_installed_backend_serves_vllm_from_its_files(
     vllm_env: Path, tiny_model: Path, site: Path, tmp_path: Path
 ) -> None:
     store = tmp_path / "chunks"
-    first = _complete(vllm_env, tiny_model, site, store, tmp_path / "first.log")
-    files = sorted(p for p in store.iterdir() if not p.name.startswith("."))
-    assert len(files) == 4  # one file per full chunk (one shard at TP 1), no temporary left
-    assert all(f.stat().st_size == BLOCK * 512 for f in files)  # a chunk: 128 tokens x 512 bytes
-    again = _complete(vllm_env, tiny_model, site, store, tmp_path / "again.log")
-    assert first["kv_transfer_params"] == {"num_extra_cached_tokens": 0}
-    assert again["kv_transfer_params"] == {"num_extra_cached_tokens": 4 * BLOCK}
+    backend = {"kind": "dirstore", "path": str(store), "local_size": POOL_CHUNKS * BLOCK * KV_BYTES_PER_TOKEN}
+    config = kvcore_transfer_config(backend=backend)
+    asked = {"num_extra_cached_tokens": True}
+    with serve(
+        vllm_env,
+        tiny_model,
+        tmp_path / "server.log",
+        config,
+        kv_cache_tokens=ENGINE_BLOCKS * BLOCK,
+        max_model_len=MAX_MODEL_LEN,
+        python_path=[site],
+    ) as server:
+        first = server.complete(PROMPT, kv_transfer_params=asked)
+        files = _chunk_files(store)
+        assert len(files) == 4  # one file per full chunk (one shard at TP 1), no temporary left
+        assert all(f.stat().st_size == BLOCK * KV_BYTES_PER_TOKEN for f in files)
+        _push_out(server, 200)
+        again = server.complete(PROMPT, kv_transfer_params=asked)
+        for file in files:
+            file.unlink()
+        _push_out(server, 400)
+        gone = server.complete(PROMPT, kv_transfer_params=asked)
+    assert [_extra(a) for a in (first, again, gone)] == [0, 4 * BLOCK, 0]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK
-    assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    tokens = [a["choices"][0]["token_ids"] for a in (first, again, gone)]
+    assert tokens[1] == tokens[0] == tokens[2]

@@ -13,17 +13,21 @@ from collections.abc import Sequence
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
 from kvcore.ids import ChunkKey
-from kvcore_lmcache.link import register_slots
+from kvcore_lmcache.link import SlotLayout, register_slots
 from kvcore_lmcache.wire import HEADER_BYTES, KeyCodec, check_header, header, server_model_name
 
 TIMEOUT_S = 5.0
 
 
 class RawClient:
-    """Stores and reads kvcore-shaped entries (header + value) the way the backend lays them out."""
+    """Stores and reads kvcore-shaped entries (header + value) the way the backend lays them out; ``align``
+    as the tier's ``block_bytes`` (``SlotLayout``)."""
 
-    def __init__(self, url: str, model_name: str, value_bytes: int, chunk_tokens: int) -> None:
-        self.slot_bytes = value_bytes + HEADER_BYTES
+    def __init__(
+        self, url: str, model_name: str, value_bytes: int, chunk_tokens: int, align: int = 1
+    ) -> None:
+        self.layout = SlotLayout(value_bytes, align)
+        self.slot_bytes = self.layout.slot_bytes
         self.codec = KeyCodec(server_model_name(model_name, self.slot_bytes), chunk_tokens)
         self.client = RequestClientFactory.create(url)
         self.instance_id = uuid.uuid4().int & ((1 << 62) - 1)
@@ -48,7 +52,8 @@ class RawClient:
         slots = reply.context.get("slots")
         if slots:
             offset = int(slots[0]["offset"])
-            self._map[offset + HEADER_BYTES : offset + HEADER_BYTES + len(value)] = value
+            at = self.layout.value_offset(offset)
+            self._map[at : at + len(value)] = value
             self._map[offset : offset + HEADER_BYTES] = header(key, len(value))
             assert self.client.commit_store(ipc_key, self.instance_id, b"").result(timeout=TIMEOUT_S)
         self.client.end_session(server).result(timeout=TIMEOUT_S)
@@ -70,10 +75,11 @@ class RawClient:
             slots = reply.context.get("slots") if reply.success else None
             if slots:
                 offset = int(slots[0]["offset"])
-                raw = bytes(self._map[offset : offset + self.slot_bytes])
+                raw = bytes(self._map[offset : offset + HEADER_BYTES])
                 length = int.from_bytes(raw[4:8], "little")
-                if check_header(key, length, raw[:HEADER_BYTES]):
-                    value = raw[HEADER_BYTES : HEADER_BYTES + length]
+                at = self.layout.value_offset(offset)
+                if check_header(key, length, raw):
+                    value = bytes(self._map[at : at + length])
             self.client.commit_retrieve(ipc_key, self.instance_id).result(timeout=TIMEOUT_S)
         if hits:
             lock_key = self.codec.ipc_key(server, chain, 0, min(hits, len(preceding)), None)

@@ -1,4 +1,5 @@
-"""The ``ManagedTier`` conformance suite against a real LMCache server.
+"""The ``ManagedTier`` and ``SupportsBlockTransfer`` conformance suites against a real LMCache server;
+the block transfer one moving a CPU engine's blocks through ``kvcore_cpu``'s ``MappedMovers``.
 
 Not declared, so skipped with the capability's name: failure injection and stalls (a real server
 offers neither hook) and a capacity (the server's smallest L1 is far larger than the suite's values).
@@ -10,11 +11,17 @@ import contextlib
 import uuid
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import pytest
+import torch
 
 from kvcore.ids import ChunkKey
+from kvcore.layout import KVLayout, LayoutKind
+from kvcore.testing.blocks import BlockTransferTests
 from kvcore.testing.managed import ManagedTierTests
 from kvcore.testing.support import SETTLE_S
+from kvcore_cpu.engine_kv import EngineKV
+from kvcore_cpu.tier import MappedMovers
 from kvcore_lmcache import LMCacheManagedTier
 from kvcore_lmcache.config import LMCacheMPConfig
 from tests.lmcache.conftest import LMCacheServer
@@ -22,13 +29,39 @@ from tests.lmcache.raw import RawClient
 
 HOST_SIZE = 16 * 1024
 VALUE_BYTES = 4096
+# a CPU engine of one layer: 512-byte blocks, 8 to a value, room for the 4 values the suite needs
+LAYOUT = KVLayout(
+    LayoutKind.VLLM_CPU, num_blocks=32, block_tokens=16, num_kv_heads=1, head_size=8, dtype_size=2
+)
 
 
-class TierHarness:
+class RawAccess:
+    """A tier's values out of band (``RawClient``), and the tier's and the client's close."""
+
+    backend: LMCacheManagedTier
+    raw: RawClient
+
+    def peek(self, key: ChunkKey, preceding: Sequence[ChunkKey] = ()) -> bytes | None:
+        return self.raw.peek(key, preceding)
+
+    def poke(self, key: ChunkKey, value: bytes, preceding: Sequence[ChunkKey] = ()) -> None:
+        self.raw.poke(key, value, preceding)
+
+    def close(self) -> None:
+        self.backend.close()
+        self.raw.close()
+
+
+def _config(server: LMCacheServer) -> tuple[LMCacheMPConfig, str]:
+    """The tier's config, and a model id of its own as the vLLM adapter renders one ("name@revision":
+    the server refuses '@')."""
+    config = LMCacheMPConfig(url=server.url, request_timeout_s=SETTLE_S / 2, heartbeat_s=1.0)
+    return config, f"org/conformance-{uuid.uuid4().hex[:8]}@main"
+
+
+class TierHarness(RawAccess):
     def __init__(self, server: LMCacheServer) -> None:
-        # an engine's model id as the vLLM adapter renders it ("name@revision"): the server refuses '@'
-        model = f"org/conformance-{uuid.uuid4().hex[:8]}@main"
-        config = LMCacheMPConfig(url=server.url, request_timeout_s=SETTLE_S / 2, heartbeat_s=1.0)
+        config, model = _config(server)
         self._host = bytearray(HOST_SIZE)
         self.host_size = HOST_SIZE
         self.backend = LMCacheManagedTier(
@@ -42,19 +75,50 @@ class TierHarness:
     def write_host(self, offset: int, data: bytes) -> None:
         self._host[offset : offset + len(data)] = data
 
-    def peek(self, key: ChunkKey, preceding: Sequence[ChunkKey] = ()) -> bytes | None:
-        return self.raw.peek(key, preceding)
 
-    def poke(self, key: ChunkKey, value: bytes, preceding: Sequence[ChunkKey] = ()) -> None:
-        self.raw.poke(key, value, preceding)
+class BlockTierHarness(RawAccess):
+    """A tier with no host buffer, moving a CPU engine's blocks (one bf16 tensor) through a
+    ``MappedMover`` over the server's pool; the engine's bytes are read and written out of band."""
 
-    def close(self) -> None:
-        self.backend.close()
-        self.raw.close()
+    def __init__(self, server: LMCacheServer) -> None:
+        config, model = _config(server)
+        tensor = torch.zeros(LAYOUT.shape, dtype=torch.bfloat16)
+        kv = EngineKV.register([tensor], LAYOUT)
+        self._memory = tensor.reshape(-1).view(torch.uint8).numpy()
+        self.num_engine_blocks = LAYOUT.num_blocks
+        self.block_bytes = kv.host_block_bytes
+        self.blocks_per_chunk = VALUE_BYTES // self.block_bytes
+        self.backend = LMCacheManagedTier(
+            config,
+            None,
+            value_bytes=VALUE_BYTES,
+            chunk_tokens=server.chunk_tokens,
+            model_name=model,
+            block_movers=MappedMovers(kv),
+            block_bytes=self.block_bytes,
+        )
+        self.raw = RawClient(server.url, model, VALUE_BYTES, server.chunk_tokens, align=self.block_bytes)
+
+    def read_engine_block(self, block: int) -> bytes:
+        return b"".join(self._memory[s.offset : s.stop].tobytes() for s in LAYOUT.segments(block))
+
+    def write_engine_block(self, block: int, data: bytes) -> None:
+        source = np.frombuffer(data, dtype=np.uint8)
+        at = 0
+        for segment in LAYOUT.segments(block):
+            self._memory[segment.offset : segment.stop] = source[at : at + segment.length]
+            at += segment.length
 
 
 class TestLMCacheManagedTier(ManagedTierTests[LMCacheManagedTier]):
     @pytest.fixture
     def harness(self, lmcache_server: LMCacheServer) -> Iterator[TierHarness]:
         with contextlib.closing(TierHarness(lmcache_server)) as harness:
+            yield harness
+
+
+class TestLMCacheBlockTransfer(BlockTransferTests[LMCacheManagedTier]):
+    @pytest.fixture
+    def harness(self, lmcache_server: LMCacheServer) -> Iterator[BlockTierHarness]:
+        with contextlib.closing(BlockTierHarness(lmcache_server)) as harness:
             yield harness

@@ -9,10 +9,15 @@ from kvcore.ports import (
     ChunkIndex,
     ChunkStore,
     ManagedTier,
+    OrderedMover,
     PeerTransport,
+    RemoteTier,
+    SupportsBlockTransfer,
     SupportsClear,
     SupportsImmediateLookup,
 )
+from kvcore.remote import ManagedRemote, StoreRemote
+from kvcore_cpu.checksums import ChecksummedMover
 from kvcore_cpu.mover import TorchBlockMover
 from kvcore_lmcache import LMCacheChunkIndex, LMCacheManagedTier
 from kvcore_mooncake.index import MooncakeChunkIndex
@@ -20,8 +25,8 @@ from kvcore_mooncake.pd import MooncakePeerTransport
 from kvcore_mooncake.store import MooncakeChunkStore
 
 
-def cpu_mover(mover: TorchBlockMover) -> BlockMover:
-    return mover
+def cpu_mover(mover: TorchBlockMover, checked: ChecksummedMover) -> tuple[OrderedMover, BlockMover]:
+    return mover, checked
 
 
 def pool_index(pool: BlockPool) -> tuple[ChunkIndex, SupportsImmediateLookup]:
@@ -41,8 +46,12 @@ def mooncake_peer(transport: MooncakePeerTransport) -> PeerTransport:
     return transport
 
 
-def lmcache_tier(tier: LMCacheManagedTier) -> ManagedTier:
-    return tier
+def lmcache_tier(tier: LMCacheManagedTier) -> tuple[ManagedTier, SupportsBlockTransfer]:
+    return tier, tier
+
+
+def remotes(store: StoreRemote, managed: ManagedRemote) -> tuple[RemoteTier, RemoteTier]:
+    return store, managed
 
 
 def lmcache_index(index: LMCacheChunkIndex) -> ChunkIndex:

@@ -7,7 +7,9 @@ from kvcore.ports import (
     ChunkIndex,
     ChunkStore,
     ManagedTier,
+    OrderedMover,
     PeerTransport,
+    SupportsBlockTransfer,
     SupportsClear,
     SupportsImmediateLookup,
 )
@@ -15,6 +17,7 @@ from kvcore.testing.capabilities import SupportsFailureInjection, SupportsPinnin
 from kvcore.testing.memory import (
     InMemoryAddressSpace,
     InMemoryBlockMover,
+    InMemoryBlockTransferTier,
     InMemoryChunkIndex,
     InMemoryChunkStore,
     InMemoryManagedTier,
@@ -26,11 +29,17 @@ def ports(host: bytearray, space: InMemoryAddressSpace) -> None:
     index: ChunkIndex = InMemoryChunkIndex()
     immediate: SupportsImmediateLookup = InMemoryChunkIndex()
     mover: BlockMover = InMemoryBlockMover(num_engine_blocks=1, num_host_blocks=1, layer_block_bytes=1)
+    ordered: OrderedMover = InMemoryBlockMover(num_engine_blocks=1, num_host_blocks=1, layer_block_bytes=1)
     store: ChunkStore = InMemoryChunkStore(host)
     managed: ManagedTier = InMemoryManagedTier(host)
+    blocks: SupportsBlockTransfer = InMemoryBlockTransferTier(
+        host,
+        engine=InMemoryBlockMover(num_engine_blocks=1, num_host_blocks=1, layer_block_bytes=1),
+        blocks_per_chunk=1,
+    )
     peer: PeerTransport = InMemoryPeerTransport(space, "peer")
     clearable: list[SupportsClear] = [InMemoryChunkIndex(), InMemoryChunkStore(host)]
-    del index, immediate, mover, store, managed, peer, clearable
+    del index, immediate, mover, ordered, store, managed, blocks, peer, clearable
 
 
 def hooks(host: bytearray, space: InMemoryAddressSpace) -> None:

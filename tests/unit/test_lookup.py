@@ -42,6 +42,9 @@ class RemoteOnly:
     def cancel_lookup(self, lookup_id: LookupId) -> None:
         self.index.cancel_lookup(lookup_id)
 
+    def close(self) -> None:
+        self.index.close()
+
 
 def keys(*names: str) -> list[tuple[ChunkKey, ...]]:
     return [(ChunkKey(n),) for n in names]

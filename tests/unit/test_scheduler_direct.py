@@ -79,6 +79,9 @@ class DirectTier:
     def end_session(self, session: str) -> None:
         pass
 
+    def close(self) -> None:
+        """Nothing to release: a test's tier lives in memory."""
+
     def poll(self) -> tuple[JobResult, ...]:
         return self.board.poll()
 
@@ -116,6 +119,9 @@ class ValueIndex:
 
     def cancel_lookup(self, lookup_id: LookupId) -> None:
         pass
+
+    def close(self) -> None:
+        """Nothing to release: the values are the tier's."""
 
 
 class Engine:

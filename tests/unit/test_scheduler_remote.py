@@ -56,6 +56,9 @@ class StoreIndex:
     def cancel_lookup(self, lookup_id: LookupId) -> None:
         pass
 
+    def close(self) -> None:
+        self.down = True
+
 
 def answer(sched: CacheScheduler, rid: str, tokens: Sequence[int]) -> int:
     for _ in range(100):
@@ -164,6 +167,7 @@ class Deferred:
         self.submit_lookup = index.submit_lookup
         self.poll_lookup = index.poll_lookup
         self.cancel_lookup = index.cancel_lookup
+        self.close = index.close
 
 
 def test_a_pending_remote_lookup_is_asked_again() -> None:

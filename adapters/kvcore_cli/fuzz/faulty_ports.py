@@ -254,6 +254,10 @@ class _FaultyIndex:
     def cancel_lookup(self, lookup_id: LookupId) -> None:
         self.inner.cancel_lookup(lookup_id)
 
+    def close(self) -> None:
+        self.resume()
+        self.inner.close()
+
 
 def _describe(transfer: BlockTransfer) -> str:
     return f"{transfer.direction.value} e{list(transfer.engine_blocks)} h{list(transfer.host_blocks)}"

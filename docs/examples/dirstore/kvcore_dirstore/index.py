@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvcore.errors import BackendUnavailable
 from kvcore.ids import ChunkKey, LookupId
 from kvcore_dirstore.files import chunk_path
 
@@ -20,6 +21,7 @@ class DirChunkIndex:
         self._root = root
         self._ids = itertools.count(1)
         self._answers: dict[LookupId, int] = {}
+        self._closed = False
         root.mkdir(parents=True, exist_ok=True)
 
     def lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> int:
@@ -33,12 +35,23 @@ class DirChunkIndex:
     def submit_lookup(
         self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
     ) -> LookupId:
+        self._check_open()
         lookup_id = LookupId(next(self._ids))
         self._answers[lookup_id] = self.lookup(chunks)
         return lookup_id
 
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
+        self._check_open()
         return self._answers.pop(lookup_id, 0)
 
     def cancel_lookup(self, lookup_id: LookupId) -> None:
         self._answers.pop(lookup_id, None)
+
+    def close(self) -> None:
+        """Answer no more lookups (the files stay)."""
+        self._closed = True
+        self._answers.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendUnavailable("the dirstore index is closed")

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
-from kvcore.errors import InvalidSpecError
+from kvcore.errors import InvalidSpecError, UsageError
 from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobBoard, JobResult
 from kvcore.ports import StoreItem
@@ -22,13 +22,15 @@ class DirChunkStore:
 
     Jobs run inline, in ``submit_*``: the files are local and small (one chunk each), and the worker
     calls a store off the engine's critical path only for saves. A store whose I/O can be slow (a network
-    filesystem) would run them on a thread and finish them through the same ``JobBoard``.
+    filesystem) would run them on a thread and finish them through the same ``JobBoard``. It holds
+    nothing but the host pool, which ``close`` hands back: later submits raise ``UsageError``.
     """
 
     def __init__(self, root: Path, host: memoryview) -> None:
         self._root = root
         self._host = host.cast("B")
         self._board = JobBoard()
+        self._closed = False
         root.mkdir(parents=True, exist_ok=True)
 
     def exists(self, keys: Sequence[ChunkKey]) -> tuple[bool, ...]:
@@ -63,8 +65,14 @@ class DirChunkStore:
     def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
         return self._board.wait(job_ids, timeout)
 
+    def close(self) -> None:
+        self._closed = True
+
     def _check(self, items: Sequence[StoreItem]) -> None:
-        """Refuse items outside the host pool before any byte moves (the port's bad-input contract)."""
+        """Refuse items outside the host pool before any byte moves (the port's bad-input contract), and
+        every item once closed."""
+        if self._closed:
+            raise UsageError("the dirstore is closed")
         for i, item in enumerate(items):
             if not (item.offset >= 0 and item.length > 0 and item.offset + item.length <= len(self._host)):
                 raise InvalidSpecError(
