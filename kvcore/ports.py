@@ -11,6 +11,9 @@ Every asynchronous method hands out a ``JobId``; results come back once through 
 Each method says what state a failure leaves. Implementations map their native failures to
 ``kvcore.errors`` at their edge; nothing else may escape them. Every port that holds threads, sockets or
 memory ends with ``close``: idempotent, it refuses new work and says what becomes of the work in flight.
+
+One module on purpose, though it is long: it is the whole contract a backend author reads, and every
+port's docstring is its specification (the conformance suite checks what they say).
 """
 
 from __future__ import annotations

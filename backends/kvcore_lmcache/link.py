@@ -7,7 +7,8 @@ accepts the registration and answers it with an empty pool name and size 0). The
 these into "unavailable for now" (callers then miss at once) and a background heartbeat brings it back:
 it pings (so the server does not reap this worker), re-registers the layout (a restarted server has
 forgotten it) and re-maps the segment when the server created a new one. Every wait on the server is
-bounded by the configured request timeout.
+bounded by the configured request timeout. (A little over 400 lines: the heartbeat and the calls it
+guards share the connection's state and its lock.)
 """
 
 from __future__ import annotations

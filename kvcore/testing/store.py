@@ -3,7 +3,9 @@
 A backend's test module subclasses ``ChunkStoreTests[MyStore]`` and defines ``make_harness``: a context
 manager that yields a ``StoreHarness``, the store, its registered host buffer, and ``peek``/``poke`` of
 stored values that bypass the store, so that the store itself is what is tested.
-``chunk_store_state_machine(factory)`` builds the stateful test from the same factory.
+``chunk_store_state_machine(factory)`` builds the stateful test from the same factory. The suite and
+its state machine share one module (a little over 400 lines): the machine checks the same contract
+against a model, and apart they would drift.
 """
 
 from __future__ import annotations

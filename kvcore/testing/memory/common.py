@@ -1,0 +1,186 @@
+"""Shared by the in-memory references: the job lane and gate, value storage, item checks, ``POISON``."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Sequence
+from contextlib import AbstractContextManager
+from functools import partial
+from typing import ClassVar
+
+from kvcore.errors import (
+    BackendUnavailable,
+    ConfigError,
+    InvalidSpecError,
+    KVCoreError,
+    UsageError,
+)
+from kvcore.ids import ChunkKey, JobId
+from kvcore.jobs import JobBoard, JobResult
+from kvcore.lane import JobLane
+from kvcore.ports import StoreItem
+from kvcore.testing.faults import InjectedFaults
+
+__all__ = [
+    "POISON",
+    "Gate",
+    "Jobs",
+    "Values",
+    "Work",
+    "check_answering",
+    "check_items",
+    "check_positive",
+    "copy_out",
+]
+
+
+POISON = 0xA5
+"""The byte written over the destination of a failed item."""
+
+Work = Callable[[JobId], JobResult]
+
+
+def check_positive(name: str, value: int | None, expected: str = "an integer >= 1") -> None:
+    if value is not None and value < 1:
+        raise ConfigError(name, value, expected)
+
+
+class Gate:
+    """Stalls and injected failures, shared by every reference backend.
+
+    One re-entrant condition guards the backend's own state: a reference backend does one thing at a
+    time, which is what makes it obviously right.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.RLock())
+        self._faults = InjectedFaults()
+
+    def fail_next(self, count: int) -> None:
+        """The next ``count`` items processed fail (see ``SupportsFailureInjection``)."""
+        self._faults.fail_next(count)
+
+    def stall(self) -> AbstractContextManager[None]:
+        """While inside, queued jobs and pending lookups do not finish."""
+        return self._faults.stall()
+
+    def _take_failure(self) -> bool:
+        return self._faults.take(1) == 1
+
+
+class Jobs(Gate):
+    """Jobs in submission order on a ``JobLane``, with results handed out by a ``JobBoard``.
+
+    ``close`` refuses later submits with ``refused_after_close`` (the port's error); jobs queued before
+    it still run.
+    """
+
+    refused_after_close: ClassVar[type[KVCoreError]] = UsageError
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._board = JobBoard()
+        self._lane = JobLane(f"{type(self).__name__}-jobs")
+        self._closed = False
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+
+    def _check_open(self, call: str) -> None:
+        with self._cond:
+            if self._closed:
+                raise self.refused_after_close(f"{call}: this {type(self).__name__} is closed")
+
+    def poll(self) -> tuple[JobResult, ...]:
+        return self._board.poll()
+
+    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
+        return self._board.wait(job_ids, timeout)
+
+    def _submit(self, work: Work) -> JobId:
+        with self._cond:
+            self._check_open("submit")
+            job_id = self._board.new()
+            self._lane.submit(partial(self._run, job_id, work), partial(self._fail, job_id))
+            return job_id
+
+    def _run(self, job_id: JobId, work: Work) -> None:
+        self._faults.wait_released()
+        self._board.finish(work(job_id))
+
+    def _fail(self, job_id: JobId, why: str) -> None:
+        """A job whose work raised: a bug in the reference, which the lane logs; the job still ends."""
+        self._board.finish(JobResult(job_id, error=why))
+
+
+def check_items(items: Sequence[StoreItem], host_size: int) -> None:
+    for i, item in enumerate(items):
+        if item.offset < 0 or item.length < 1 or item.offset + item.length > host_size:
+            raise InvalidSpecError(
+                f"item {i} ({item.key}) spans [{item.offset}, {item.offset + item.length}), "
+                f"outside the host buffer of {host_size} bytes"
+            )
+
+
+class Values:
+    """Values by key, least recently used first, under an optional bound in bytes.
+
+    ``reserved`` counts bytes promised to puts in flight: they take room but cannot be evicted.
+    """
+
+    def __init__(self, capacity: int | None) -> None:
+        check_positive("capacity", capacity, "a number of bytes >= 1, or None for no bound")
+        self.capacity = capacity
+        self.data: OrderedDict[ChunkKey, bytes] = OrderedDict()
+        self.reserved: dict[ChunkKey, int] = {}
+
+    def used(self) -> int:
+        return sum(map(len, self.data.values())) + sum(self.reserved.values())
+
+    def make_room(self, length: int, protected: Callable[[ChunkKey], bool]) -> bool:
+        """Evict unprotected values, oldest first, until ``length`` more bytes fit; False (evicting
+        nothing) when they cannot."""
+        if self.capacity is None:
+            return True
+        victims = [k for k in self.data if not protected(k)]
+        evictable = sum(len(self.data[k]) for k in victims)
+        if self.used() - evictable + length > self.capacity:
+            return False
+        for key in victims:
+            if self.used() + length <= self.capacity:
+                break
+            del self.data[key]
+        return True
+
+
+# -- scheduler side ------------------------------------------------------------------------------------
+
+
+def check_answering(closed: bool, owner: object) -> None:
+    """A closed index or tier answers no lookup (``ChunkIndex.close``)."""
+    if closed:
+        raise BackendUnavailable(f"this {type(owner).__name__} is closed: it answers no lookup")
+
+
+# -- worker side ---------------------------------------------------------------------------------------
+
+
+def copy_out(
+    host: bytearray,
+    items: Sequence[StoreItem],
+    value_of: Callable[[ChunkKey], bytes | None],
+    take_failure: Callable[[], bool],
+) -> tuple[int, ...]:
+    """Copy each item's value into its host bytes; poison and list the misses and failures."""
+    failed: list[int] = []
+    for i, item in enumerate(items):
+        span = slice(item.offset, item.offset + item.length)
+        value = value_of(item.key)
+        if take_failure() or value is None or len(value) != item.length:
+            failed.append(i)
+            host[span] = bytes([POISON]) * item.length
+        else:
+            host[span] = value
+    return tuple(failed)

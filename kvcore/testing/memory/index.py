@@ -1,0 +1,125 @@
+"""The in-memory reference ``ChunkIndex`` (and ``SupportsImmediateLookup``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+
+from kvcore.errors import (
+    BackendError,
+    UsageError,
+)
+from kvcore.ids import ChunkKey, LookupId
+from kvcore.testing.memory.common import Gate, check_answering, check_positive
+
+__all__ = ["InMemoryChunkIndex"]
+
+
+class InMemoryChunkIndex(Gate):
+    """A set of keys answering ``ChunkIndex`` and ``SupportsImmediateLookup``.
+
+    Optionally bounded to ``capacity`` keys: adding to a full index evicts the least recently added (or
+    re-added) key that is not pinned; when every key is pinned the new key is refused. Submitted lookups
+    are answered from the keys held when they are polled. Once closed, it answers none
+    (``BackendUnavailable``); the immediate ``lookup`` still answers.
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
+        super().__init__()
+        check_positive("capacity", capacity, "a number of keys >= 1, or None for no bound")
+        self.capacity = capacity
+        self._keys: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._pins: Counter[ChunkKey] = Counter()
+        self._lookups: dict[LookupId, tuple[tuple[ChunkKey, ...], ...]] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        with self._cond:
+            return key in self._keys
+
+    def add(self, keys: Iterable[ChunkKey]) -> tuple[bool, ...]:
+        """Hold ``keys``, each becoming the most recent; says whether each is held afterwards."""
+        with self._cond:
+            return tuple(self._add(key) for key in keys)
+
+    def _add(self, key: ChunkKey) -> bool:
+        if key in self._keys:
+            self._keys.move_to_end(key)
+            return True
+        if self.capacity is not None and len(self._keys) >= self.capacity:
+            victim = next((k for k in self._keys if not self._pins[k]), None)
+            if victim is None:
+                return False
+            del self._keys[victim]
+        self._keys[key] = None
+        return True
+
+    def discard(self, keys: Iterable[ChunkKey]) -> None:
+        """Drop ``keys``, pinned or not; absent keys are ignored."""
+        with self._cond:
+            for key in keys:
+                self._keys.pop(key, None)
+
+    def pin(self, keys: Sequence[ChunkKey]) -> None:
+        """Protect ``keys`` from eviction; pins count, so pin twice, unpin twice."""
+        with self._cond:
+            self._pins.update(keys)
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        """Release one pin of each key; raises ``UsageError`` (changing nothing) for an unpinned key."""
+        with self._cond:
+            unpinned = [k for k, n in Counter(keys).items() if self._pins[k] < n]
+            if unpinned:
+                raise UsageError(f"unpin of keys not pinned: {unpinned}")
+            self._pins.subtract(keys)
+            self._pins = +self._pins
+
+    def clear(self) -> None:
+        """Drop every key (pins stay with their owners); pending lookups see the empty index."""
+        with self._cond:
+            self._keys.clear()
+
+    def lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> int:
+        with self._cond:
+            return self._count(chunks)
+
+    def _count(self, chunks: Iterable[Sequence[ChunkKey]]) -> int:
+        return sum(1 for _ in itertools.takewhile(lambda c: all(k in self._keys for k in c), chunks))
+
+    def submit_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
+        """Record ``chunks``, answered when polled; keys stand alone here, so ``preceding`` is ignored."""
+        with self._cond:
+            check_answering(self._closed, self)
+            lookup_id = LookupId(next(self._ids))
+            self._lookups[lookup_id] = tuple(tuple(c) for c in chunks)
+            return lookup_id
+
+    def poll_lookup(self, lookup_id: LookupId) -> int | None:
+        """The answer, once; ``UsageError`` for an id that is unknown, cancelled or already answered."""
+        with self._cond:
+            check_answering(self._closed, self)
+            if lookup_id not in self._lookups:
+                raise UsageError(f"lookup {lookup_id} is unknown, cancelled or already answered")
+            if self._faults.stalled:
+                return None
+            chunks = self._lookups.pop(lookup_id)
+            if self._take_failure():
+                raise BackendError(f"lookup {lookup_id} failed (injected)")
+            return self._count(chunks)
+
+    def cancel_lookup(self, lookup_id: LookupId) -> None:
+        with self._cond:
+            self._lookups.pop(lookup_id, None)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._lookups.clear()

@@ -1,0 +1,112 @@
+"""The in-memory reference ``ChunkStore`` (and ``SupportsClear``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from functools import partial
+
+from kvcore.ids import ChunkKey, JobId
+from kvcore.jobs import JobResult
+from kvcore.ports import StoreItem
+from kvcore.testing.memory.common import Jobs, Values, check_items, copy_out
+
+__all__ = ["InMemoryChunkStore"]
+
+
+class InMemoryChunkStore(Jobs):
+    """A dict of values over one registered host ``bytearray``, optionally bounded in bytes.
+
+    A put reserves room when submitted, evicting the least recently used values that no get in flight
+    reads (leased); an item that finds no room fails. ``clear`` fails the puts in flight, so none
+    resurrects a value after it.
+    """
+
+    def __init__(self, host: bytearray, capacity: int | None = None) -> None:
+        super().__init__()
+        self._host = host
+        self._values = Values(capacity)
+        self._leases: Counter[ChunkKey] = Counter()
+        self._generation = 0
+
+    @property
+    def capacity(self) -> int | None:
+        return self._values.capacity
+
+    def __len__(self) -> int:
+        """Values held."""
+        with self._cond:
+            return len(self._values.data)
+
+    def exists(self, keys: Sequence[ChunkKey]) -> tuple[bool, ...]:
+        with self._cond:
+            return tuple(k in self._values.data for k in keys)
+
+    def submit_put(self, items: Sequence[StoreItem]) -> JobId:
+        check_items(items, len(self._host))
+        items = tuple(items)
+        with self._cond:
+            reserved: list[int] = []
+            for i, item in enumerate(items):
+                if item.key in self._values.data or item.key in self._values.reserved:
+                    continue
+                if self._values.make_room(item.length, lambda k: self._leases[k] > 0):
+                    self._values.reserved[item.key] = item.length
+                    reserved.append(i)
+            work = partial(self._put, items, frozenset(reserved), self._generation)
+            return self._submit(work)
+
+    def _put(
+        self, items: tuple[StoreItem, ...], reserved: frozenset[int], generation: int, job_id: JobId
+    ) -> JobResult:
+        failed: list[int] = []
+        with self._cond:
+            for i, item in enumerate(items):
+                if i in reserved:
+                    del self._values.reserved[item.key]
+                injected = self._take_failure()
+                present = item.key in self._values.data
+                if injected or (i not in reserved and not present) or generation != self._generation:
+                    failed.append(i)
+                elif not present:
+                    self._values.data[item.key] = bytes(self._host[item.offset : item.offset + item.length])
+        return JobResult(job_id, tuple(failed))
+
+    def submit_get(self, items: Sequence[StoreItem]) -> JobId:
+        check_items(items, len(self._host))
+        items = tuple(items)
+        with self._cond:
+            leased = [item.key for item in items if item.key in self._values.data]
+            self._leases.update(leased)
+            for key in leased:
+                self._values.data.move_to_end(key)
+            return self._submit(partial(self._get, items, tuple(leased)))
+
+    def _get(self, items: tuple[StoreItem, ...], leased: tuple[ChunkKey, ...], job_id: JobId) -> JobResult:
+        with self._cond:
+            failed = copy_out(self._host, items, self._values.data.get, self._take_failure)
+            self._leases.subtract(leased)
+            self._leases = +self._leases
+        return JobResult(job_id, failed)
+
+    def remove(self, keys: Sequence[ChunkKey]) -> None:
+        with self._cond:
+            for key in keys:
+                self._values.data.pop(key, None)
+
+    def clear(self) -> None:
+        with self._cond:
+            self._values.data.clear()
+            self._generation += 1
+
+    # Out-of-band access, for tests.
+
+    def peek(self, key: ChunkKey) -> bytes | None:
+        with self._cond:
+            return self._values.data.get(key)
+
+    def poke(self, key: ChunkKey, value: bytes) -> None:
+        """Set a value directly (the most recent; no capacity check)."""
+        with self._cond:
+            self._values.data[key] = bytes(value)
+            self._values.data.move_to_end(key)
