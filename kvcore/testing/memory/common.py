@@ -26,6 +26,7 @@ __all__ = [
     "POISON",
     "Gate",
     "Jobs",
+    "ValueJobs",
     "Values",
     "Work",
     "check_answering",
@@ -184,3 +185,25 @@ def copy_out(
         else:
             host[span] = value
     return tuple(failed)
+
+
+class ValueJobs(Jobs):
+    """``Jobs`` of a reference that holds values over a host buffer (a store, a managed tier), with the
+    out-of-band access the conformance harnesses use (``peek``, ``poke``)."""
+
+    def __init__(self, host: bytearray, capacity: int | None) -> None:
+        super().__init__()
+        self._host = host
+        self._values = Values(capacity)
+
+    # Out-of-band access, for tests.
+
+    def peek(self, key: ChunkKey) -> bytes | None:
+        with self._cond:
+            return self._values.data.get(key)
+
+    def poke(self, key: ChunkKey, value: bytes) -> None:
+        """Set a value directly (the most recent; no capacity check)."""
+        with self._cond:
+            self._values.data[key] = bytes(value)
+            self._values.data.move_to_end(key)

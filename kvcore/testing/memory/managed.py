@@ -17,8 +17,7 @@ from kvcore.jobs import JobResult
 from kvcore.ports import BlockItem, StoreItem
 from kvcore.testing.memory.common import (
     POISON,
-    Jobs,
-    Values,
+    ValueJobs,
     Work,
     check_answering,
     check_items,
@@ -30,7 +29,7 @@ from kvcore.testing.memory.mover import InMemoryBlockMover
 __all__ = ["InMemoryBlockTransferTier", "InMemoryManagedTier"]
 
 
-class InMemoryManagedTier(Jobs):
+class InMemoryManagedTier(ValueJobs):
     """A tier that owns its memory: values over one host ``bytearray``, sessions that lock lookup hits.
 
     A lookup locks its hits for the session; a retrieve releases the session's lock on what it read and
@@ -43,9 +42,7 @@ class InMemoryManagedTier(Jobs):
     refused_after_close = BackendUnavailable
 
     def __init__(self, host: bytearray, capacity: int | None = None) -> None:
-        super().__init__()
-        self._host = host
-        self._values = Values(capacity)
+        super().__init__(host, capacity)
         self._locks: dict[RequestId, Counter[ChunkKey]] = {}
         self._lookups: dict[LookupId, int] = {}
         self._ids = itertools.count(1)
@@ -149,18 +146,6 @@ class InMemoryManagedTier(Jobs):
         with self._cond:
             super().close()
             self._lookups.clear()
-
-    # Out-of-band access, for tests.
-
-    def peek(self, key: ChunkKey) -> bytes | None:
-        with self._cond:
-            return self._values.data.get(key)
-
-    def poke(self, key: ChunkKey, value: bytes) -> None:
-        """Set a value directly (the most recent; no capacity check)."""
-        with self._cond:
-            self._values.data[key] = bytes(value)
-            self._values.data.move_to_end(key)
 
 
 def _outside(chain: Sequence[ChunkKey]) -> Callable[[ChunkKey], bool]:

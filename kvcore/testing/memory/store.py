@@ -9,12 +9,12 @@ from functools import partial
 from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobResult
 from kvcore.ports import StoreItem
-from kvcore.testing.memory.common import Jobs, Values, check_items, copy_out
+from kvcore.testing.memory.common import ValueJobs, check_items, copy_out
 
 __all__ = ["InMemoryChunkStore"]
 
 
-class InMemoryChunkStore(Jobs):
+class InMemoryChunkStore(ValueJobs):
     """A dict of values over one registered host ``bytearray``, optionally bounded in bytes.
 
     A put reserves room when submitted, evicting the least recently used values that no get in flight
@@ -23,9 +23,7 @@ class InMemoryChunkStore(Jobs):
     """
 
     def __init__(self, host: bytearray, capacity: int | None = None) -> None:
-        super().__init__()
-        self._host = host
-        self._values = Values(capacity)
+        super().__init__(host, capacity)
         self._leases: Counter[ChunkKey] = Counter()
         self._generation = 0
 
@@ -98,15 +96,3 @@ class InMemoryChunkStore(Jobs):
         with self._cond:
             self._values.data.clear()
             self._generation += 1
-
-    # Out-of-band access, for tests.
-
-    def peek(self, key: ChunkKey) -> bytes | None:
-        with self._cond:
-            return self._values.data.get(key)
-
-    def poke(self, key: ChunkKey, value: bytes) -> None:
-        """Set a value directly (the most recent; no capacity check)."""
-        with self._cond:
-            self._values.data[key] = bytes(value)
-            self._values.data.move_to_end(key)
