@@ -18,8 +18,11 @@ through it), which the filler's own saves then take over: reuse comes from the s
 of kvcore (engine-driven mode over shared memory, as kvcore uses it): the baseline for kvcore's LMCache
 backend, run the same way.
 
-Run: ``python -m benchmarks.bench_ttft [--backend cpu|lmcache|lmcache-pool|lmcache-native]``
-(``--quick``: 2k tokens, one repeat).
+``--load-mode sync|async|auto`` sets kvcore's ``load_mode`` (docs/vllm.md): the same reuse with the
+forward pass waiting for the load, or with the request waiting for it alone.
+
+Run: ``python -m benchmarks.bench_ttft [--backend cpu|lmcache|lmcache-pool|lmcache-native]
+[--load-mode auto|sync|async]`` (``--quick``: 2k tokens, one repeat).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--backend", choices=("cpu", "lmcache", "lmcache-pool", "lmcache-native"), default="cpu"
     )
+    parser.add_argument("--load-mode", choices=("auto", "sync", "async"), default="auto")
     args = parser.parse_args(argv)
     lengths, repeats = ((2048,), 1) if args.quick else ((2048, 6144), 3)
     root = Path(tempfile.mkdtemp(prefix="kvcore-ttft-"))
@@ -88,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.backend == "lmcache-native":
                 connector = "LMCacheMPConnector"
                 extra = {"lmcache.mp.server_urls": url, "lmcache.mp.mp_transfer_mode": "engine_driven"}
+        if connector == "KVCoreConnector":
+            extra["load_mode"] = args.load_mode
         llm = LLM(
             model=str(model),
             max_model_len=8192,
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows = _measure(llm, lengths, repeats)
     header = ("prompt", "recompute s", "local hit s", "reuse s", "reuse/local", "speed-up")
-    print(f"backend: {args.backend}")
+    print(f"backend: {args.backend}, load mode: {args.load_mode}")
     print("{:>7} {:>12} {:>12} {:>9} {:>13} {:>9}".format(*header))
     for length, t in rows:
         print(

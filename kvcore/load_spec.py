@@ -1,9 +1,13 @@
 """Load specs: which blocks of a request to fill from a tier, given what the engine already holds.
 
-The rules: a load starts exactly at the first block the engine does not hold (a block the
-engine holds is never written, even inside a chunk), is block-aligned, and never covers the whole prompt —
-at least one token is always computed, so the engine has logits to sample from. Only what was actually
-loaded counts as extra cached tokens.
+The rules: a load starts exactly at the first block the engine does not hold (a block the engine holds is
+never written, even inside a chunk) and never covers the whole prompt — at least one token is always
+computed, so the engine has logits to sample from. It stops where the tier's hit or the prompt's last token
+does, which need not be a block boundary: when the tier holds the whole prompt, everything but its last
+token is loaded. Copies move whole blocks, so the last block written may hold positions past the load's
+stop; the engine computes those positions (from ``stop`` on) before any token attends to them, and an
+engine hashes a block into its own prefix cache only once it is full, so those bytes are never served.
+Only what was actually loaded counts as extra cached tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ class LoadSpec:
     """One request's load: tokens ``[start, stop)`` come from the tier, the engine computes the rest.
 
     ``local_tokens`` is the engine's own prefix hit; ``external_tokens`` what the tier holds (before
-    capping to the prompt and to block boundaries).
+    capping to the prompt). ``is_async``: the engine runs the load beside its steps, the request waiting
+    for it alone (set when the load starts).
     """
 
     local_tokens: int = field(validator=ge(0))
@@ -54,7 +59,12 @@ class LoadSpec:
 
     @property
     def num_blocks(self) -> int:
-        return self.num_tokens // self.block_tokens
+        """Blocks written, the last one partly where ``stop`` is not a block boundary."""
+        return -(-self.num_tokens // self.block_tokens)
+
+    def tokens_in(self, num_blocks: int) -> int:
+        """Tokens of the load carried by its first ``num_blocks`` blocks."""
+        return max(0, min(self.stop, (self.first_block + num_blocks) * self.block_tokens) - self.start)
 
     def pieces(self, chunk_tokens: int) -> tuple[ChunkPiece, ...]:
         """The chunks this load reads from, and which of their blocks, in request order."""
@@ -79,8 +89,7 @@ class LoadSpec:
         first of them on, so nothing after it counts.
         """
         stop_block = min((b for b in failed_blocks if b >= self.first_block), default=None)
-        stop = self.stop if stop_block is None else min(self.stop, stop_block * self.block_tokens)
-        return max(0, stop - self.start)
+        return self.tokens_in(self.num_blocks if stop_block is None else stop_block - self.first_block)
 
 
 def hit_tokens(hit_chunks: int, chunk_token_counts: Sequence[int]) -> int:
@@ -103,14 +112,13 @@ def check_local_tokens(prompt_tokens: int, local_tokens: int, block_tokens: int)
 
 
 def plan_load(
-    *, prompt_tokens: int, local_tokens: int, external_tokens: int, block_tokens: int, is_async: bool = False
+    *, prompt_tokens: int, local_tokens: int, external_tokens: int, block_tokens: int
 ) -> LoadSpec | None:
     """The load for one request, or ``None`` when the tier adds nothing to the engine's own hit."""
     check_local_tokens(prompt_tokens, local_tokens, block_tokens)
     if external_tokens < 0:
         raise InvalidSpecError(f"external_tokens must be >= 0, got {external_tokens}")
-    usable = min(external_tokens, prompt_tokens - 1)
-    stop = usable - usable % block_tokens
+    stop = min(external_tokens, prompt_tokens - 1)
     if stop <= local_tokens:
         return None
-    return LoadSpec(local_tokens, external_tokens, local_tokens, stop, block_tokens, is_async)
+    return LoadSpec(local_tokens, external_tokens, local_tokens, stop, block_tokens)

@@ -1,12 +1,12 @@
 """The scheduler side of kvcore for any engine: lookups, load specs, slot bookkeeping and the step's ops.
 
 It decides everything and touches no KV byte: it keys a request's chunks (``request_keys``), asks the
-index how many leading chunks it holds, turns that into a block-aligned ``LoadSpec``, pins slots for
-loads and reserves slots for saves in the ``BlockPool`` (what is worth saving: ``admission``), and hands
-the copies to the workers as ``BlockOp``s in a ``StepPlan``. Worker reports come back through
-``complete`` (the ops in flight: ``ledger``); only then are pins released and stores published, because a
-copy in flight may still read or write a slot. Failures never raise into the engine: a failed load is a
-list of blocks to recompute, a failed save a dropped slot.
+index how many leading chunks it holds, turns that into a ``LoadSpec`` (whole blocks, up to the prompt's
+last token), pins slots for loads and reserves slots for saves in the ``BlockPool`` (what is worth
+saving: ``admission``), and hands the copies to the workers as ``BlockOp``s in a ``StepPlan``. Worker
+reports come back through ``complete`` (the ops in flight: ``ledger``); only then are pins released and
+stores published, because a copy in flight may still read or write a slot. Failures never raise into the
+engine: a failed load is a list of blocks to recompute, a failed save a dropped slot.
 
 This module is the façade: each public method is the engine-facing contract of one event (lookup, load,
 save, step, end, preempt, reset) in one place, composed of the modules named above; it is longer than the
@@ -27,6 +27,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import cast
 
+import attrs
 from attrs import frozen
 
 from kvcore.admission import Sightings
@@ -62,6 +63,7 @@ class SchedulerStats:
     lookups: int
     hit_tokens: int
     loaded_blocks: int
+    async_loads: int  # loads started asynchronously (``start_load(is_async=True)``)
     saved_blocks: int
     failed_load_blocks: int
     failed_save_chunks: int
@@ -168,6 +170,7 @@ class CacheScheduler:
                 "lookups",
                 "hit_tokens",
                 "loaded_blocks",
+                "async_loads",
                 "saved_blocks",
                 "failed_load_blocks",
                 "failed_save_chunks",
@@ -192,7 +195,6 @@ class CacheScheduler:
         num_tokens: int | None = None,
         local_tokens: int = 0,
         extra: ExtraKeys = NO_EXTRA,
-        is_async: bool = False,
     ) -> int | None:
         """Tokens the tier can load beyond the engine's own ``local_tokens`` hit; ``None``: ask again.
 
@@ -229,12 +231,16 @@ class CacheScheduler:
             local_tokens=local_tokens,
             external_tokens=external,
             block_tokens=self.block_tokens,
-            is_async=is_async,
         )
         return req.load.num_tokens if req.load is not None else 0
 
-    def start_load(self, request_id: RequestId, block_ids: Sequence[int | None]) -> int:
+    def start_load(
+        self, request_id: RequestId, block_ids: Sequence[int | None], *, is_async: bool = False
+    ) -> int:
         """Queue the load decided by ``lookup`` into the request's engine blocks; returns tokens queued.
+
+        ``is_async``: the engine runs this load beside its steps (the request waits for it alone, e.g.
+        vLLM's ``WAITING_FOR_REMOTE_KVS``); it is counted in ``SchedulerStats.async_loads``.
 
         ``block_ids`` are the request's blocks from its first token on (``None`` for a block the engine
         does not hold; the load never writes one). Chunks that left the pool since the lookup are not
@@ -258,6 +264,7 @@ class CacheScheduler:
             )
         ids = cast(tuple[int, ...], table)  # no hole in the load's range (checked above)
         req.load = None
+        spec = attrs.evolve(spec, is_async=is_async)
         req.loaded = spec
         req.failed_blocks = set()  # a new load: what failed in an earlier one no longer counts
         draft = OpDraft(self.blocks_per_chunk)
@@ -305,8 +312,20 @@ class CacheScheduler:
         if not loaded:
             return 0
         self._submit(request_id, Direction.LOAD, draft)
-        self._counters["hit_tokens"] += loaded * self.block_tokens
-        return loaded * self.block_tokens
+        queued = spec.tokens_in(loaded)
+        self._counters["hit_tokens"] += queued
+        self._counters["async_loads"] += is_async
+        return queued
+
+    def load_reads_remote(self, request_id: RequestId) -> bool:
+        """Whether the load the last ``lookup`` decided reads a chunk the local pool did not hold then (a
+        fetch from the remote tier, or any load of a tier without a local pool): one whose time depends
+        on a store or a network, worth running without holding the engine's step (an asynchronous
+        load). False when nothing is to be loaded."""
+        req = self._requests.get(request_id)
+        if req is None or req.load is None or self._remote is None:
+            return False
+        return self._direct or (req.load.stop - 1) // self.config.chunk_tokens >= req.local_hits
 
     def take_lost_blocks(self) -> tuple[int, ...]:
         """Engine block ids the scheduler gave up loading before any copy (their chunks left the pool).
@@ -575,6 +594,11 @@ class CacheScheduler:
                 req.load_errors.extend(op.engine_blocks[i] for i in sorted(entry.failed))
                 if req.loaded is not None:
                     req.failed_blocks.update(req.loaded.first_block + i for i in entry.failed)
+                    # asked again (an engine that gave the request's blocks back), the lookup stops
+                    # before the first chunk that failed: the same load is not tried again
+                    first = (req.loaded.first_block + min(entry.failed)) // self.blocks_per_chunk
+                    if req.answer is not None:
+                        req.answer = min(req.answer, first)
         else:
             good = tuple(k for k in entry.keys if k not in failed)
             dropped = tuple(k for k in entry.keys if k in failed)

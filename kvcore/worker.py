@@ -153,12 +153,29 @@ class BlockWorker:
         """The engine no longer holds these ops' blocks for their request (freed, maybe reused already):
         from now on no copy of theirs may read or write those blocks on the request's behalf.
 
-        A save whose copy has not finished by now reads bytes that are not the request's KV: it keeps
-        and publishes nothing. A load moves nothing more: a fetch still running is not followed by its
-        copy, and a copy already running into engine blocks is waited for (at most ``timeout``, default
-        the worker's ``fence_timeout``); one still running after that is stopped for good with the whole
-        worker (``halt``), as nothing else can keep it from writing blocks that now hold other KV.
-        Fenced ops are still reported, failed; unknown or reported ops are ignored.
+        ``abandon`` says what stops at once; a copy already running into engine blocks is then waited for
+        (at most ``timeout``, default the worker's ``fence_timeout``); one still running after that is
+        stopped for good with the whole worker (``halt``), as nothing else can keep it from writing blocks
+        that now hold other KV.
+        """
+        writing = self.abandon(op_ids)
+        if not writing:
+            return
+        done = self.wait(writing, self._fence_timeout if timeout is None else timeout)
+        self._ready.extend(done)  # after the wait, which takes (and so replaces) the ready list
+        late = [op_id for op_id in writing if op_id in self._current]
+        if late:
+            log.error("kvcore: loads %s into freed blocks still copying after the fence; halting", late)
+            self.halt()
+
+    def abandon(self, op_ids: Collection[int]) -> list[int]:
+        """Give up these ops without waiting; returns the loads whose copy into engine blocks may still be
+        running (the engine must not reuse their blocks before they are reported).
+
+        A save whose copy has not finished by now reads bytes that are not the request's KV: it keeps and
+        publishes nothing. A load moves nothing more: a fetch still running is not followed by its copy.
+        Abandoned ops are still reported, failed, once their current job ends; unknown or reported ops are
+        ignored.
         """
         writing: list[int] = []
         for op_id in op_ids:
@@ -178,14 +195,7 @@ class BlockWorker:
                     self._remote.abandon(current[1])
             elif run.stage is _Stage.COPY or _direct(run.op):
                 writing.append(op_id)
-        if not writing:
-            return
-        done = self.wait(writing, self._fence_timeout if timeout is None else timeout)
-        self._ready.extend(done)  # after the wait, which takes (and so replaces) the ready list
-        late = [op_id for op_id in writing if op_id in self._current]
-        if late:
-            log.error("kvcore: loads %s into freed blocks still copying after the fence; halting", late)
-            self.halt()
+        return writing
 
     def halt(self) -> None:
         """Stop for good every copy that could still write engine blocks (joining its thread): the

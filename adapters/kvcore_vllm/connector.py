@@ -85,8 +85,9 @@ class KVCoreConnector(KVConnectorBase_V1):
             if shortfall is not None:
                 log.warning("%s", shortfall)
             log.info(
-                "kvcore: scheduler side ready (store policy %s): %s",
+                "kvcore: scheduler side ready (store policy %s, load mode %s): %s",
                 settings.store_policy.value,
+                settings.load_mode.value,
                 asdict(config, filter=lambda a, _: a.name != "secret"),
             )
         else:
@@ -126,7 +127,7 @@ class KVCoreConnector(KVConnectorBase_V1):
         self.worker_side.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward pass
+        return  # synchronous loads complete in start_load_kv, before the forward pass
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -137,7 +138,7 @@ class KVCoreConnector(KVConnectorBase_V1):
         self.worker_side.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker_side.get_finished(), None
+        return self.worker_side.get_finished()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors()

@@ -23,12 +23,15 @@ class KVCoreMetadata(KVConnectorMetadata):
     ``failed_blocks``: engine blocks the scheduler could not load (chunks gone since the lookup).
     ``evictions``: saves of blocks vLLM evicted in this step (lazy store policy): they must be done
     before the forward pass or any load writes those blocks.
+    ``receiving``: requests whose loads of this step are asynchronous (maybe none left to copy): each
+    worker reports them in ``get_finished`` once their loads are done, and awaits none of them.
     """
 
     plan: StepPlan
     delayed: tuple[str, ...] = ()
     failed_blocks: tuple[int, ...] = ()
     evictions: StepPlan = field(factory=lambda: StepPlan(()))
+    receiving: tuple[str, ...] = ()
 
 
 @frozen

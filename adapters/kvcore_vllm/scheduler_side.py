@@ -6,6 +6,11 @@ vLLM does not hand back each step: each request's block table and the live ``Req
 for the two things vLLM-specific around the core, the names of chunks in vLLM's hashes (KV events) and,
 under the lazy store policy, what freed blocks hold (``EvictionWatch``).
 
+A load is synchronous or asynchronous per ``load_mode`` (``settings.LoadMode``). An asynchronous one is
+started like any other (``update_state_after_alloc``) and named in the step's ``receiving``; the request
+waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` until every rank reported it done (``finished_recving``), and
+until then vLLM, not kvcore, keeps its blocks should it end.
+
 Lazy saves reuse the core's request API: each evicted chain is looked up, saved and finished under a
 request id of its own (``kvcore-evicted-N``), so the core's slot bookkeeping, reports and failure
 handling are the same as for any request.
@@ -26,7 +31,7 @@ from kvcore.scheduler import SchedulerStats
 from kvcore_vllm.events import ChunkNames
 from kvcore_vllm.evictions import EvictedChain, EvictionWatch
 from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata
-from kvcore_vllm.settings import StorePolicy, VLLMSettings
+from kvcore_vllm.settings import LoadMode, StorePolicy, VLLMSettings
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -71,6 +76,10 @@ class SchedulerSide:
         self.evictions = EvictionWatch()
         self._eviction_ids = itertools.count(1)
         self._unbound_warned = False
+        self._load_mode = settings.load_mode
+        self._async: set[str] = set()  # answered with an asynchronous load, not yet allocated
+        self._receiving: set[str] = set()  # asynchronous loads started, not yet reported done
+        self._receiving_now: list[str] = []  # asynchronous loads started in this step
 
     def bind_gpu_block_pool(self, pool: BlockPool) -> None:
         if self.lazy:
@@ -93,14 +102,28 @@ class SchedulerSide:
             num_tokens=request.num_tokens,
             local_tokens=num_computed_tokens,
         )
-        return hits, False
+        mode = self._load_mode
+        is_async = bool(hits) and (
+            mode is LoadMode.ASYNC or (mode is LoadMode.AUTO and self.core.load_reads_remote(rid))
+        )
+        if is_async:
+            self._async.add(request.request_id)
+        else:
+            self._async.discard(request.request_id)
+        return hits, is_async
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._requests[request.request_id] = request
+        rid = request.request_id
+        self._requests[rid] = request
+        is_async = rid in self._async
+        self._async.discard(rid)
         if num_external_tokens > 0:
-            self.core.start_load(RequestId(request.request_id), blocks.get_block_ids()[0])
+            self.core.start_load(RequestId(rid), blocks.get_block_ids()[0], is_async=is_async)
+            if is_async:  # vLLM waits for it to be reported, whatever the load became
+                self._receiving.add(rid)
+                self._receiving_now.append(rid)
 
     def build_connector_meta(self, out: SchedulerOutput) -> KVCoreMetadata:
         # workers report their own failed copies in the step that detects them; only the blocks the
@@ -126,8 +149,9 @@ class SchedulerSide:
             self._save(rid, cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(rid, 0))
         plan = self.core.take_plan()
         evictions = self._save_evicted(allocated) if self.lazy else StepPlan(())
-        meta = KVCoreMetadata(plan, tuple(self._delayed), lost, evictions)
+        meta = KVCoreMetadata(plan, tuple(self._delayed), lost, evictions, tuple(self._receiving_now))
         self._delayed.clear()
+        self._receiving_now.clear()
         return meta
 
     def _preempted(self, rid: str) -> None:
@@ -204,6 +228,7 @@ class SchedulerSide:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVCoreWorkerMetadata):
             self.core.complete(meta.reports)
+        self._receiving.difference_update(output.finished_recving or ())
         self.core.take_finished()  # retirements are vLLM's to report (finished_sending); drop ours
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -214,7 +239,10 @@ class SchedulerSide:
         if wanted:
             extra = self.core.extra_cached_tokens(rid)
             params = dict.fromkeys(wanted, extra)
-        delay = self.core.finish(rid)
+        # a request that ends while its asynchronous load runs: vLLM keeps its blocks until the workers
+        # report the load (finished_recving) and frees them then; a second report would free them twice
+        delay = self.core.finish(rid) and request.request_id not in self._receiving
+        self._async.discard(request.request_id)
         if delay:
             self._delayed.append(request.request_id)
         self._requests.pop(request.request_id, None)

@@ -2,8 +2,9 @@
 
 The extra config is kvcore's own config (``kvcore.config``), validated by the core's strict converter, or
 ``{"config_file": PATH}`` naming a JSON or YAML file that holds it. Errors name the field and the value.
-One key belongs to the adapter rather than the core: ``store_policy`` (which blocks of vLLM's cache are
-saved, and when), taken out before the core's converter, which refuses keys it does not know.
+Two keys belong to the adapter rather than the core, taken out before the core's converter, which refuses
+keys it does not know: ``store_policy`` (which blocks of vLLM's cache are saved, and when) and
+``load_mode`` (whether a load holds vLLM's step or the request waits for it alone).
 """
 
 from __future__ import annotations
@@ -12,16 +13,19 @@ import enum
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from attrs import frozen
 
 from kvcore.config import KVCoreConfig, load_config
 from kvcore.errors import ConfigError
 
-__all__ = ["StorePolicy", "VLLMSettings", "read_extra_config"]
+__all__ = ["LoadMode", "StorePolicy", "VLLMSettings", "read_extra_config"]
 
 STORE_POLICY_KEY = "store_policy"
+LOAD_MODE_KEY = "load_mode"
+
+_E = TypeVar("_E", bound=enum.Enum)
 
 
 class StorePolicy(enum.Enum):
@@ -36,12 +40,28 @@ class StorePolicy(enum.Enum):
     LAZY = "lazy"
 
 
+class LoadMode(enum.Enum):
+    """How a load runs in vLLM.
+
+    ``SYNC``: in the step that schedules the request, before the forward pass, which waits for it (the
+    whole batch with it). ``ASYNC``: the request waits (``WAITING_FOR_REMOTE_KVS``) while its load runs
+    beside the engine's steps, and is scheduled once every rank reported it. ``AUTO`` (the default):
+    asynchronous when the load reads from a remote tier, synchronous from the local host pool, where a
+    copy takes less than the step an asynchronous load costs.
+    """
+
+    AUTO = "auto"
+    SYNC = "sync"
+    ASYNC = "async"
+
+
 @frozen
 class VLLMSettings:
-    """The core's config plus the adapter's own choice of store policy."""
+    """The core's config plus the adapter's own choices: store policy and load mode."""
 
     core: KVCoreConfig
     store_policy: StorePolicy = StorePolicy.EAGER
+    load_mode: LoadMode = LoadMode.AUTO
 
 
 def read_extra_config(extra: Mapping[str, Any]) -> VLLMSettings:
@@ -73,17 +93,22 @@ def read_extra_config(extra: Mapping[str, Any]) -> VLLMSettings:
     return _settings(data)
 
 
-def _settings(data: Mapping[str, Any]) -> VLLMSettings:
-    core = {k: v for k, v in data.items() if k != STORE_POLICY_KEY}
-    raw = data.get(STORE_POLICY_KEY, StorePolicy.EAGER.value)
-    choices = [p.value for p in StorePolicy]
+def _choice(data: Mapping[str, Any], key: str, kind: type[_E], default: _E) -> _E:
+    raw = data.get(key, default.value)
+    choices = [c.value for c in kind]
     if raw not in choices:
-        raise ConfigError(STORE_POLICY_KEY, raw, f"one of {', '.join(map(repr, choices))}")
-    settings = VLLMSettings(load_config(core), StorePolicy(raw))
+        raise ConfigError(key, raw, f"one of {', '.join(map(repr, choices))}")
+    return kind(raw)
+
+
+def _settings(data: Mapping[str, Any]) -> VLLMSettings:
+    core = {k: v for k, v in data.items() if k not in (STORE_POLICY_KEY, LOAD_MODE_KEY)}
+    policy = _choice(data, STORE_POLICY_KEY, StorePolicy, StorePolicy.EAGER)
+    settings = VLLMSettings(load_config(core), policy, _choice(data, LOAD_MODE_KEY, LoadMode, LoadMode.AUTO))
     if settings.store_policy is StorePolicy.LAZY and settings.core.save_after_sightings > 1:
         raise ConfigError(
             STORE_POLICY_KEY,
-            raw,
+            policy.value,
             "'eager' when save_after_sightings > 1 (a lazy save is decided at eviction, not by sightings)",
         )
     return settings

@@ -23,6 +23,7 @@ COUNTERS = {
     "lookups": "requests looked up in kvcore",
     "hit_tokens": "tokens kvcore offered beyond vLLM's own prefix hit",
     "loaded_blocks": "blocks loaded from kvcore",
+    "async_loads": "loads run beside vLLM's steps, the request waiting for them alone",
     "saved_blocks": "blocks saved to kvcore",
     "failed_load_blocks": "blocks whose load failed (recomputed)",
     "failed_save_chunks": "chunks whose save failed (dropped)",

@@ -1,18 +1,28 @@
 """The connector's worker side (one per rank): executes the step's copies on kvcore's CPU tier.
 
-Loads run in ``start_load_kv``, which vLLM calls before the forward pass whenever a request of the step
-has a synchronous hit, and are awaited there (bounded by ``transfer_timeout_s``); saves are submitted in
-``wait_for_save``, after the forward pass wrote the blocks, and never block the step. Saves of blocks
-vLLM evicted in this step (lazy store policy) run in ``handle_preemptions``, which vLLM calls before the
-forward pass and the loads, and are awaited there: the new owner of the block overwrites it next. A
-finished request whose saves are in flight is reported in ``get_finished`` only when this rank's copies
-of it are done; a preempted request's saves are fenced before vLLM reuses its blocks.
+Synchronous loads run in ``start_load_kv``, which vLLM calls before the forward pass whenever a request
+of the step has a synchronous hit, and are awaited there (bounded by ``transfer_timeout_s``).
+Asynchronous loads (the step's ``receiving`` requests) start there too and are awaited by nobody:
+``get_finished`` names a request in ``finished_recving`` once its loads are reported, their failed blocks
+in the same step (``get_block_ids_with_load_errors``). One not done within ``transfer_timeout_s`` is
+abandoned and its blocks reported failed: a fetch still running is never copied into vLLM's blocks, so
+the request is named at once; one whose copy into vLLM's blocks runs is named when that copy ends (vLLM
+keeps the request's blocks until then, so no late copy writes blocks that hold other KV), and halts the
+tier's copies (``BlockWorker.halt``) should it run another ``transfer_timeout_s``.
+
+Saves are submitted in ``wait_for_save``, after the forward pass wrote the blocks, and never block the
+step. Saves of blocks vLLM evicted in this step (lazy store policy) run in ``handle_preemptions``, which
+vLLM calls before the forward pass and the loads, and are awaited there: the new owner of the block
+overwrites it next. A finished request whose saves are in flight is reported in ``get_finished`` only
+when this rank's copies of it are done; a preempted request's saves are fenced before vLLM reuses its
+blocks.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -31,11 +41,19 @@ log = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    def __init__(self, config: KVCoreConfig, engine: EngineSpec, layers: list[str], rank: int) -> None:
-        self._config = config
-        self._engine = engine
+    """``opener`` opens the rank's worker over its KV tensors (default: ``kvcore.compose.open_worker``
+    with this side's config, engine and rank); a test gives a worker over memory it controls."""
+
+    def __init__(
+        self,
+        config: KVCoreConfig,
+        engine: EngineSpec,
+        layers: list[str],
+        rank: int,
+        opener: Callable[[Sequence[torch.Tensor]], BlockWorker] | None = None,
+    ) -> None:
+        self._opener = opener or (lambda tensors: open_worker(config, engine, tensors, rank=rank))
         self._layers = layers
-        self._rank = rank
         self._timeout = config.transfer_timeout_s
         self._worker: BlockWorker | None = None
         self._inflight: dict[int, BlockOp] = {}
@@ -43,6 +61,9 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._delayed: set[str] = set()
         self._abandoned: set[int] = set()  # ops waited on past their deadline: reported as failed
+        # asynchronous loads: request id -> (deadline, its load ops), until named in finished_recving
+        self._receiving: dict[str, tuple[float, tuple[int, ...]]] = {}
+        self._writing: set[int] = set()  # abandoned asynchronous loads whose copy into vLLM's blocks may run
         self.last_load: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # for out-of-band checks
 
     @property
@@ -55,13 +76,20 @@ class WorkerSide:
         missing = [name for name in self._layers if name not in kv_caches]
         if missing:
             raise InvalidSpecError(f"KV caches missing for layers {missing}")
-        tensors = [kv_caches[name] for name in self._layers]
-        self._worker = open_worker(self._config, self._engine, tensors, rank=self._rank)
+        self._worker = self._opener([kv_caches[name] for name in self._layers])
 
     def start_load_kv(self, meta: KVCoreMetadata) -> None:
         self._load_errors.update(meta.failed_blocks)
         self._delayed.update(meta.delayed)
-        loads = self._run(meta.plan, Direction.LOAD)
+        every = self._run(meta.plan, Direction.LOAD)
+        if every:
+            last = every[-1]
+            self.last_load = (last.engine_blocks, last.host_blocks)
+        receiving = set(meta.receiving)
+        deadline = time.monotonic() + self._timeout
+        for rid in meta.receiving:
+            self._receiving[rid] = (deadline, tuple(op.op_id for op in every if op.request_id == rid))
+        loads = [op for op in every if op.request_id not in receiving]
         if not loads:
             return
         reports = self.worker.wait([op.op_id for op in loads], self._timeout)
@@ -76,8 +104,6 @@ class WorkerSide:
             self._abandon(late)
             for op in late:
                 self._load_errors.update(op.engine_blocks)
-        last = loads[-1]
-        self.last_load = (last.engine_blocks, last.host_blocks)
 
     def wait_for_save(self, meta: KVCoreMetadata) -> None:
         self._run(meta.plan, Direction.SAVE)
@@ -99,13 +125,45 @@ class WorkerSide:
             # one still running now reads blocks vLLM is about to reuse: its chunks must not be kept
             self._abandon([op for op in fenced if op.op_id in self._inflight])
 
-    def get_finished(self) -> set[str] | None:
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose copies are done (``finished_sending``), and requests whose
+        asynchronous loads are (``finished_recving``)."""
         if self._worker is not None:
             self._collect(self._worker.reports())
         busy = {op.request_id for op in self._inflight.values()}
         done = {rid for rid in self._delayed if rid not in busy}
         self._delayed -= done
-        return done or None
+        return done or None, self._received() or None
+
+    def _received(self) -> set[str]:
+        """Requests whose asynchronous loads can no longer write their blocks: every load reported, or
+        abandoned at its deadline with no copy into vLLM's blocks running (a fetch into a host slot may
+        go on; its slot stays reserved until it ends). A copy that still runs past twice the deadline
+        halts the tier's copies, which ends it."""
+        now = time.monotonic()
+        received: set[str] = set()
+        for rid, (deadline, op_ids) in list(self._receiving.items()):
+            running = [i for i in op_ids if i in self._inflight]
+            if now >= deadline and not self._abandoned.issuperset(running):
+                log.warning("kvcore: the load of %s not done after %.1fs; recomputing it", rid, self._timeout)
+                self._abandoned.update(running)
+                self._writing.update(self.worker.abandon(running))
+                for i in running:
+                    if i not in self._writing:  # its blocks are safe now: vLLM may recompute them
+                        self._load_errors.update(self._inflight[i].engine_blocks)
+            writing = [i for i in running if i in self._writing]
+            if not running or (now >= deadline and not writing):
+                received.add(rid)
+                del self._receiving[rid]
+            elif now >= deadline + self._timeout and self._worker is not None:
+                log.error(
+                    "kvcore: the load of %s still copies %.1fs past its deadline; halting the tier's copies",
+                    rid,
+                    self._timeout,
+                )
+                self._worker.halt()
+                self._receiving[rid] = (float("inf"), op_ids)
+        return received
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -138,9 +196,16 @@ class WorkerSide:
     def _collect(self, reports: Iterable[OpReport]) -> None:
         for report in reports:
             op = self._inflight.pop(report.op_id, None)
+            self._writing.discard(report.op_id)
+            # vLLM still awaits news of a load's blocks unless it was abandoned when they were given
+            # back (a late synchronous load, a fenced one); an abandoned asynchronous load's request
+            # waits for this very report
+            news = op is not None and op.op_id in self._receiving.get(op.request_id, (0.0, ()))[1]
             if report.op_id in self._abandoned and op is not None:
                 self._abandoned.discard(report.op_id)
                 report = OpReport(report.op_id, report.rank, tuple(range(len(op.engine_blocks))), "abandoned")
-            elif op is not None and op.direction is Direction.LOAD and report.failed:
+            else:
+                news = op is not None and op.direction is Direction.LOAD
+            if news and op is not None and report.failed:
                 self._load_errors.update(op.engine_blocks[i] for i in report.failed)
             self._reports.append(report)

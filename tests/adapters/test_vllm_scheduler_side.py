@@ -28,13 +28,20 @@ from kvcore_vllm.settings import read_extra_config
 BLOCK = 128
 
 
-def _side() -> SchedulerSide:
-    layout = KVLayout(
+ENGINE = EngineSpec(
+    "tiny@default",
+    "bfloat16",
+    num_layers=2,
+    total_kv_heads=2,
+    layout=KVLayout(
         LayoutKind.VLLM_CPU, num_blocks=64, block_tokens=BLOCK, num_kv_heads=2, head_size=32, dtype_size=2
-    )
-    engine = EngineSpec("tiny@default", "bfloat16", num_layers=2, total_kv_heads=2, layout=layout)
+    ),
+)
+
+
+def _side() -> SchedulerSide:
     settings = read_extra_config({"backend": {"kind": "cpu", "size": "8MiB"}, "chunk_tokens": BLOCK})
-    return SchedulerSide(settings, engine, BLOCK, "vllm/sha256/test")
+    return SchedulerSide(settings, ENGINE, BLOCK, "vllm/sha256/test")
 
 
 def _hashes(n: int, seed: str) -> list[bytes]:
@@ -80,9 +87,8 @@ def test_pool_events_become_vllm_events_named_by_vllm_hashes() -> None:
     side.get_num_new_matched_tokens(request, 0)
     meta = side.build_connector_meta(_step("b", [1, 2, 3, 4], computed=0, scheduled=3 * BLOCK + 1))
     (op,) = meta.plan.ops
-    side.update_connector_output(
-        SimpleNamespace(kv_connector_worker_meta=KVCoreWorkerMetadata((OpReport(op.op_id, 0, ()),)))  # type: ignore[arg-type]
-    )
+    reports = KVCoreWorkerMetadata((OpReport(op.op_id, 0, ()),))
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=reports, finished_recving=None))  # type: ignore[arg-type]
     events = side.take_events()
     stored = [e for e in events if isinstance(e, BlockStored)]
     published = [maybe_convert_block_hash(BlockHash(h)) for h in hashes]  # as vLLM publishes its own

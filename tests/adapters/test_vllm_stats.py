@@ -19,7 +19,7 @@ with warnings.catch_warnings():  # vLLM and torch warn about their own deprecati
 
 def _stats(lookups: int, requests: int) -> SchedulerStats:
     pool = PoolUsage(capacity=8, used=2, ready=2, storing=0, pinned=0, evictions=0)
-    return SchedulerStats(lookups, 0, 0, 0, 0, 0, pool, requests, 0)
+    return SchedulerStats(lookups, 0, 0, 0, 0, 0, 0, pool, requests, 0)
 
 
 def test_a_gauge_that_changed_in_a_quiet_step_is_reported() -> None:

@@ -49,6 +49,32 @@ def test_external_hit_after_eviction_matches_local_hit(kvcore_engine: Any) -> No
     assert same
 
 
+def test_a_whole_prompt_hit_loads_all_but_the_last_token(kvcore_engine: Any) -> None:
+    # a prompt of whole chunks, all of them in the pool: kvcore loads 4 * BLOCK - 1 tokens, the last block
+    # partly, and vLLM computes one token; then vLLM's own cache serves that block once it is full
+    tokens, longer = prompt(150, 4 * BLOCK), prompt(150, 4 * BLOCK) + prompt(151, 40)
+    assert kvcore_engine.reset_prefix_cache(reset_connector=True)
+    recomputed_longer = generate(kvcore_engine, longer)
+    assert kvcore_engine.reset_prefix_cache(reset_connector=True)
+    recomputed = generate(kvcore_engine, tokens)
+    assert recomputed.num_cached_tokens == 0
+    for seed in range(3):  # push the prompt out of vLLM's 24-block cache
+        generate(kvcore_engine, prompt(250 + seed, 1500), max_tokens=1)
+    hits_before = external_hits(kvcore_engine)
+    again = generate(kvcore_engine, tokens, kv_transfer_params={"num_extra_cached_tokens": True})
+    assert again.num_cached_tokens == 4 * BLOCK - 1
+    assert external_hits(kvcore_engine) - hits_before == 4 * BLOCK - 1
+    assert again.kv_transfer_params == {"num_extra_cached_tokens": 4 * BLOCK - 1}
+    assert list(again.outputs[0].token_ids) == list(recomputed.outputs[0].token_ids)
+    ((digests, same),) = kvcore_engine.collective_rpc(loaded_digests)
+    assert len(digests) == 4
+    assert same
+    # the partly loaded block, completed by vLLM's one computed token, is now vLLM's own whole-block hit
+    served = generate(kvcore_engine, longer)
+    assert served.num_cached_tokens == 4 * BLOCK
+    assert list(served.outputs[0].token_ids) == list(recomputed_longer.outputs[0].token_ids)
+
+
 def _evicted_and_served_again(llm: Any, tokens: list[int], seed: int) -> tuple[Any, Any]:
     """Serve ``tokens`` (saving their KV), push them out of vLLM's cache, damage the pool, serve again."""
     first = generate(llm, tokens)

@@ -5,8 +5,9 @@ own in ``test_conformance.py`` and ``test_faults.py``.
 
 Engine A serves two prompts and publishes their KV to the server; vLLM's own prefix hit of each gives the
 reference tokens; A stops. Engine B, a separate engine with empty local caches, serves both prompts with
-external hits from the server: tokens equal to the reference, the extra cached tokens answered under
-kvcore's key and under LMCache's drop-in key, and the loaded KV bytes equal to what A saved.
+external hits from the server, loaded asynchronously: tokens equal to the reference, the extra cached
+tokens answered under kvcore's key and under LMCache's drop-in key, and the loaded KV bytes equal to what
+A saved.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     tiny_model,
     vllm_env,
 )
-from tests.integration.probes import engine_digests, external_hits, loaded_digests, rank_worker
+from tests.integration.probes import engine_digests, external_hits, kvcore_metric, loaded_digests, rank_worker
 from tests.lmcache.conftest import LMCacheServer
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
@@ -69,6 +70,7 @@ def test_a_second_engine_loads_what_the_first_published(
             zip(prompts, ("num_extra_cached_tokens", "num_lmcache_extra_cached_tokens"), strict=True)
         ):
             out = generate(b, tokens, kv_transfer_params={key: True})
+            assert kvcore_metric(b, "async_loads") == n + 1  # from the server: the request waited alone
             assert out.num_cached_tokens == CHUNKS * BLOCK
             assert external_hits(b) == (n + 1) * CHUNKS * BLOCK
             assert out.kv_transfer_params == {key: CHUNKS * BLOCK}

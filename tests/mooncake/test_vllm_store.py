@@ -2,14 +2,18 @@
 
 Engine A serves a prompt and publishes its KV; A stops; engine B, a separate engine with an empty prefix
 cache, serves the same prompt with external hits: tokens equal to vLLM's own prefix hit of the same
-length (A's second run), KV bytes equal to what A saved. An engine in another namespace epoch gets no hit
-from the same pool.
+length (A's second run), KV bytes equal to what A saved, loaded asynchronously (the request waiting
+alone). An engine in another namespace epoch gets no hit from the same pool. And a holder frozen or killed
+under a waiting load ends in a bounded recompute.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,41 +32,45 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     tiny_model,
     vllm_env,
 )
-from tests.integration.probes import external_hits, host_digests, loaded_digests
+from tests.integration.probes import external_hits, host_digests, kvcore_metric, loaded_digests
 from tests.mooncake.conftest import Master
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
 
 pytestmark = VLLM_MARKS
 
+TRANSFER_TIMEOUT_S = 3.0
 
-@pytest.fixture(scope="module")
-def holder(master: Master) -> Iterator[str]:
+
+def _start_holder(master: Master) -> subprocess.Popen[str]:
     """A segment holder: the pool lives here, so it outlives the engines (which contribute nothing)."""
-    proc = start_owned(
-        [
-            sys.executable,
-            "-m",
-            "kvcore_mooncake.holder",
-            "--master",
-            master.address,
-            "--segment-size",
-            "256MiB",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    argv = [
+        sys.executable,
+        "-m",
+        "kvcore_mooncake.holder",
+        "--master",
+        master.address,
+        "--segment-size",
+        "256MiB",
+    ]
+    proc = start_owned(argv, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line.startswith("ready"), line
+    return proc
+
+
+@pytest.fixture(scope="module")
+def holder(master: Master) -> Iterator[str]:
+    proc = _start_holder(master)
     yield master.address
     proc.terminate()
     proc.wait(timeout=30)
 
 
-def _engine(model: Path, master: str, epoch: str) -> Any:
-    backend = {"kind": "mooncake_store", "master": master, "segment_size": 0, "local_size": "64MiB"}
-    return start_engine(model, kvcore_transfer_config(backend=backend, epoch=epoch))
+def _engine(model: Path, master: str, epoch: str, local_size: str = "64MiB", **config: Any) -> Any:
+    backend = {"kind": "mooncake_store", "master": master, "segment_size": 0, "local_size": local_size}
+    return start_engine(model, kvcore_transfer_config(backend=backend, epoch=epoch, **config))
 
 
 def test_a_second_engine_hits_what_the_first_saved(tiny_model: Path, holder: str) -> None:
@@ -89,6 +97,7 @@ def test_a_second_engine_hits_what_the_first_saved(tiny_model: Path, holder: str
     try:
         before = external_hits(b)
         again = generate(b, tokens, kv_transfer_params={"num_extra_cached_tokens": True})
+        assert kvcore_metric(b, "async_loads") == 1  # a load from the store: the request waited alone
         assert again.num_cached_tokens == 4 * BLOCK
         assert external_hits(b) - before == 4 * BLOCK
         assert again.kv_transfer_params == {"num_extra_cached_tokens": 4 * BLOCK}
@@ -100,3 +109,56 @@ def test_a_second_engine_hits_what_the_first_saved(tiny_model: Path, holder: str
         assert len(set(digests)) == 4  # four distinct blocks, none left blank
     finally:
         stop_engine(b)
+
+
+def test_a_store_that_stalls_or_dies_under_a_waiting_load_ends_in_a_bounded_recompute(
+    tiny_model: Path, master: Master
+) -> None:
+    """Asynchronous loads from the store, the segment holder frozen (SIGSTOP) under one and killed under
+    another after the master answered their lookups: both requests are recomputed, their tokens those of
+    vLLM's own prefix hit, the frozen one within about ``transfer_timeout_s``, and nothing stays pinned or
+    in flight once the holder is gone for good."""
+    proc = _start_holder(master)
+    prompts = [prompt(seed, 4 * BLOCK + 60) for seed in (4343, 4444)]
+    # a pool of 16 chunks: the fillers push the prompts out of it (and out of vLLM's 24 blocks)
+    llm = _engine(
+        tiny_model, master.address, "stall", local_size="1MiB", transfer_timeout_s=TRANSFER_TIMEOUT_S
+    )
+    try:
+        reference = []
+        for tokens in prompts:
+            generate(llm, tokens)
+            reference.append(list(generate(llm, tokens).outputs[0].token_ids))  # vLLM's own hit
+        for seed in range(3):
+            generate(llm, prompt(4500 + seed, 1500), max_tokens=1)
+        failed = kvcore_metric(llm, "failed_load_blocks")
+
+        os.kill(proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        stalled = generate(llm, prompts[0])
+        took = time.monotonic() - started
+        os.kill(proc.pid, signal.SIGCONT)
+        assert list(stalled.outputs[0].token_ids) == reference[0]
+        assert kvcore_metric(llm, "async_loads") == 1
+        assert kvcore_metric(llm, "failed_load_blocks") - failed == 4
+        assert TRANSFER_TIMEOUT_S <= took < TRANSFER_TIMEOUT_S + 15
+
+        proc.kill()
+        proc.wait(timeout=30)
+        dead = generate(llm, prompts[1])
+        assert list(dead.outputs[0].token_ids) == reference[1]
+        # looked up in the master, which still lists the dead holder's chunks: loaded, failed, recomputed
+        assert kvcore_metric(llm, "async_loads") == 2
+        assert kvcore_metric(llm, "failed_load_blocks") - failed == 8
+
+        gauges = ("pool_pinned", "ops_in_flight", "requests")
+        deadline = time.monotonic() + 30
+        while any(kvcore_metric(llm, g) for g in gauges) and time.monotonic() < deadline:
+            generate(llm, prompt(4600, BLOCK - 20), max_tokens=1)  # a step reports the gauges
+        assert {g: kvcore_metric(llm, g) for g in gauges} == dict.fromkeys(gauges, 0.0)
+    finally:
+        stop_engine(llm)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait(timeout=30)

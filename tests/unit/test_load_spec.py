@@ -1,4 +1,4 @@
-"""Load specs: block-aligned, start at the engine's first missing block, never the whole prompt."""
+"""Load specs: start at the engine's first missing block, end at the hit or the prompt's last token."""
 
 from __future__ import annotations
 
@@ -18,10 +18,29 @@ def test_load_starts_after_local_hit() -> None:
 
 
 def test_never_the_whole_prompt() -> None:
-    # tier holds all 64 tokens of a 64-token prompt -> the last block is computed, not loaded
+    # tier holds all 64 tokens of a 64-token prompt -> all but the last token load; the last block is
+    # copied whole and the engine computes its last position
     spec = plan_load(prompt_tokens=64, local_tokens=0, external_tokens=64, block_tokens=16)
     assert spec is not None
-    assert spec.stop == 48
+    assert (spec.stop, spec.num_tokens, spec.num_blocks) == (63, 63, 4)
+
+
+def test_a_prompt_of_one_block_past_the_engine_hit_loads_its_first_tokens() -> None:
+    # the engine holds 32 tokens of a 40-token prompt the tier holds whole: load [32, 39) into block 2
+    spec = plan_load(prompt_tokens=40, local_tokens=32, external_tokens=48, block_tokens=16)
+    assert spec is not None
+    assert (spec.start, spec.stop, spec.first_block, spec.num_blocks) == (32, 39, 2, 1)
+    assert spec.pieces(32) == (ChunkPiece(1, 0, 1),)
+
+
+def test_a_partly_loaded_last_block_counts_its_tokens_only() -> None:
+    spec = plan_load(prompt_tokens=50, local_tokens=0, external_tokens=64, block_tokens=16)
+    assert spec is not None
+    assert spec.num_blocks == 4
+    assert spec.extra_cached_tokens() == 49
+    assert [spec.tokens_in(n) for n in range(5)] == [0, 16, 32, 48, 49]
+    assert spec.extra_cached_tokens({3}) == 48  # the partly loaded block failed
+    assert spec.extra_cached_tokens({1}) == 16
 
 
 def test_nothing_beyond_local_is_no_load() -> None:
@@ -79,12 +98,13 @@ def test_spec_invariants(prompt: int, local_blocks: int, external: int, block: i
     local = min(local_blocks * block, prompt - prompt % block)
     spec = plan_load(prompt_tokens=prompt, local_tokens=local, external_tokens=external, block_tokens=block)
     if spec is None:
-        assert min(external, prompt - 1) // block * block <= local
+        assert min(external, prompt - 1) <= local
         return
     assert spec.start == local  # never rewrites a block the engine holds
     assert spec.start % block == 0
-    assert spec.stop % block == 0
-    assert spec.stop <= prompt - 1  # at least one token is computed
-    assert spec.stop <= external
+    assert spec.stop == min(prompt - 1, external)  # all the hit, and at least one token computed
     assert spec.num_tokens > 0
+    # whole blocks cover the load, the last one no more than partly empty
+    assert (spec.num_blocks - 1) * block < spec.num_tokens <= spec.num_blocks * block
     assert sum(p.num_blocks for p in spec.pieces(block * 4)) == spec.num_blocks
+    assert spec.extra_cached_tokens() == spec.tokens_in(spec.num_blocks) == spec.num_tokens

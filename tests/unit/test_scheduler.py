@@ -90,6 +90,22 @@ def test_load_starts_after_the_engines_own_hit() -> None:
     assert [rig.mover.read_engine_block(b_) for b_ in (43, 44, 45)] == [saved[i] * 2 for i in (3, 4, 5)]
 
 
+def test_a_prompt_the_pool_holds_whole_loads_all_but_its_last_token() -> None:
+    rig = Rig()
+    saved = rig.serve_and_save("a", TOKENS[:24], range(6))  # 3 full chunks of 8 tokens
+    b = RequestId("b")
+    # the same 24 tokens again: tokens [4, 23) load (the engine holds the first block), the last block
+    # (tokens 20..23) partly, copied whole; the engine computes token 23 itself
+    assert rig.sched.lookup(b, tokens=TOKENS[:24], local_tokens=4) == 19
+    held, beyond = rig.mover.read_engine_block(40), rig.mover.read_engine_block(46)
+    assert rig.sched.start_load(b, range(40, 47)) == 19
+    rig.step()
+    assert [rig.mover.read_engine_block(40 + i) for i in range(1, 6)] == [saved[i] * 2 for i in range(1, 6)]
+    assert (rig.mover.read_engine_block(40), rig.mover.read_engine_block(46)) == (held, beyond)
+    assert rig.sched.extra_cached_tokens(b) == 19
+    assert rig.sched.stats().hit_tokens == 19
+
+
 def test_failed_load_is_reported_for_recompute_and_unpins() -> None:
     rig = Rig()
     rig.serve_and_save("a", TOKENS, range(8))

