@@ -107,6 +107,7 @@ class BlockWorker:
         if not 0 < fence_timeout < float("inf"):
             raise UsageError(f"fence_timeout: got {fence_timeout!r}, expected a finite number of seconds > 0")
         self._fence_timeout = fence_timeout
+        self._halted = False
         self._warnings = _Repeats()
         self._mover = mover
         self._rank = rank
@@ -200,8 +201,14 @@ class BlockWorker:
     def halt(self) -> None:
         """Stop for good every copy that could still write engine blocks (joining its thread): the
         mover's, or, with no mover, the remote tier's, which then moves blocks itself. Jobs not yet run
-        fail; later ops fail (cache misses)."""
+        fail; later ops fail (cache misses); ``halted`` says so from now on."""
+        self._halted = True
         close_quietly(self._mover if self._mover is not None else self._remote)
+
+    @property
+    def halted(self) -> bool:
+        """Whether ``halt`` stopped this worker's copies: every op fails from then on."""
+        return self._halted
 
     def close(self) -> None:
         """Stop the remote tier, then the mover (a failure is logged, never raised). Jobs not yet run

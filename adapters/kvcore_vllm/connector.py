@@ -185,7 +185,7 @@ class KVCoreConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._scheduler is None:
             return None
-        return self._stats_delta(self._scheduler.stats())
+        return self._stats_delta(self._scheduler.stats(), len(self._scheduler.halted_ranks))
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

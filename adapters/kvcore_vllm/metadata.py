@@ -36,11 +36,13 @@ class KVCoreMetadata(KVConnectorMetadata):
 
 @frozen
 class KVCoreWorkerMetadata(KVConnectorWorkerMetadata):
-    """The op reports of one step, from one worker or (aggregated) from all of them."""
+    """The op reports of one step, from one worker or (aggregated) from all of them, and the ranks whose
+    copies were halted for good (``BlockWorker.halt``: every later op of theirs fails)."""
 
     reports: tuple[OpReport, ...]
+    halted_ranks: tuple[int, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVCoreWorkerMetadata):
             return self
-        return KVCoreWorkerMetadata(self.reports + other.reports)
+        return KVCoreWorkerMetadata(self.reports + other.reports, self.halted_ranks + other.halted_ranks)

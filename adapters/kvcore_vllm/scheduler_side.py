@@ -80,6 +80,7 @@ class SchedulerSide:
         self._async: set[str] = set()  # answered with an asynchronous load, not yet allocated
         self._receiving: set[str] = set()  # asynchronous loads started, not yet reported done
         self._receiving_now: list[str] = []  # asynchronous loads started in this step
+        self.halted_ranks: set[int] = set()  # ranks whose copies stopped for good (``BlockWorker.halt``)
 
     def bind_gpu_block_pool(self, pool: BlockPool) -> None:
         if self.lazy:
@@ -228,6 +229,13 @@ class SchedulerSide:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVCoreWorkerMetadata):
             self.core.complete(meta.reports)
+            for rank in set(meta.halted_ranks) - self.halted_ranks:
+                log.error(
+                    "kvcore: rank %d stopped its copies for good after a copy into vLLM's blocks hung; "
+                    "its loads and saves fail (cache misses) until the engine restarts",
+                    rank,
+                )
+                self.halted_ranks.add(rank)
         self._receiving.difference_update(output.finished_recving or ())
         self.core.take_finished()  # retirements are vLLM's to report (finished_sending); drop ours
 

@@ -36,6 +36,7 @@ GAUGES = {
     "pool_evictions": "chunks evicted since start",
     "requests": "requests kvcore tracks (live, or waiting for their copies)",
     "ops_in_flight": "copy ops not yet reported by every worker",
+    "halted_ranks": "ranks whose copies stopped for good after a copy into vLLM's blocks hung",
 }
 
 
@@ -68,7 +69,7 @@ class StatsDelta:
         self._last: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._gauges: dict[str, int] = {}
 
-    def __call__(self, stats: SchedulerStats) -> KVCoreStats:
+    def __call__(self, stats: SchedulerStats, halted_ranks: int = 0) -> KVCoreStats:
         totals = {k: v for k, v in asdict(stats).items() if k in COUNTERS}
         data: dict[str, Any] = {k: totals[k] - self._last[k] for k in COUNTERS}
         self._last = totals
@@ -81,6 +82,7 @@ class StatsDelta:
             "pool_evictions": pool.evictions,
             "requests": stats.requests,
             "ops_in_flight": stats.ops_in_flight,
+            "halted_ranks": halted_ranks,
         }
         data.update((k, v) for k, v in gauges.items() if self._gauges.get(k) != v)
         self._gauges = gauges

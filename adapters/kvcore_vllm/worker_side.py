@@ -53,6 +53,8 @@ class WorkerSide:
         opener: Callable[[Sequence[torch.Tensor]], BlockWorker] | None = None,
     ) -> None:
         self._opener = opener or (lambda tensors: open_worker(config, engine, tensors, rank=rank))
+        self._rank = rank
+        self._halt_told = False  # the scheduler side knows this rank's copies were halted
         self._layers = layers
         self._timeout = config.transfer_timeout_s
         self._worker: BlockWorker | None = None
@@ -97,10 +99,10 @@ class WorkerSide:
         done = {r.op_id for r in reports}
         late = [op for op in loads if op.op_id not in done]
         if late:
-            # vLLM will recompute these blocks in this very step: no copy may still be writing them.
-            # Stop the copies (joining their threads) and treat this tier as dead from now on.
-            log.error("kvcore: %d loads not done after %.1fs; closing the tier", len(late), self._timeout)
-            self.worker.halt()
+            # vLLM recomputes these blocks in this very step: no copy may write them from now on. A
+            # fetch still running is not copied; a copy into them still running is waited for and,
+            # should it hang, stops the tier's copies for good (``BlockWorker.fence``)
+            log.warning("kvcore: %d loads not done after %.1fs; recomputing them", len(late), self._timeout)
             self._abandon(late)
             for op in late:
                 self._load_errors.update(op.engine_blocks)
@@ -170,10 +172,12 @@ class WorkerSide:
         return errors
 
     def build_worker_meta(self) -> KVCoreWorkerMetadata | None:
-        if not self._reports:
+        halted = self._worker is not None and self._worker.halted
+        if not self._reports and not (halted and not self._halt_told):
             return None
         reports, self._reports = tuple(self._reports), []
-        return KVCoreWorkerMetadata(reports)
+        self._halt_told = halted
+        return KVCoreWorkerMetadata(reports, (self._rank,) if halted else ())
 
     def shutdown(self) -> None:
         if self._worker is not None:

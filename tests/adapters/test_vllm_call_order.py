@@ -226,3 +226,13 @@ def test_sync_and_auto_load_modes_load_from_the_host_pool_synchronously() -> Non
         b = _request("a", 2, 2 * BLOCK + 5)
         b.request_id = "b"
         assert side.get_num_new_matched_tokens(b, 0) == (2 * BLOCK, False), mode
+
+
+def test_a_rank_that_halted_is_remembered_once_whatever_the_steps_after() -> None:
+    side = _side()
+    for halted in ((1,), (1,), ()):
+        output = SimpleNamespace(
+            kv_connector_worker_meta=KVCoreWorkerMetadata((), halted), finished_recving=None
+        )
+        side.update_connector_output(output)  # type: ignore[arg-type]
+        assert side.halted_ranks == {1}

@@ -34,3 +34,13 @@ def test_a_gauge_that_changed_in_a_quiet_step_is_reported() -> None:
     assert not retired.is_empty()
     assert retired.data["requests"] == 0
     assert retired.data["lookups"] == 0
+
+
+def test_halted_ranks_reach_the_metrics_as_a_gauge() -> None:
+    delta = StatsDelta()
+    assert delta(_stats(lookups=1, requests=0)).data["halted_ranks"] == 0
+    assert delta(_stats(lookups=1, requests=0), halted_ranks=1).data == {
+        **dict.fromkeys(("lookups", "hit_tokens", "loaded_blocks", "async_loads"), 0),
+        **dict.fromkeys(("saved_blocks", "failed_load_blocks", "failed_save_chunks"), 0),
+        "halted_ranks": 1,
+    }

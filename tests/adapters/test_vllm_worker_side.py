@@ -155,3 +155,53 @@ def test_an_async_fetch_past_its_deadline_is_named_at_once_and_never_copied() ->
     meta = side.build_worker_meta()
     assert meta is not None
     assert [(r.op_id, r.failed) for r in meta.reports] == [(1, (0,))]
+
+
+def _fetching_side(timeout_s: float) -> tuple[WorkerSide, InMemoryBlockMover, InMemoryChunkStore]:
+    mover = InMemoryBlockMover(num_engine_blocks=16, num_host_blocks=16, layer_block_bytes=BLOCK_BYTES)
+    store = InMemoryChunkStore(mover.host)
+    config = load_config(
+        {"backend": {"kind": "cpu", "size": "8MiB"}, "chunk_tokens": 128, "transfer_timeout_s": timeout_s}
+    )
+    side = WorkerSide(
+        config, ENGINE, ["layer0"], 0, lambda _: BlockWorker(mover, 0, StoreRemote(store), BLOCK_BYTES)
+    )
+    side.register_kv_caches({"layer0": torch.zeros(1)})
+    return side, mover, store
+
+
+def _fetch(op_id: int, rid: str, engine_block: int, slot: int, key: str) -> BlockOp:
+    chunk = RemoteChunk(slot=slot, keys=(ChunkKey(key),), first=0, count=1)
+    return BlockOp(op_id, Direction.LOAD, (engine_block,), (slot,), rid, (chunk,), 0, ((ChunkKey(key),),))
+
+
+def test_a_late_sync_fetch_is_recomputed_and_the_tier_stays_up() -> None:
+    side, mover, store = _fetching_side(0.2)
+    with store.stall():
+        side.start_load_kv(KVCoreMetadata(StepPlan((_fetch(1, "r", 7, 3, "k"),))))
+        assert side.take_load_errors() == {7}  # reported in the step that waited for it
+    meta = side.build_worker_meta()
+    assert meta is None or meta.halted_ranks == ()
+    assert not side.worker.halted
+    # the tier serves the next load: a plain copy from the pool
+    mover.write_host_block(5, b"\x05" * BLOCK_BYTES)
+    side.start_load_kv(KVCoreMetadata(StepPlan((_load(2, "s", (8,), (5,)),))))
+    assert side.take_load_errors() == set()
+    assert mover.read_engine_block(8) == b"\x05" * BLOCK_BYTES
+
+
+def test_a_hung_copy_into_vllm_blocks_halts_the_rank_and_says_so_once() -> None:
+    mover = InMemoryBlockMover(num_engine_blocks=16, num_host_blocks=16, layer_block_bytes=BLOCK_BYTES)
+    config = load_config(
+        {"backend": {"kind": "cpu", "size": "8MiB"}, "chunk_tokens": 128, "transfer_timeout_s": 0.2}
+    )
+    side = WorkerSide(config, ENGINE, ["layer0"], 3, lambda _: BlockWorker(mover, 3, fence_timeout=0.2))
+    side.register_kv_caches({"layer0": torch.zeros(1)})
+    with mover.stall():
+        side.start_load_kv(KVCoreMetadata(StepPlan((_load(1, "r", (7,), (3,)),))))
+        assert side.take_load_errors() == {7}
+        assert side.worker.halted
+        meta = side.build_worker_meta()
+        assert meta is not None
+        assert meta.halted_ranks == (3,)
+        assert side.build_worker_meta() is None  # told once
