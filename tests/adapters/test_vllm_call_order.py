@@ -210,12 +210,19 @@ def test_a_failed_async_load_is_not_tried_again_when_vllm_asks_again() -> None:
     assert side.get_num_new_matched_tokens(b, 0) == (3 * BLOCK, True)
     _allocated(side, b, [7, 8, 9, 10], 3 * BLOCK)
     meta = side.build_connector_meta(_output(scheduled={}))
-    (op,) = meta.plan.ops
-    # the second block failed; vLLM freed the request's blocks (nothing valid but the first) and asks again
-    report = OpReport(op.op_id, 0, (1, 2))
-    output = SimpleNamespace(kv_connector_worker_meta=KVCoreWorkerMetadata((report,)), finished_recving={"b"})
+    # the workers gave the load up (its fetch may still run, unreported): named received, every block
+    # failed; vLLM frees the request's blocks and asks again
+    output = SimpleNamespace(kv_connector_worker_meta=KVCoreWorkerMetadata(()), finished_recving={"b"})
     side.update_connector_output(output)  # type: ignore[arg-type]
-    assert side.get_num_new_matched_tokens(b, 0) == (BLOCK, True)
+    assert side.get_num_new_matched_tokens(b, 0) == (0, False)
+    (op,) = meta.plan.ops
+    _report(side, meta, failed=True)  # the late report
+    assert op.request_id == "b"
+    # computed and finished: nothing of it is held back
+    meta = side.build_connector_meta(
+        _output(new=[("b", [11, 12, 13, 14], 0)], scheduled={"b": 3 * BLOCK + 5})
+    )
+    assert meta.receiving == ()
 
 
 def test_sync_and_auto_load_modes_load_from_the_host_pool_synchronously() -> None:

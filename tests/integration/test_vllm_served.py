@@ -141,6 +141,7 @@ def test_kvcore_series_on_metrics(reuse: Reuse) -> None:
         "lookups": reuse.completions,  # one per request, however often vLLM asks while it waits
         "hit_tokens": 4 * BLOCK,
         "loaded_blocks": 4,
+        "async_loads": 0,  # from the host pool: synchronous
         "saved_blocks": saved,
         "failed_load_blocks": 0,
         "failed_save_chunks": 0,
@@ -153,6 +154,7 @@ def test_kvcore_series_on_metrics(reuse: Reuse) -> None:
         "pool_evictions": 0,
         "requests": 0,
         "ops_in_flight": 0,
+        "halted_ranks": 0,
     }
     assert values["vllm:external_prefix_cache_hits_total"] == 4 * BLOCK  # the server's lifetime
 

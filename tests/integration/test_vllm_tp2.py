@@ -60,6 +60,7 @@ def test_every_rank_reported_every_op(run: ReuseRun) -> None:
     assert run.counters == {
         "hit_tokens": PROMPT_CHUNKS * CHUNK_BLOCKS * BLOCK,
         "loaded_blocks": PROMPT_CHUNKS * CHUNK_BLOCKS,
+        "async_loads": 0,  # from the host pool: synchronous
         "saved_blocks": EXPECTED_SAVED_CHUNKS * CHUNK_BLOCKS,
         "failed_load_blocks": 0,
         "failed_save_chunks": 0,

@@ -86,7 +86,14 @@ EXPECTED_SAVED_CHUNKS = PROMPT_CHUNKS + sum(len(p) // CHUNK for p in EVICTING)
 # tests check what kvcore serves, not how fast: every wait is generous.
 PATIENCE_S = 30.0
 GAUGES = ("pool_pinned", "pool_storing", "ops_in_flight", "requests")
-COUNTERS = ("hit_tokens", "loaded_blocks", "saved_blocks", "failed_load_blocks", "failed_save_chunks")
+COUNTERS = (
+    "hit_tokens",
+    "loaded_blocks",
+    "async_loads",
+    "saved_blocks",
+    "failed_load_blocks",
+    "failed_save_chunks",
+)
 
 _SHAPE = ModelShape()
 LAYERS = _SHAPE.num_layers

@@ -117,6 +117,7 @@ def test_every_rank_reported_every_op(server_run: ServerRun) -> None:
     assert run.counters == {
         "hit_tokens": PROMPT_CHUNKS * CHUNK_BLOCKS * BLOCK,
         "loaded_blocks": PROMPT_CHUNKS * CHUNK_BLOCKS,
+        "async_loads": 1,  # from the server: the request waited alone
         "saved_blocks": EXPECTED_SAVED_CHUNKS * CHUNK_BLOCKS,
         "failed_load_blocks": 0,
         "failed_save_chunks": 0,

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     vllm_env,
 )
 from tests.integration.probes import external_hits, host_digests, kvcore_metric, loaded_digests
-from tests.mooncake.conftest import Master
+from tests.mooncake.conftest import Master, MasterFactory
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
 
@@ -111,13 +111,25 @@ def test_a_second_engine_hits_what_the_first_saved(tiny_model: Path, holder: str
         stop_engine(b)
 
 
+def _step_until(engine: Any, done: Callable[[], bool], within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while not done():
+        assert time.monotonic() < deadline, f"not done within {within_s}s"
+        engine.step()
+
+
 def test_a_store_that_stalls_or_dies_under_a_waiting_load_ends_in_a_bounded_recompute(
-    tiny_model: Path, master: Master
+    tiny_model: Path, master_factory: MasterFactory
 ) -> None:
-    """Asynchronous loads from the store, the segment holder frozen (SIGSTOP) under one and killed under
-    another after the master answered their lookups: both requests are recomputed, their tokens those of
-    vLLM's own prefix hit, the frozen one within about ``transfer_timeout_s``, and nothing stays pinned or
-    in flight once the holder is gone for good."""
+    """Asynchronous loads from the store, the segment holder frozen (SIGSTOP) under two of them and killed
+    under a third while they wait: a request aborted while it waits ends, the others are recomputed, their
+    tokens those of vLLM's own prefix hit, the frozen one within about ``transfer_timeout_s``, and nothing
+    stays pinned or in flight once the holder is gone for good."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # a master of its own, that keeps a frozen holder's objects (the suite's drops them after 2 s)
+    master = master_factory("--client_ttl=600")
     proc = _start_holder(master)
     prompts = [prompt(seed, 4 * BLOCK + 60) for seed in (4343, 4444)]
     # a pool of 16 chunks: the fillers push the prompts out of it (and out of vLLM's 24 blocks)
@@ -134,28 +146,47 @@ def test_a_store_that_stalls_or_dies_under_a_waiting_load_ends_in_a_bounded_reco
         failed = kvcore_metric(llm, "failed_load_blocks")
 
         os.kill(proc.pid, signal.SIGSTOP)
+        # a request aborted while it waits for its load: vLLM frees its blocks once the workers give the
+        # load up (at its deadline); nothing else waits on it
+        engine = llm.llm_engine
+        engine.add_request("aborted", TokensPrompt(prompt_token_ids=prompts[1]), SamplingParams(max_tokens=4))
+        _step_until(engine, lambda: kvcore_metric(llm, "async_loads") >= 1, 10)  # its load started
+        engine.step()
+        engine.abort_request(["aborted"])
+        deadline = time.monotonic() + TRANSFER_TIMEOUT_S + 15
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            engine.step()
+        assert not engine.has_unfinished_requests()
+        assert kvcore_metric(llm, "async_loads") == 1
+
         started = time.monotonic()
         stalled = generate(llm, prompts[0])
         took = time.monotonic() - started
         os.kill(proc.pid, signal.SIGCONT)
         assert list(stalled.outputs[0].token_ids) == reference[0]
-        assert kvcore_metric(llm, "async_loads") == 1
-        assert kvcore_metric(llm, "failed_load_blocks") - failed == 4
+        assert kvcore_metric(llm, "async_loads") == 2
         assert TRANSFER_TIMEOUT_S <= took < TRANSFER_TIMEOUT_S + 15
 
+        # killed while a load waits on it (frozen first, so that the load is surely under way)
+        os.kill(proc.pid, signal.SIGSTOP)
+        greedy = SamplingParams(temperature=0.0, max_tokens=8)
+        engine.add_request("dead", TokensPrompt(prompt_token_ids=prompts[1]), greedy)
+        _step_until(engine, lambda: kvcore_metric(llm, "async_loads") >= 3, 10)
         proc.kill()
         proc.wait(timeout=30)
-        dead = generate(llm, prompts[1])
-        assert list(dead.outputs[0].token_ids) == reference[1]
-        # looked up in the master, which still lists the dead holder's chunks: loaded, failed, recomputed
-        assert kvcore_metric(llm, "async_loads") == 2
-        assert kvcore_metric(llm, "failed_load_blocks") - failed == 8
+        dead: list[int] = []
+        deadline = time.monotonic() + TRANSFER_TIMEOUT_S + 15
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            dead = next((list(o.outputs[0].token_ids) for o in engine.step() if o.finished), dead)
+        assert dead == reference[1]
 
         gauges = ("pool_pinned", "ops_in_flight", "requests")
         deadline = time.monotonic() + 30
         while any(kvcore_metric(llm, g) for g in gauges) and time.monotonic() < deadline:
             generate(llm, prompt(4600, BLOCK - 20), max_tokens=1)  # a step reports the gauges
         assert {g: kvcore_metric(llm, g) for g in gauges} == dict.fromkeys(gauges, 0.0)
+        # every block of the three loads failed (a frozen fetch fails once it ends), none loaded
+        assert kvcore_metric(llm, "failed_load_blocks") - failed == 3 * 4
     finally:
         stop_engine(llm)
         if proc.poll() is None:

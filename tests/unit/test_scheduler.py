@@ -11,6 +11,7 @@ import pytest
 from kvcore.config import KVCoreConfig, load_config
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError
+from kvcore.hashing import NO_EXTRA
 from kvcore.ids import RequestId
 from kvcore.layout import KVLayout, LayoutKind
 from kvcore.scheduler import CacheScheduler
@@ -119,6 +120,29 @@ def test_failed_load_is_reported_for_recompute_and_unpins() -> None:
     assert errors[b]
     assert rig.sched.stats().pool.pinned == 0
     assert rig.sched.stats().failed_load_blocks == len(errors[b])
+
+
+def test_asked_again_after_a_failed_load_the_lookup_stops_before_the_failure() -> None:
+    rig = Rig()
+    rig.serve_and_save("a", TOKENS, range(8))
+    b = RequestId("b")
+    assert rig.sched.lookup(b, tokens=TOKENS) == 24
+    rig.sched.start_load(b, range(20, 28))
+    rig.mover.fail_next(1)  # the first block of the load fails: chunk 0
+    rig.step()
+    assert rig.sched.take_load_errors()[b]
+    assert rig.sched.lookup(b, tokens=TOKENS) == 0  # the engine gave the blocks back and asks again
+
+
+def test_asked_again_after_chunks_left_the_pool_the_lookup_stops_before_them() -> None:
+    rig = Rig(slots=8)
+    rig.serve_and_save("a", TOKENS, range(8))
+    b = RequestId("b")
+    assert rig.sched.lookup(b, tokens=TOKENS) == 24
+    chain = rig.sched.keyer.chain(NO_EXTRA, TOKENS, None, None)
+    rig.sched.pool.remove([chain.keys[1]])  # chunk 1 leaves between the lookup and the load
+    assert rig.sched.start_load(b, range(20, 28)) == 8
+    assert rig.sched.lookup(b, tokens=TOKENS) == 8
 
 
 def test_failed_save_drops_the_slot() -> None:
