@@ -1,10 +1,10 @@
-"""Two real vLLM engines (CPU build, tiny model) on one Mooncake pool held by a segment holder.
+"""Real vLLM engines (CPU build, tiny model) on one Mooncake pool held by a segment holder.
 
-Engine A serves a prompt and publishes its KV; A stops; engine B, a separate engine with an empty prefix
-cache, serves the same prompt with external hits: tokens equal to vLLM's own prefix hit of the same
-length (A's second run), KV bytes equal to what A saved, loaded asynchronously (the request waiting
-alone). An engine in another namespace epoch gets no hit from the same pool. And a holder frozen or killed
-under a waiting load ends in a bounded recompute.
+Engine A serves a prompt and publishes its KV; A stops; an engine in another namespace epoch gets no hit
+from the same pool; engine B, a separate engine with an empty prefix cache, serves the same prompt with
+external hits: tokens equal to vLLM's own prefix hit of the same length (A's second run), KV bytes equal
+to what A saved, loaded asynchronously (the request waiting alone). Then, in B, the holder is frozen and
+killed under loads that wait on it: each ends in a bounded recompute with vLLM's own tokens.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from kvcore.testing.support import start_owned
 from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
@@ -60,55 +58,66 @@ def _start_holder(master: Master) -> subprocess.Popen[str]:
     return proc
 
 
-@pytest.fixture(scope="module")
-def holder(master: Master) -> Iterator[str]:
-    proc = _start_holder(master)
-    yield master.address
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
 def _engine(model: Path, master: str, epoch: str, local_size: str = "64MiB", **config: Any) -> Any:
     backend = {"kind": "mooncake_store", "master": master, "segment_size": 0, "local_size": local_size}
     return start_engine(model, kvcore_transfer_config(backend=backend, epoch=epoch, **config))
 
 
-def test_a_second_engine_hits_what_the_first_saved(tiny_model: Path, holder: str) -> None:
-    tokens = prompt(4242, 4 * BLOCK + 60)
-    a = _engine(tiny_model, holder, epoch="0")
+def test_a_second_engine_hits_what_the_first_saved_and_a_failing_store_is_recomputed(
+    tiny_model: Path, master_factory: MasterFactory
+) -> None:
+    # a master of its own, that keeps a frozen holder's objects (the suite's drops them after 2 s)
+    master = master_factory("--client_ttl=600")
+    holder = _start_holder(master)
     try:
-        first = generate(a, tokens)
-        local = generate(a, tokens)  # vLLM's own prefix hit of 4 blocks: the reference tokens
-        assert (first.num_cached_tokens, local.num_cached_tokens) == (0, 4 * BLOCK)
-        (saved,) = a.collective_rpc(host_digests)
-    finally:
-        stop_engine(a)  # the pool outlives engine A: it lives in the holder
+        tokens = prompt(4242, 4 * BLOCK + 60)
+        a = _engine(tiny_model, master.address, epoch="0")
+        try:
+            first = generate(a, tokens)
+            local = generate(a, tokens)  # vLLM's own prefix hit of 4 blocks: the reference tokens
+            assert (first.num_cached_tokens, local.num_cached_tokens) == (0, 4 * BLOCK)
+            (saved,) = a.collective_rpc(host_digests)
+        finally:
+            stop_engine(a)  # the pool outlives engine A: it lives in the holder
 
-    other = _engine(tiny_model, holder, epoch="1")
-    try:
-        before = external_hits(other)  # the metrics registry is per process: count deltas
-        isolated = generate(other, tokens)
-        assert isolated.num_cached_tokens == 0  # another namespace epoch: no key of A's matches
-        assert external_hits(other) == before
-    finally:
-        stop_engine(other)
+        other = _engine(tiny_model, master.address, epoch="1")
+        try:
+            before = external_hits(other)  # the metrics registry is per process: count deltas
+            isolated = generate(other, tokens)
+            assert isolated.num_cached_tokens == 0  # another namespace epoch: no key of A's matches
+            assert external_hits(other) == before
+        finally:
+            stop_engine(other)
 
-    b = _engine(tiny_model, holder, epoch="0")
-    try:
-        before = external_hits(b)
-        again = generate(b, tokens, kv_transfer_params={"num_extra_cached_tokens": True})
-        assert kvcore_metric(b, "async_loads") == 1  # a load from the store: the request waited alone
-        assert again.num_cached_tokens == 4 * BLOCK
-        assert external_hits(b) - before == 4 * BLOCK
-        assert again.kv_transfer_params == {"num_extra_cached_tokens": 4 * BLOCK}
-        assert list(again.outputs[0].token_ids) == list(local.outputs[0].token_ids)
-        ((digests, same),) = b.collective_rpc(loaded_digests)
-        assert same
-        assert len(digests) == 4
-        assert set(digests) <= saved  # byte for byte what engine A saved
-        assert len(set(digests)) == 4  # four distinct blocks, none left blank
+        # a pool of 16 chunks, so that a few prompts push others out of it (and out of vLLM's 24 blocks)
+        b = _engine(tiny_model, master.address, "0", local_size="1MiB", transfer_timeout_s=TRANSFER_TIMEOUT_S)
+        try:
+            _check_reuse(b, tokens, list(local.outputs[0].token_ids), saved)
+            _check_failing_store(b, holder)
+        finally:
+            stop_engine(b)
     finally:
-        stop_engine(b)
+        if holder.poll() is None:
+            os.kill(holder.pid, signal.SIGCONT)
+            holder.kill()
+        holder.wait(timeout=30)
+
+
+def _check_reuse(b: Any, tokens: list[int], reference: list[int], saved: set[str]) -> None:
+    """Engine B, its caches empty, serves what engine A saved from the store: asynchronously, with vLLM's
+    own tokens, and byte for byte."""
+    before = external_hits(b)
+    again = generate(b, tokens, kv_transfer_params={"num_extra_cached_tokens": True})
+    assert kvcore_metric(b, "async_loads") == 1  # a load from the store: the request waited alone
+    assert again.num_cached_tokens == 4 * BLOCK
+    assert external_hits(b) - before == 4 * BLOCK
+    assert again.kv_transfer_params == {"num_extra_cached_tokens": 4 * BLOCK}
+    assert list(again.outputs[0].token_ids) == reference
+    ((digests, same),) = b.collective_rpc(loaded_digests)
+    assert same
+    assert len(digests) == 4
+    assert set(digests) <= saved  # byte for byte what engine A saved
+    assert len(set(digests)) == 4  # four distinct blocks, none left blank
 
 
 def _step_until(engine: Any, done: Callable[[], bool], within_s: float) -> None:
@@ -118,9 +127,7 @@ def _step_until(engine: Any, done: Callable[[], bool], within_s: float) -> None:
         engine.step()
 
 
-def test_a_store_that_stalls_or_dies_under_a_waiting_load_ends_in_a_bounded_recompute(
-    tiny_model: Path, master_factory: MasterFactory
-) -> None:
+def _check_failing_store(llm: Any, holder: subprocess.Popen[str]) -> None:
     """Asynchronous loads from the store, the segment holder frozen (SIGSTOP) under two of them and killed
     under a third while they wait: a request aborted while it waits ends, the others are recomputed, their
     tokens those of vLLM's own prefix hit, the frozen one within about ``transfer_timeout_s``, and nothing
@@ -128,68 +135,51 @@ def test_a_store_that_stalls_or_dies_under_a_waiting_load_ends_in_a_bounded_reco
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    # a master of its own, that keeps a frozen holder's objects (the suite's drops them after 2 s)
-    master = master_factory("--client_ttl=600")
-    proc = _start_holder(master)
     prompts = [prompt(seed, 4 * BLOCK + 60) for seed in (4343, 4444)]
-    # a pool of 16 chunks: the fillers push the prompts out of it (and out of vLLM's 24 blocks)
-    llm = _engine(
-        tiny_model, master.address, "stall", local_size="1MiB", transfer_timeout_s=TRANSFER_TIMEOUT_S
-    )
-    try:
-        reference = []
-        for tokens in prompts:
-            generate(llm, tokens)
-            reference.append(list(generate(llm, tokens).outputs[0].token_ids))  # vLLM's own hit
-        for seed in range(3):
-            generate(llm, prompt(4500 + seed, 1500), max_tokens=1)
-        failed = kvcore_metric(llm, "failed_load_blocks")
+    reference = []
+    for tokens in prompts:
+        generate(llm, tokens)
+        reference.append(list(generate(llm, tokens).outputs[0].token_ids))  # vLLM's own hit
+    for seed in range(3):
+        generate(llm, prompt(4500 + seed, 1500), max_tokens=1)
+    failed = kvcore_metric(llm, "failed_load_blocks")
+    loads = kvcore_metric(llm, "async_loads")
 
-        os.kill(proc.pid, signal.SIGSTOP)
-        # a request aborted while it waits for its load: vLLM frees its blocks once the workers give the
-        # load up (at its deadline); nothing else waits on it
-        engine = llm.llm_engine
-        engine.add_request("aborted", TokensPrompt(prompt_token_ids=prompts[1]), SamplingParams(max_tokens=4))
-        _step_until(engine, lambda: kvcore_metric(llm, "async_loads") >= 1, 10)  # its load started
-        engine.step()
-        engine.abort_request(["aborted"])
-        deadline = time.monotonic() + TRANSFER_TIMEOUT_S + 15
-        while engine.has_unfinished_requests() and time.monotonic() < deadline:
-            engine.step()
-        assert not engine.has_unfinished_requests()
-        assert kvcore_metric(llm, "async_loads") == 1
+    os.kill(holder.pid, signal.SIGSTOP)
+    # a request aborted while it waits for its load: vLLM frees its blocks once the workers give the load
+    # up (at its deadline); nothing else waits on it
+    engine = llm.llm_engine
+    engine.add_request("aborted", TokensPrompt(prompt_token_ids=prompts[1]), SamplingParams(max_tokens=4))
+    _step_until(engine, lambda: kvcore_metric(llm, "async_loads") >= loads + 1, 10)  # its load started
+    engine.step()
+    engine.abort_request(["aborted"])
+    _step_until(engine, lambda: not engine.has_unfinished_requests(), TRANSFER_TIMEOUT_S + 15)
 
-        started = time.monotonic()
-        stalled = generate(llm, prompts[0])
-        took = time.monotonic() - started
-        os.kill(proc.pid, signal.SIGCONT)
-        assert list(stalled.outputs[0].token_ids) == reference[0]
-        assert kvcore_metric(llm, "async_loads") == 2
-        assert TRANSFER_TIMEOUT_S <= took < TRANSFER_TIMEOUT_S + 15
+    started = time.monotonic()
+    stalled = generate(llm, prompts[0])
+    took = time.monotonic() - started
+    os.kill(holder.pid, signal.SIGCONT)
+    assert list(stalled.outputs[0].token_ids) == reference[0]
+    assert kvcore_metric(llm, "async_loads") == loads + 2
+    assert TRANSFER_TIMEOUT_S <= took < TRANSFER_TIMEOUT_S + 15
 
-        # killed while a load waits on it (frozen first, so that the load is surely under way)
-        os.kill(proc.pid, signal.SIGSTOP)
-        greedy = SamplingParams(temperature=0.0, max_tokens=8)
-        engine.add_request("dead", TokensPrompt(prompt_token_ids=prompts[1]), greedy)
-        _step_until(engine, lambda: kvcore_metric(llm, "async_loads") >= 3, 10)
-        proc.kill()
-        proc.wait(timeout=30)
-        dead: list[int] = []
-        deadline = time.monotonic() + TRANSFER_TIMEOUT_S + 15
-        while engine.has_unfinished_requests() and time.monotonic() < deadline:
-            dead = next((list(o.outputs[0].token_ids) for o in engine.step() if o.finished), dead)
-        assert dead == reference[1]
+    # killed while a load waits on it (frozen first, so that the load is surely under way)
+    os.kill(holder.pid, signal.SIGSTOP)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    engine.add_request("dead", TokensPrompt(prompt_token_ids=prompts[1]), greedy)
+    _step_until(engine, lambda: kvcore_metric(llm, "async_loads") >= loads + 3, 10)
+    holder.kill()
+    holder.wait(timeout=30)
+    dead: list[int] = []
+    deadline = time.monotonic() + TRANSFER_TIMEOUT_S + 15
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        dead = next((list(o.outputs[0].token_ids) for o in engine.step() if o.finished), dead)
+    assert dead == reference[1]
 
-        gauges = ("pool_pinned", "ops_in_flight", "requests")
-        deadline = time.monotonic() + 30
-        while any(kvcore_metric(llm, g) for g in gauges) and time.monotonic() < deadline:
-            generate(llm, prompt(4600, BLOCK - 20), max_tokens=1)  # a step reports the gauges
-        assert {g: kvcore_metric(llm, g) for g in gauges} == dict.fromkeys(gauges, 0.0)
-        # every block of the three loads failed (a frozen fetch fails once it ends), none loaded
-        assert kvcore_metric(llm, "failed_load_blocks") - failed == 3 * 4
-    finally:
-        stop_engine(llm)
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
-            proc.wait(timeout=30)
+    gauges = ("pool_pinned", "ops_in_flight", "requests")
+    deadline = time.monotonic() + 30
+    while any(kvcore_metric(llm, g) for g in gauges) and time.monotonic() < deadline:
+        generate(llm, prompt(4600, BLOCK - 20), max_tokens=1)  # a step reports the gauges
+    assert {g: kvcore_metric(llm, g) for g in gauges} == dict.fromkeys(gauges, 0.0)
+    # every block of the three loads failed (a frozen fetch fails once it ends), none loaded
+    assert kvcore_metric(llm, "failed_load_blocks") - failed == 3 * 4
