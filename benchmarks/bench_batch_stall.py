@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.engine_env import vllm_scratch
 
 BLOCK = 128
 ENGINE_BLOCKS = 64  # 8k tokens of vLLM cache: two fillers of 4k evict the loaded prompts
@@ -130,13 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--modes", default="sync,async")
     args = parser.parse_args(argv)
-    root = Path(tempfile.mkdtemp(prefix="kvcore-stall-"))
-    os.environ.update(VLLM_CACHE_ROOT=str(root / "cache"), TMPDIR=str(root), VLLM_CPU_NUM_OF_RESERVED_CPU="1")
-    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        print("vLLM is not installed: nothing to measure")
+    root = vllm_scratch("kvcore-stall-")
+    if root is None:
         return 0
     from benchmarks.bench_lmcache import CHUNK_TOKENS, lmcache_server
     from kvcore.testing.slow_link import SlowLink

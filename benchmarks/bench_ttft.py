@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
+
+from benchmarks.engine_env import vllm_scratch
 
 BLOCK = 128
 ENGINE_BLOCKS = 64  # 8k tokens of vLLM cache: a filler of 8k tokens evicts the prompt
@@ -70,14 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     lengths, repeats = ((2048,), 1) if args.quick else ((2048, 6144), 3)
-    root = Path(tempfile.mkdtemp(prefix="kvcore-ttft-"))
-    os.environ.update(VLLM_CACHE_ROOT=str(root / "cache"), TMPDIR=str(root), VLLM_CPU_NUM_OF_RESERVED_CPU="1")
-    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    try:
-        from vllm import LLM
-    except ImportError:
-        print("vLLM is not installed: nothing to measure")
+    root = vllm_scratch("kvcore-ttft-")
+    if root is None:
         return 0
+    from vllm import LLM
+
     from tests.integration.tiny_model import BENCH, make_tiny_model
 
     model = make_tiny_model(root / "bench-llama", shape=BENCH)

@@ -165,6 +165,24 @@ def _allocated(side: SchedulerSide, request: Any, blocks: list[int], external: i
     side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: (blocks,)), external)  # type: ignore[arg-type]
 
 
+def _waiting(chunks: int, extra_tokens: int) -> tuple[SchedulerSide, Any, KVCoreMetadata]:
+    """Request "b", the ``chunks`` chunks of a saved request plus ``extra_tokens``, waiting for its
+    asynchronous load of them (allocated blocks 7, 8, ...): the side, the request, the step's metadata."""
+    side = _async_side()
+    _saved(side, "a", chunks)
+    b = _request("a", chunks, chunks * BLOCK + extra_tokens)
+    b.request_id = "b"
+    assert side.get_num_new_matched_tokens(b, 0) == (chunks * BLOCK, True)
+    _allocated(side, b, list(range(7, 8 + chunks)), chunks * BLOCK)
+    return side, b, side.build_connector_meta(_output(scheduled={}))
+
+
+def _received(side: SchedulerSide, rid: str) -> None:
+    """The workers name ``rid`` received (``finished_recving``), with no report."""
+    output = SimpleNamespace(kv_connector_worker_meta=KVCoreWorkerMetadata(()), finished_recving={rid})
+    side.update_connector_output(output)  # type: ignore[arg-type]
+
+
 def test_an_async_load_is_named_receiving_and_reported_by_vllm_not_delayed() -> None:
     side = _async_side()
     _saved(side, "a", 3)
@@ -184,15 +202,8 @@ def test_an_async_load_is_named_receiving_and_reported_by_vllm_not_delayed() -> 
 
 
 def test_a_request_whose_async_load_was_received_is_delayed_as_usual() -> None:
-    side = _async_side()
-    _saved(side, "a", 2)
-    b = _request("a", 2, 2 * BLOCK + 5)
-    b.request_id = "b"
-    assert side.get_num_new_matched_tokens(b, 0) == (2 * BLOCK, True)
-    _allocated(side, b, [7, 8, 9], 2 * BLOCK)
-    meta = side.build_connector_meta(_output(scheduled={}))
-    output = SimpleNamespace(kv_connector_worker_meta=KVCoreWorkerMetadata(()), finished_recving={"b"})
-    side.update_connector_output(output)  # type: ignore[arg-type]
+    side, b, _ = _waiting(2, 5)
+    _received(side, "b")
     # received, then scheduled: it computes its last chunk's tokens and saves nothing new (2 chunks held)
     meta = side.build_connector_meta(_output(new=[("b", [7, 8, 9], 2 * BLOCK)], scheduled={"b": 5}))
     assert meta.receiving == ()
@@ -203,21 +214,12 @@ def test_a_request_whose_async_load_was_received_is_delayed_as_usual() -> None:
 
 
 def test_a_failed_async_load_is_not_tried_again_when_vllm_asks_again() -> None:
-    side = _async_side()
-    _saved(side, "a", 3)
-    b = _request("a", 3, 3 * BLOCK + 5)
-    b.request_id = "b"
-    assert side.get_num_new_matched_tokens(b, 0) == (3 * BLOCK, True)
-    _allocated(side, b, [7, 8, 9, 10], 3 * BLOCK)
-    meta = side.build_connector_meta(_output(scheduled={}))
+    side, b, meta = _waiting(3, 5)
     # the workers gave the load up (its fetch may still run, unreported): named received, every block
     # failed; vLLM frees the request's blocks and asks again
-    output = SimpleNamespace(kv_connector_worker_meta=KVCoreWorkerMetadata(()), finished_recving={"b"})
-    side.update_connector_output(output)  # type: ignore[arg-type]
+    _received(side, "b")
     assert side.get_num_new_matched_tokens(b, 0) == (0, False)
-    (op,) = meta.plan.ops
     _report(side, meta, failed=True)  # the late report
-    assert op.request_id == "b"
     # computed and finished: nothing of it is held back
     meta = side.build_connector_meta(
         _output(new=[("b", [11, 12, 13, 14], 0)], scheduled={"b": 3 * BLOCK + 5})

@@ -67,6 +67,7 @@ def test_round_trip_is_byte_exact() -> None:
     b = RequestId("b")
     assert rig.sched.lookup(b, tokens=TOKENS) == 24
     assert rig.sched.lookup(b, tokens=TOKENS) == 24  # asked again: cached answer
+    assert not rig.sched.load_reads_remote(b)  # no remote tier: the host pool alone
     target = list(range(20, 28))
     untouched = rig.mover.read_engine_block(26)
     assert rig.sched.start_load(b, target) == 24
@@ -105,6 +106,12 @@ def test_a_prompt_the_pool_holds_whole_loads_all_but_its_last_token() -> None:
     assert (rig.mover.read_engine_block(40), rig.mover.read_engine_block(46)) == (held, beyond)
     assert rig.sched.extra_cached_tokens(b) == 19
     assert rig.sched.stats().hit_tokens == 19
+    assert rig.sched.stats().async_loads == 0
+    c = RequestId("c")
+    assert rig.sched.lookup(c, tokens=TOKENS[:24]) == 23
+    assert rig.sched.start_load(c, range(50, 56), is_async=True) == 23
+    rig.step()
+    assert rig.sched.stats().async_loads == 1
 
 
 def test_failed_load_is_reported_for_recompute_and_unpins() -> None:

@@ -110,6 +110,7 @@ def test_a_chunk_evicted_locally_is_fetched_from_the_remote_tier_byte_exact() ->
     assert rig.sched.stats().pool.evictions == 3
     c = RequestId("c")
     assert rig.lookup(c, TOKENS) == 24  # all from the remote tier
+    assert rig.sched.load_reads_remote(c)  # worth an asynchronous load
     rig.sched.start_load(c, range(20, 28))
     plan = rig.step()
     assert [len(op.remote) for op in plan.ops] == [3]
@@ -119,6 +120,8 @@ def test_a_chunk_evicted_locally_is_fetched_from_the_remote_tier_byte_exact() ->
     # the fetched chunks stay in the local pool: the next lookup needs no remote answer
     rig.index.down = True
     assert rig.lookup("d", TOKENS) == 24
+    assert not rig.sched.load_reads_remote(RequestId("d"))  # all from the host pool
+    assert not rig.sched.load_reads_remote(RequestId("nobody"))
     assert rig.sched.stats().pool.pinned == 0
 
 
