@@ -78,7 +78,8 @@ class SchedulerSide:
         self._unbound_warned = False
         self._load_mode = settings.load_mode
         self._async: set[str] = set()  # answered with an asynchronous load, not yet allocated
-        self._receiving: set[str] = set()  # asynchronous loads started, not yet reported done
+        self._receiving: dict[str, tuple[int, ...]] = {}  # async loads not yet reported done: their blocks
+        self._stale: list[int] = []  # blocks of async loads that a reset made stale, for the workers
         self._receiving_now: list[str] = []  # asynchronous loads started in this step
         # named received by the workers, not scheduled since: looked up again, their load failed whole
         self._received: set[str] = set()
@@ -130,13 +131,14 @@ class SchedulerSide:
         if num_external_tokens > 0:
             self.core.start_load(RequestId(rid), blocks.get_block_ids()[0], is_async=is_async)
             if is_async:  # vLLM waits for it to be reported, whatever the load became
-                self._receiving.add(rid)
+                self._receiving[rid] = tuple(blocks.get_block_ids()[0])
                 self._receiving_now.append(rid)
 
     def build_connector_meta(self, out: SchedulerOutput) -> KVCoreMetadata:
         # workers report their own failed copies in the step that detects them; only the blocks the
         # scheduler gave up on before any copy travel to them, taken before a preemption drops them
-        lost = self.core.take_lost_blocks()
+        lost = self.core.take_lost_blocks() + tuple(self._stale)
+        self._stale.clear()
         for rid in out.preempted_req_ids or ():  # before the scheduled: preempted and resumed at once
             if rid in self._blocks:
                 self._preempted(rid)
@@ -244,8 +246,9 @@ class SchedulerSide:
                     rank,
                 )
                 self.halted_ranks.add(rank)
-        received = set(output.finished_recving or ()) & self._receiving
-        self._receiving -= received
+        received = set(output.finished_recving or ()) & self._receiving.keys()
+        for rid in received:
+            del self._receiving[rid]
         self._received |= received
         self.core.take_finished()  # retirements are vLLM's to report (finished_sending); drop ours
 
@@ -274,8 +277,13 @@ class SchedulerSide:
         return self._names.events(self.core.take_events())
 
     def reset_cache(self) -> bool:
+        """Forget every stored chunk. An asynchronous load still running may be copying pre-reset KV:
+        its request's blocks are reported failed (recomputed) with the next step's lost blocks, which the
+        workers name no later than the request itself."""
         self.core.reset()
         self.evictions.clear()
+        for blocks in self._receiving.values():
+            self._stale.extend(blocks)
         return True
 
     def stats(self) -> SchedulerStats:

@@ -245,3 +245,16 @@ def test_a_rank_that_halted_is_remembered_once_whatever_the_steps_after() -> Non
         )
         side.update_connector_output(output)  # type: ignore[arg-type]
         assert side.halted_ranks == {1}
+
+
+def test_a_reset_under_a_waiting_async_load_makes_its_blocks_fail() -> None:
+    side, _, meta = _waiting(2, 5)
+    assert side.reset_cache()  # the load may be copying pre-reset KV
+    stale = side.build_connector_meta(_output(scheduled={}))
+    assert set(stale.failed_blocks) == {7, 8, 9}  # to the workers, named with (or before) the request
+    assert side.build_connector_meta(_output(scheduled={})).failed_blocks == ()
+    # a load reported before the reset is not touched
+    _report(side, meta)
+    _received(side, "b")
+    assert side.reset_cache()
+    assert side.build_connector_meta(_output(scheduled={})).failed_blocks == ()
