@@ -249,7 +249,7 @@ class SchedulerSide:
         received = set(output.finished_recving or ()) & self._receiving.keys()
         for rid in received:
             del self._receiving[rid]
-        self._received |= received
+        self._received |= {rid for rid in received if rid in self._requests}  # not those ended since
         self.core.take_finished()  # retirements are vLLM's to report (finished_sending); drop ours
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
