@@ -102,6 +102,12 @@ class _Request:
         self.saved_chunks = 0
         self.chain_sent = 0  # leading chain positions (``chain.rank_keys``) already sent to the workers
 
+    def stop_answer_at(self, chunk: int) -> None:
+        """A chunk of the load is gone or failed: asked again (an engine that gave the request's blocks
+        back), the lookup stops before it, so the same load is not tried again."""
+        if self.answer is not None:
+            self.answer = min(self.answer, chunk)
+
 
 class CacheScheduler:
     """Scheduler side over a host-slot pool, optionally in front of a remote tier: one per engine.
@@ -306,8 +312,7 @@ class CacheScheduler:
         if lost:
             log.warning("kvcore: request %s: %d blocks left the pool before loading", request_id, lost)
             lost_from = spec.first_block + loaded
-            if req.answer is not None:  # asked again, the lookup stops before the chunk that is gone
-                req.answer = min(req.answer, lost_from // self.blocks_per_chunk)
+            req.stop_answer_at(lost_from // self.blocks_per_chunk)
             req.failed_blocks.update(range(lost_from, spec.first_block + spec.num_blocks))
             req.load_errors.extend(ids[lost_from : spec.first_block + spec.num_blocks])
             req.lost_blocks.extend(ids[lost_from : spec.first_block + spec.num_blocks])
@@ -596,11 +601,7 @@ class CacheScheduler:
                 req.load_errors.extend(op.engine_blocks[i] for i in sorted(entry.failed))
                 if req.loaded is not None:
                     req.failed_blocks.update(req.loaded.first_block + i for i in entry.failed)
-                    # asked again (an engine that gave the request's blocks back), the lookup stops
-                    # before the first chunk that failed: the same load is not tried again
-                    first = (req.loaded.first_block + min(entry.failed)) // self.blocks_per_chunk
-                    if req.answer is not None:
-                        req.answer = min(req.answer, first)
+                    req.stop_answer_at((req.loaded.first_block + min(entry.failed)) // self.blocks_per_chunk)
         else:
             good = tuple(k for k in entry.keys if k not in failed)
             dropped = tuple(k for k in entry.keys if k in failed)

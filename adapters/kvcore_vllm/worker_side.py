@@ -201,15 +201,14 @@ class WorkerSide:
         for report in reports:
             op = self._inflight.pop(report.op_id, None)
             self._writing.discard(report.op_id)
-            # vLLM still awaits news of a load's blocks unless it was abandoned when they were given
-            # back (a late synchronous load, a fenced one); an abandoned asynchronous load's request
-            # waits for this very report
-            news = op is not None and op.op_id in self._receiving.get(op.request_id, (0.0, ()))[1]
-            if report.op_id in self._abandoned and op is not None:
+            if op is not None and report.op_id in self._abandoned:
                 self._abandoned.discard(report.op_id)
                 report = OpReport(report.op_id, report.rank, tuple(range(len(op.engine_blocks))), "abandoned")
+                # its blocks were reported when they were given back (a late synchronous load, a fenced
+                # one), unless it is an asynchronous load whose request waits for this very report
+                awaited = op.op_id in self._receiving.get(op.request_id, (0.0, ()))[1]
             else:
-                news = op is not None and op.direction is Direction.LOAD
-            if news and op is not None and report.failed:
+                awaited = op is not None and op.direction is Direction.LOAD
+            if awaited and op is not None and report.failed:
                 self._load_errors.update(op.engine_blocks[i] for i in report.failed)
             self._reports.append(report)

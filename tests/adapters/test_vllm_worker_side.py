@@ -78,9 +78,9 @@ def test_an_async_load_does_not_hold_the_step_and_is_named_once_done() -> None:
         bytes([4]) * BLOCK_BYTES,
     ]
     assert side.get_finished() == (None, None)  # named once
-    (meta_out,) = [side.build_worker_meta()]
-    assert meta_out is not None
-    assert [r.op_id for r in meta_out.reports] == [1]
+    reported = side.build_worker_meta()
+    assert reported is not None
+    assert [r.op_id for r in reported.reports] == [1]
 
 
 def test_a_failed_async_load_names_its_blocks_in_the_step_it_is_received() -> None:
