@@ -14,6 +14,7 @@ from kvcore.checks import is_int_in
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError
+from kvcore.faults import FaultHooks
 from kvcore.ports import RankMemory, RemoteTier
 from kvcore.registry import backend, engine_memory
 from kvcore.remote import close_quietly
@@ -44,12 +45,19 @@ def open_scheduler(
 
 
 def open_worker(
-    config: KVCoreConfig, engine: EngineSpec, tensors: Sequence[object], *, rank: int = 0
+    config: KVCoreConfig,
+    engine: EngineSpec,
+    tensors: Sequence[object],
+    *,
+    rank: int = 0,
+    faults: FaultHooks | None = None,
 ) -> BlockWorker:
     """Rank ``rank``'s worker over its KV ``tensors`` (one per layer, the engine's layout): its host
-    slots, its mover and the backend's remote tier over them. Raises ``ConfigError`` for a rank outside
-    the engine's ``tp_size`` or a backend that is not installed, ``UsageError`` for tensors no installed
-    engine memory accepts or that do not match the engine; nothing then stays open."""
+    slots, its mover and the backend's remote tier over them. The rank's movers call ``faults``
+    (``kvcore.faults``: tests, instrumentation) before each copy. Raises ``ConfigError`` for a rank
+    outside the engine's ``tp_size`` or a backend that is not installed, ``UsageError`` for tensors no
+    installed engine memory accepts or that do not match the engine, or ``faults`` its movers cannot
+    call; nothing then stays open."""
     if not is_int_in(rank, 0, engine.tp_size - 1):
         raise ConfigError("rank", rank, f"an int in [0, {engine.tp_size}) (the engine's tp_size)")
     chosen = backend(config.backend.KIND)
@@ -57,4 +65,5 @@ def open_worker(
     def remote(memory: RankMemory) -> RemoteTier | None:
         return chosen.open_remote(config, engine, memory)
 
-    return engine_memory(tensors).open_worker(config, engine, tensors, rank=rank, remote=remote)
+    memory = engine_memory(tensors)
+    return memory.open_worker(config, engine, tensors, rank=rank, remote=remote, faults=faults)

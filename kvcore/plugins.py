@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the config reads backends through the registry, which check
     from kvcore.config import KVCoreConfig
     from kvcore.config_fields import BackendSettings
     from kvcore.engine import EngineSpec
+    from kvcore.faults import FaultHooks
     from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
     from kvcore.worker import BlockWorker
 
@@ -78,8 +79,10 @@ class EngineMemory(Protocol):
         *,
         rank: int,
         remote: RemoteOpener,
+        faults: FaultHooks | None = None,
     ) -> BlockWorker:
         """Register the rank's tensors, allocate its host pool (``kvcore.sizing.pool_slots``), start its
-        mover and open its remote tier through ``remote``. Raises ``UsageError`` for tensors, a rank or a
-        config that do not fit the engine; nothing then stays allocated."""
+        mover and open its remote tier through ``remote``; every mover of the rank calls ``faults``
+        (``kvcore.faults``) before each copy. Raises ``UsageError`` for tensors, a rank, a config or
+        ``faults`` that do not fit the engine; nothing then stays allocated."""
         ...

@@ -94,7 +94,8 @@ class KVCoreConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank() if engine.tp_size > 1 else 0
-            self._worker = WorkerSide(config, engine, layer_names(kv_cache_config), rank)
+            layers = layer_names(kv_cache_config)
+            self._worker = WorkerSide(config, engine, layers, rank, faults=settings.faults)
 
     @property
     def requires_kv_delivery(self) -> bool:

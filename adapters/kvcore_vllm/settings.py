@@ -2,9 +2,11 @@
 
 The extra config is kvcore's own config (``kvcore.config``), validated by the core's strict converter, or
 ``{"config_file": PATH}`` naming a JSON or YAML file that holds it. Errors name the field and the value.
-Two keys belong to the adapter rather than the core, taken out before the core's converter, which refuses
-keys it does not know: ``store_policy`` (which blocks of vLLM's cache are saved, and when) and
-``load_mode`` (whether a load holds vLLM's step or the request waits for it alone).
+Three keys belong to the adapter rather than the core, taken out before the core's converter, which
+refuses keys it does not know: ``store_policy`` (which blocks of vLLM's cache are saved, and when),
+``load_mode`` (whether a load holds vLLM's step or the request waits for it alone) and ``faults`` (an
+import path of ``kvcore.faults.FaultHooks`` that each rank's movers call: vLLM builds the workers, so
+tests and instrumentation name their hooks here instead of handing them to ``kvcore.compose``).
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from attrs import frozen
 
 from kvcore.config import KVCoreConfig, load_config
 from kvcore.errors import ConfigError
+from kvcore.faults import FaultHooks, load_hooks
 
 __all__ = ["LoadMode", "StorePolicy", "VLLMSettings", "read_extra_config"]
 
 STORE_POLICY_KEY = "store_policy"
 LOAD_MODE_KEY = "load_mode"
+FAULTS_KEY = "faults"
 
 _E = TypeVar("_E", bound=enum.Enum)
 
@@ -57,11 +61,12 @@ class LoadMode(enum.Enum):
 
 @frozen
 class VLLMSettings:
-    """The core's config plus the adapter's own choices: store policy and load mode."""
+    """The core's config plus the adapter's own choices: store policy, load mode, fault hooks."""
 
     core: KVCoreConfig
     store_policy: StorePolicy = StorePolicy.EAGER
     load_mode: LoadMode = LoadMode.AUTO
+    faults: FaultHooks | None = None
 
 
 def read_extra_config(extra: Mapping[str, Any]) -> VLLMSettings:
@@ -102,9 +107,14 @@ def _choice(data: Mapping[str, Any], key: str, kind: type[_E], default: _E) -> _
 
 
 def _settings(data: Mapping[str, Any]) -> VLLMSettings:
-    core = {k: v for k, v in data.items() if k not in (STORE_POLICY_KEY, LOAD_MODE_KEY)}
+    core = {k: v for k, v in data.items() if k not in (STORE_POLICY_KEY, LOAD_MODE_KEY, FAULTS_KEY)}
     policy = _choice(data, STORE_POLICY_KEY, StorePolicy, StorePolicy.EAGER)
-    settings = VLLMSettings(load_config(core), policy, _choice(data, LOAD_MODE_KEY, LoadMode, LoadMode.AUTO))
+    settings = VLLMSettings(
+        load_config(core),
+        policy,
+        _choice(data, LOAD_MODE_KEY, LoadMode, LoadMode.AUTO),
+        load_hooks(data[FAULTS_KEY], field=FAULTS_KEY) if FAULTS_KEY in data else None,
+    )
     if settings.store_policy is StorePolicy.LAZY and settings.core.save_after_sightings > 1:
         raise ConfigError(
             STORE_POLICY_KEY,

@@ -30,6 +30,7 @@ from kvcore.compose import open_worker
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
 from kvcore.errors import InvalidSpecError
+from kvcore.faults import FaultHooks
 from kvcore.plan import BlockOp, OpReport, StepPlan
 from kvcore.ports import Direction
 from kvcore.worker import BlockWorker
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 class WorkerSide:
     """``opener`` opens the rank's worker over its KV tensors (default: ``kvcore.compose.open_worker``
-    with this side's config, engine and rank); a test gives a worker over memory it controls."""
+    with this side's config, engine, rank and ``faults``); a test gives a worker over memory it controls."""
 
     def __init__(
         self,
@@ -51,8 +52,12 @@ class WorkerSide:
         layers: list[str],
         rank: int,
         opener: Callable[[Sequence[torch.Tensor]], BlockWorker] | None = None,
+        *,
+        faults: FaultHooks | None = None,
     ) -> None:
-        self._opener = opener or (lambda tensors: open_worker(config, engine, tensors, rank=rank))
+        self._opener = opener or (
+            lambda tensors: open_worker(config, engine, tensors, rank=rank, faults=faults)
+        )
         self._rank = rank
         self._halt_told = False  # the scheduler side knows this rank's copies were halted
         self._layers = layers

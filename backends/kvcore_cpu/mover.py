@@ -58,7 +58,8 @@ class TorchBlockMover:
     def __init__(
         self, engine: EngineKV, host: HostMemory, *, copy_threads: int = 2, faults: FaultHooks | None = None
     ) -> None:
-        """``faults`` (``kvcore.faults``) run on the worker thread before each copy of a CPU engine.
+        """``faults`` (``kvcore.faults``): ``before_queue`` runs in ``submit``, ``before_transfer`` on the
+        worker thread before each copy, of a CPU engine.
 
         Raises ``InvalidSpecError`` for an ``engine`` or ``host`` of the wrong type or host blocks of
         the wrong size, ``UsageError`` for closed host memory, ``ConfigError`` for ``copy_threads``
@@ -83,6 +84,7 @@ class TorchBlockMover:
         self._lock = threading.Lock()
         self._closed = False
         self._copier: BlockCopier | None = None
+        self._faults = faults
         device = engine.device
         if device.type == "cuda":
             if faults is not None:
@@ -135,6 +137,8 @@ class TorchBlockMover:
                 self._board.finish(JobResult(job_id))
                 return job_id
             try:
+                if self._faults is not None:
+                    self._faults.before_queue(direction, len(engine_ids))
                 self._lane.start(job_id, direction, engine_ids, host_ids, mark)
             # A lane that refuses the job (closed) queued nothing, and an interrupt leaves no one to
             # report: the id is withdrawn, so that no wait on it hangs and no poll hands it out.

@@ -15,6 +15,7 @@ from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
 from kvcore_cpu.config import CPUBackendConfig
 
 if TYPE_CHECKING:
+    from kvcore.faults import FaultHooks
     from kvcore.plugins import RemoteOpener
     from kvcore.worker import BlockWorker
 
@@ -53,6 +54,7 @@ class TorchMemory:
         *,
         rank: int,
         remote: RemoteOpener,
+        faults: FaultHooks | None = None,
     ) -> BlockWorker:
         import torch
 
@@ -63,7 +65,8 @@ class TorchMemory:
             if not isinstance(tensor, torch.Tensor):
                 raise InvalidSpecError(f"tensors[{i}]: got {type(tensor).__name__}, expected a torch.Tensor")
             kv.append(tensor)
-        return open_worker(config, engine, kv, rank=rank, world_size=engine.tp_size, remote=remote)
+        world = engine.tp_size
+        return open_worker(config, engine, kv, rank=rank, world_size=world, remote=remote, faults=faults)
 
 
 BACKEND = CPUBackend()

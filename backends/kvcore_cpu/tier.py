@@ -97,10 +97,13 @@ class TorchRankMemory:
     movers: MappedMovers
 
     @classmethod
-    def of(cls, rank: int, engine: EngineKV, host: HostMemory | None) -> TorchRankMemory:
+    def of(
+        cls, rank: int, engine: EngineKV, host: HostMemory | None, faults: FaultHooks | None = None
+    ) -> TorchRankMemory:
+        movers = MappedMovers(engine, faults=faults)
         if host is None:
-            return cls(rank, None, None, MappedMovers(engine))
-        return cls(rank, host.buffer.numpy().data, host.buffer.data_ptr(), MappedMovers(engine))
+            return cls(rank, None, None, movers)
+        return cls(rank, host.buffer.numpy().data, host.buffer.data_ptr(), movers)
 
 
 class CPUWorker(BlockWorker):
@@ -152,11 +155,13 @@ def open_worker(
     rank: int = 0,
     world_size: int = 1,
     remote: RemoteOpener | None = None,
+    faults: FaultHooks | None = None,
 ) -> CPUWorker:
     """Register the rank's KV tensors, allocate its host slots and start its mover; with ``remote``, open
     the rank's remote tier over those slots (AMX claimed first: a tier may start native threads). A
     backend configured with no host memory (``pool_slots`` 0) gets no slots and no mover: its remote
-    tier moves every block.
+    tier moves every block. Every mover of the rank, its own and those its remote tier maps, calls
+    ``faults`` (``kvcore.faults``) before each copy.
 
     Raises ``ConfigError`` for a ``world_size`` other than the engine's ``tp_size`` or a ``rank`` outside
     it (and as ``pool_slots``), ``InvalidSpecError`` for tensors that do not match the engine (layer
@@ -172,7 +177,7 @@ def open_worker(
             f"tensors: got {kv.num_layers} KV tensors, expected {engine.num_layers} (the engine's layers)"
         )
     if slots == 0:
-        tier = _open_remote(remote, TorchRankMemory.of(rank, kv, None))
+        tier = _open_remote(remote, TorchRankMemory.of(rank, kv, None, faults))
         if tier is None:
             raise ConfigError(f"backend.{config.backend.HOST_FIELD}", 0, "a size for the host pool")
         return CPUWorker(None, kv, None, rank, remote=tier, fence_timeout=config.transfer_timeout_s)
@@ -180,8 +185,8 @@ def open_worker(
     host = HostMemory.allocate(slots * blocks_per_chunk, kv.host_block_bytes, kv.device)
     mover: TorchBlockMover | None = None
     try:
-        mover = TorchBlockMover(kv, host)
-        tier = _open_remote(remote, TorchRankMemory.of(rank, kv, host))
+        mover = TorchBlockMover(kv, host, faults=faults)
+        tier = _open_remote(remote, TorchRankMemory.of(rank, kv, host, faults))
     except BaseException:
         if mover is not None:
             mover.close()

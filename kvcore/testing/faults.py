@@ -4,20 +4,22 @@
 (``kvcore.testing.capabilities``) for every backend: the in-memory references consult it directly, and a
 real backend is built with it as its ``faults`` (the CPU block mover, the Mooncake store and index), so
 that its harness just forwards ``fail_next`` and ``stall``. ``TransferGate`` holds transfers until a
-test lets them go, to act while a copy is in progress.
+test lets them go, to act while a copy is in progress; ``TransferDelays`` makes every transfer of a
+direction take longer (a slow tier), e.g. in a served engine's workers, named by import path there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 
 from kvcore.errors import BackendError, TransferTimeout, UsageError
 from kvcore.faults import FaultHooks
 from kvcore.ports import Direction
 
-__all__ = ["InjectedFaults", "TransferGate"]
+__all__ = ["InjectedFaults", "TransferDelays", "TransferGate"]
 
 
 class InjectedFaults(FaultHooks):
@@ -99,4 +101,34 @@ class TransferGate(FaultHooks):
         self.entered.set()
         if not self.opened.wait(self._limit):
             raise TransferTimeout(f"the test kept the gate closed for {self._limit:.1f}s")
+        return 0
+
+
+class TransferDelays(FaultHooks):
+    """Every transfer of a direction first sleeps that direction's delay (none until ``slow`` sets one);
+    thread-safe, so that a test can slow a live engine's tier and restore it while copies run."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._delays: dict[Direction, float] = {}
+
+    def slow(self, direction: Direction, delay_s: float) -> None:
+        """From now on, each transfer ``direction`` sleeps ``delay_s`` seconds first (0: not at all)."""
+        if not isinstance(direction, Direction):
+            raise UsageError(f"direction: got {direction!r}, expected a Direction")
+        if not 0 <= delay_s <= 600:
+            raise UsageError(f"delay_s: got {delay_s!r}, expected seconds in [0, 600]")
+        with self._lock:
+            self._delays[direction] = delay_s
+
+    def clear(self) -> None:
+        """No delay in either direction (transfers already sleeping finish their sleep)."""
+        with self._lock:
+            self._delays.clear()
+
+    def before_transfer(self, direction: Direction, items: int) -> int:
+        with self._lock:
+            delay = self._delays.get(direction, 0.0)
+        if delay:
+            time.sleep(delay)
         return 0

@@ -10,6 +10,7 @@ import pytest
 
 from kvcore.config_fields import ByteCount, ByteSize
 from kvcore.errors import ConfigError, UnsupportedConfiguration
+from kvcore.testing.faults import TransferDelays
 from kvcore_cli.vllm_config import CONNECTOR_NAME, transfer_config
 from kvcore_cpu.config import CPUBackendConfig
 from kvcore_lmcache.config import LMCacheMPConfig
@@ -17,6 +18,8 @@ from kvcore_mooncake.config import MooncakeStoreConfig
 from kvcore_vllm import CONNECTOR_NAME as REGISTERED_NAME
 from kvcore_vllm.compat import check_vllm
 from kvcore_vllm.settings import StorePolicy, read_extra_config
+
+HOOKS = TransferDelays()
 
 
 def test_extra_config_is_the_core_config() -> None:
@@ -53,6 +56,18 @@ def test_store_policy_is_the_adapters_key() -> None:
     assert info.value.field == "store_policy"
     with pytest.raises(ConfigError, match="save_after_sightings"):
         read_extra_config({"backend": backend, "store_policy": "lazy", "save_after_sightings": 2})
+
+
+def test_fault_hooks_are_the_adapters_key_named_by_import_path() -> None:
+    backend = {"kind": "cpu", "size": "1GiB"}
+    assert read_extra_config({"backend": backend}).faults is None
+    named = read_extra_config({"backend": backend, "faults": f"{__name__}:HOOKS"})
+    assert named.faults is HOOKS
+    assert named.core == read_extra_config({"backend": backend}).core
+    for bad in ("nowhere", f"{__name__}:missing", f"{__name__}:read_extra_config", 3):
+        with pytest.raises(ConfigError) as info:
+            read_extra_config({"backend": backend, "faults": bad})
+        assert (info.value.field, info.value.value) == ("faults", bad)
 
 
 def test_config_file_problems(tmp_path: Path) -> None:

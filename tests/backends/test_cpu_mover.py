@@ -495,16 +495,32 @@ def assert_never_issued(mover: TorchBlockMover, job_id: int) -> None:
     assert mover.wait([JobId(job_id)], 0.05) == ()
 
 
-def test_a_lane_that_refuses_a_job_leaves_nothing_pending(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+class QueueFails(FaultHooks):
+    """The next queued copy raises ``error`` where it is queued (``before_queue``); later ones queue."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def before_queue(self, direction: Direction, items: int) -> None:
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+
+@pytest.fixture
+def queue_fails() -> Iterator[tuple[Rig, QueueFails]]:
+    faults = QueueFails()
+    made = make_rig(faults=faults)
+    yield made, faults
+    made.mover.close()
+
+
+def test_a_queue_that_refuses_a_job_leaves_nothing_pending(queue_fails: tuple[Rig, QueueFails]) -> None:
+    rig, faults = queue_fails
     before = rig.mover.submit(BlockTransfer(Direction.SAVE, [0], [0]))
-
-    def closed(*_: object) -> None:
-        raise UsageError("the lane is closed")
-
-    monkeypatch.setattr(rig.mover._lane, "start", closed)
+    faults.error = UsageError("the lane is closed")
     with pytest.raises(UsageError, match="the lane is closed"):
         rig.mover.submit(BlockTransfer(Direction.SAVE, [1], [1]))
-    monkeypatch.undo()
     after = rig.mover.submit(BlockTransfer(Direction.SAVE, [2], [2]))
     assert after == before + 2
     assert_never_issued(rig.mover, before + 1)
@@ -512,23 +528,21 @@ def test_a_lane_that_refuses_a_job_leaves_nothing_pending(rig: Rig, monkeypatch:
     assert rig.mover.poll() == ()
 
 
-def test_a_lane_that_fails_to_queue_a_job_fails_it(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(*_: object) -> None:
-        raise RuntimeError("CUDA error: launch failure")
-
-    monkeypatch.setattr(rig.mover._lane, "start", broken)
+def test_a_queue_that_fails_to_take_a_job_fails_it(queue_fails: tuple[Rig, QueueFails]) -> None:
+    rig, faults = queue_fails
+    faults.error = RuntimeError("CUDA error: launch failure")
     job = rig.mover.submit(BlockTransfer(Direction.LOAD, [1, 2], [1, 2]))
     (result,) = rig.mover.wait([job], SETTLE)
     assert result.failed == (0, 1)
     assert result.error == "RuntimeError: CUDA error: launch failure"
+    again = rig.mover.submit(BlockTransfer(Direction.LOAD, [1, 2], [1, 2]))
+    assert rig.mover.wait([again], SETTLE)[0].ok
 
 
-def test_an_interrupted_submit_leaves_nothing_pending(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    def interrupted(*_: object) -> None:
-        raise KeyboardInterrupt
-
+def test_an_interrupted_submit_leaves_nothing_pending(queue_fails: tuple[Rig, QueueFails]) -> None:
+    rig, faults = queue_fails
     before = rig.mover.submit(BlockTransfer(Direction.SAVE, [0], [0]))
-    monkeypatch.setattr(rig.mover._lane, "start", interrupted)
+    faults.error = KeyboardInterrupt()
     with pytest.raises(KeyboardInterrupt):
         rig.mover.submit(BlockTransfer(Direction.SAVE, [1], [1]))
     assert_never_issued(rig.mover, before + 1)

@@ -134,6 +134,6 @@ def plain_tokens(tiny_model: Path) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="session")
 def kvcore_engine(tiny_model: Path) -> Iterator[Any]:
-    llm = start_engine(tiny_model, kvcore_transfer_config())
+    llm = start_engine(tiny_model, kvcore_transfer_config(faults="tests.integration.probes:SLOW_COPIES"))
     yield llm
     stop_engine(llm)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from kvcore.testing.faults import TransferDelays
 from kvcore_cpu.host_memory import HostMemory
 from kvcore_cpu.tier import CPUWorker
 from kvcore_vllm.worker_side import WorkerSide
 
 __all__ = [
+    "SLOW_COPIES",
     "damage_pool",
     "engine_digests",
     "external_hits",
@@ -20,6 +22,12 @@ __all__ = [
     "rank_pool",
     "worker_side",
 ]
+
+
+SLOW_COPIES = TransferDelays()
+"""In an engine's process: the fault hooks of the ranks of an engine configured with
+``"faults": "tests.integration.probes:SLOW_COPIES"`` (``kvcore_vllm.settings``; the shared
+``kvcore_engine``); a function run through ``collective_rpc`` slows or restores its copies."""
 
 
 def external_hits(llm: Any) -> int:

