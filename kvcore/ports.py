@@ -52,6 +52,7 @@ __all__ = [
     "SupportsBlockTransfer",
     "SupportsClear",
     "SupportsImmediateLookup",
+    "SupportsReopen",
 ]
 
 
@@ -235,6 +236,18 @@ class BlockMover(JobQueue, Protocol):
         Afterwards every submit raises ``UsageError`` and queues nothing. Jobs submitted before still
         finish or fail (a job not started yet may fail at once), and ``poll``/``wait`` report them.
         """
+        ...
+
+
+@runtime_checkable
+class SupportsReopen(Protocol):
+    """A ``BlockMover`` that can take jobs again after ``close``: a worker that halted its copies
+    (``kvcore.worker.BlockWorker.halt``) resumes once the copy that made it halt has ended."""
+
+    def reopen(self) -> bool:
+        """Take jobs again, once every job submitted before ``close`` has ended; returns whether it does
+        (``False``: one still runs, ask again later; an open mover returns ``True``). Job ids go on from
+        where they were, and the results of earlier jobs are still handed out by ``poll``/``wait``."""
         ...
 
 

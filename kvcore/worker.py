@@ -29,6 +29,7 @@ from kvcore.ports import (
     JobQueue,
     RemoteTier,
     StoreItem,
+    SupportsReopen,
 )
 from kvcore.remote import close_quietly
 
@@ -155,8 +156,8 @@ class BlockWorker:
         from now on no copy of theirs may read or write those blocks on the request's behalf.
 
         ``abandon`` says what stops at once; a copy already running into engine blocks is then waited for
-        (at most ``timeout``, default the worker's ``fence_timeout``); one still running after that is
-        stopped for good with the whole worker (``halt``), as nothing else can keep it from writing blocks
+        (at most ``timeout``, default the worker's ``fence_timeout``); one still running after that halts
+        the whole worker (``halt``, until ``resume``), as nothing else can keep it from writing blocks
         that now hold other KV.
         """
         writing = self.abandon(op_ids)
@@ -199,16 +200,31 @@ class BlockWorker:
         return writing
 
     def halt(self) -> None:
-        """Stop for good every copy that could still write engine blocks (joining its thread): the
-        mover's, or, with no mover, the remote tier's, which then moves blocks itself. Jobs not yet run
-        fail; later ops fail (cache misses); ``halted`` says so from now on."""
+        """Stop every copy that could still write engine blocks (joining its thread): the mover's, or,
+        with no mover, the remote tier's, which then moves blocks itself. Jobs not yet run fail; later
+        ops fail (cache misses) until ``resume``; ``halted`` says so meanwhile."""
         self._halted = True
         close_quietly(self._mover if self._mover is not None else self._remote)
 
     @property
     def halted(self) -> bool:
-        """Whether ``halt`` stopped this worker's copies: every op fails from then on."""
+        """Whether ``halt`` stopped this worker's copies (and ``resume`` has not yet restarted them):
+        every op fails meanwhile."""
         return self._halted
+
+    def resume(self) -> bool:
+        """After ``halt``: copy again, on the same host slots, once every copy of the halted mover has
+        ended (``SupportsReopen``); returns whether this worker copies. Cheap enough to ask every step.
+        A worker halted with no mover (its remote tier moved the blocks, and is closed) or whose mover
+        cannot reopen stays halted."""
+        if not self._halted:
+            return True
+        mover: object = self._mover  # a BlockMover may or may not be SupportsReopen
+        if not (isinstance(mover, SupportsReopen) and mover.reopen()):
+            return False
+        self._halted = False
+        log.warning("kvcore: rank %d copies again: the copies that halted it have ended", self._rank)
+        return True
 
     def close(self) -> None:
         """Stop the remote tier, then the mover (a failure is logged, never raised). Jobs not yet run

@@ -37,12 +37,18 @@ class KVCoreMetadata(KVConnectorMetadata):
 @frozen
 class KVCoreWorkerMetadata(KVConnectorWorkerMetadata):
     """The op reports of one step, from one worker or (aggregated) from all of them, and the ranks whose
-    copies were halted for good (``BlockWorker.halt``: every later op of theirs fails)."""
+    copies are halted (``BlockWorker.halt``: every op of theirs fails meanwhile), told with every report,
+    and those whose copies resumed (``BlockWorker.resume``) in this step."""
 
     reports: tuple[OpReport, ...]
     halted_ranks: tuple[int, ...] = ()
+    resumed_ranks: tuple[int, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVCoreWorkerMetadata):
             return self
-        return KVCoreWorkerMetadata(self.reports + other.reports, self.halted_ranks + other.halted_ranks)
+        return KVCoreWorkerMetadata(
+            self.reports + other.reports,
+            self.halted_ranks + other.halted_ranks,
+            self.resumed_ranks + other.resumed_ranks,
+        )

@@ -83,7 +83,7 @@ class SchedulerSide:
         self._receiving_now: list[str] = []  # asynchronous loads started in this step
         # named received by the workers, not scheduled since: looked up again, their load failed whole
         self._received: set[str] = set()
-        self.halted_ranks: set[int] = set()  # ranks whose copies stopped for good (``BlockWorker.halt``)
+        self.halted_ranks: set[int] = set()  # ranks whose copies are halted (``BlockWorker.halt``)
 
     def bind_gpu_block_pool(self, pool: BlockPool) -> None:
         if self.lazy:
@@ -241,11 +241,14 @@ class SchedulerSide:
             self.core.complete(meta.reports)
             for rank in set(meta.halted_ranks) - self.halted_ranks:
                 log.error(
-                    "kvcore: rank %d stopped its copies for good after a copy into vLLM's blocks hung; "
-                    "its loads and saves fail (cache misses) until the engine restarts",
+                    "kvcore: rank %d halted its copies after a copy into vLLM's blocks hung; its loads "
+                    "and saves fail (cache misses) until that copy ends",
                     rank,
                 )
                 self.halted_ranks.add(rank)
+            for rank in set(meta.resumed_ranks) & self.halted_ranks:
+                log.warning("kvcore: rank %d copies again", rank)
+                self.halted_ranks.discard(rank)
         received = set(output.finished_recving or ()) & self._receiving.keys()
         for rid in received:
             del self._receiving[rid]

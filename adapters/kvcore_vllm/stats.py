@@ -36,7 +36,7 @@ GAUGES = {
     "pool_evictions": "chunks evicted since start",
     "requests": "requests kvcore tracks (live, or waiting for their copies)",
     "ops_in_flight": "copy ops not yet reported by every worker",
-    "halted_ranks": "ranks whose copies stopped for good after a copy into vLLM's blocks hung",
+    "halted_ranks": "ranks whose copies are halted after a copy into vLLM's blocks hung (until it ends)",
 }
 
 

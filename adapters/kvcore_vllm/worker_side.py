@@ -8,7 +8,8 @@ in the same step (``get_block_ids_with_load_errors``). One not done within ``tra
 abandoned and its blocks reported failed: a fetch still running is never copied into vLLM's blocks, so
 the request is named at once; one whose copy into vLLM's blocks runs is named when that copy ends (vLLM
 keeps the request's blocks until then, so no late copy writes blocks that hold other KV), and halts the
-tier's copies (``BlockWorker.halt``) should it run another ``transfer_timeout_s``.
+tier's copies (``BlockWorker.halt``) should it run another ``transfer_timeout_s``; they resume once it
+has ended (``build_worker_meta`` asks every step and tells the scheduler side).
 
 Saves are submitted in ``wait_for_save``, after the forward pass wrote the blocks, and never block the
 step. Saves of blocks vLLM evicted in this step (lazy store policy) run in ``handle_preemptions``, which
@@ -106,7 +107,7 @@ class WorkerSide:
         if late:
             # vLLM recomputes these blocks in this very step: no copy may write them from now on. A
             # fetch still running is not copied; a copy into them still running is waited for and,
-            # should it hang, stops the tier's copies for good (``BlockWorker.fence``)
+            # should it hang, halts the tier's copies until it ends (``BlockWorker.fence``)
             log.warning("kvcore: %d loads not done after %.1fs; recomputing them", len(late), self._timeout)
             self._abandon(late)
             for op in late:
@@ -177,12 +178,16 @@ class WorkerSide:
         return errors
 
     def build_worker_meta(self) -> KVCoreWorkerMetadata | None:
-        halted = self._worker is not None and self._worker.halted
-        if not self._reports and not (halted and not self._halt_told):
+        """The step's reports, and whether this rank's copies are halted: told with every report while
+        they are, and once when they resume (asked here, every step, after a halt)."""
+        halted = self._worker is not None and not self._worker.resume()
+        if not self._reports and halted == self._halt_told:
             return None
         reports, self._reports = tuple(self._reports), []
+        resumed = self._halt_told and not halted
         self._halt_told = halted
-        return KVCoreWorkerMetadata(reports, (self._rank,) if halted else ())
+        rank = (self._rank,)
+        return KVCoreWorkerMetadata(reports, rank if halted else (), rank if resumed else ())
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 
 from kvcore.ids import JobId
 from kvcore.jobs import JobResult
-from kvcore.ports import BlockMover, BlockTransfer, Direction
+from kvcore.ports import BlockMover, BlockTransfer, Direction, SupportsReopen
 from kvcore.remote import close_quietly
 
 __all__ = ["ChecksummedMover"]
@@ -65,6 +65,11 @@ class ChecksummedMover:
     def close(self) -> None:
         """Close the mover it wraps (its jobs still get results)."""
         close_quietly(self._inner)
+
+    def reopen(self) -> bool:
+        """``SupportsReopen``: reopen the mover it wraps, if that one can (the digests stay valid: a
+        closed mover wrote no host block its failed saves did not already invalidate)."""
+        return isinstance(self._inner, SupportsReopen) and self._inner.reopen()
 
     def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
         return self._account(self._inner.wait(job_ids, timeout))

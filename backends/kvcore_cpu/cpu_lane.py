@@ -79,8 +79,7 @@ class CpuLane:
         self._lane.close(timeout, why="the mover closed before the copy ran")
 
     def _copy(self, job: _Job) -> None:
-        """On the lane: the copy, after the fault hooks, whose leading failed pairs are not copied. The
-        copier is looked up at each copy, so that instrumentation may wrap it while the mover runs."""
+        """On the lane: the copy, after the fault hooks, whose leading failed pairs are not copied."""
         count = len(job.engine_ids)
         failed = leading_failures(self._faults, job.direction, count)
         if failed < count:

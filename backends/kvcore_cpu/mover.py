@@ -3,7 +3,8 @@
 ``submit`` checks the block ids on the caller's thread, so that wrong ids raise before anything is
 copied, then hands the job to a lane and returns: a worker thread for a CPU engine (``cpu_lane`` running
 ``cpu_copy``), one copy stream per direction for a CUDA engine (``cuda_lane``). Both report to one
-``JobBoard``, which ``poll`` and ``wait`` read.
+``JobBoard``, which ``poll`` and ``wait`` read. A closed mover opens a fresh lane on ``reopen`` once every
+job of the old one has ended (``kvcore.ports.SupportsReopen``).
 """
 
 from __future__ import annotations
@@ -86,15 +87,21 @@ class TorchBlockMover:
         self._copier: BlockCopier | None = None
         self._faults = faults
         device = engine.device
-        if device.type == "cuda":
-            if faults is not None:
-                raise UnsupportedConfiguration(f"faults: got {faults!r}, expected None on a CUDA engine")
-            self._lane: _Lane = CudaLane(routes(engine), host, self._board, device)
-        elif device.type == "cpu":
-            self._copier = BlockCopier(routes(engine), host, copy_threads)
-            self._lane = CpuLane(self._board, self._copier, faults)
-        else:
+        if device.type not in ("cpu", "cuda"):
             raise UnsupportedConfiguration(f"engine device: got {device}, expected cpu or cuda")
+        if device.type == "cuda" and faults is not None:
+            raise UnsupportedConfiguration(f"faults: got {faults!r}, expected None on a CUDA engine")
+        self._device = device
+        self._routes = routes(engine)
+        self._host = host
+        self._copy_threads = copy_threads
+        self._lane = self._open_lane()
+
+    def _open_lane(self) -> _Lane:
+        if self._device.type == "cuda":
+            return CudaLane(self._routes, self._host, self._board, self._device)
+        self._copier = BlockCopier(self._routes, self._host, self._copy_threads)
+        return CpuLane(self._board, self._copier, self._faults)
 
     def submit(self, transfer: BlockTransfer) -> JobId:
         """Queue a copy and return at once.
@@ -186,6 +193,21 @@ class TorchBlockMover:
         self._lane.close(timeout)
         if self._copier is not None:
             self._copier.close()
+
+    def reopen(self) -> bool:
+        """Take jobs again after ``close``, on a fresh lane, once every job submitted before has ended
+        (``kvcore.ports.SupportsReopen``); returns whether it does. Raises ``UsageError`` once the host
+        memory it copies to is closed."""
+        with self._lock:
+            if not self._closed:
+                return True
+            if self._board.in_flight():
+                return False
+            if self._host.closed:
+                raise UsageError("reopen: the host memory is closed")
+            self._lane = self._open_lane()
+            self._closed = False
+            return True
 
     def _withdraw(self, job_id: JobId) -> None:
         """Forget a job whose id was never handed out (with ``_lock`` held): finish it, take the result."""

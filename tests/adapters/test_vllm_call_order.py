@@ -237,14 +237,22 @@ def test_sync_and_auto_load_modes_load_from_the_host_pool_synchronously() -> Non
         assert side.get_num_new_matched_tokens(b, 0) == (2 * BLOCK, False), mode
 
 
-def test_a_rank_that_halted_is_remembered_once_whatever_the_steps_after() -> None:
+def test_a_rank_that_halted_is_remembered_until_it_resumes() -> None:
     side = _side()
-    for halted in ((1,), (1,), ()):
+    steps = [
+        ((1,), (), {1}),
+        ((1,), (), {1}),
+        ((), (), {1}),
+        ((0,), (), {0, 1}),
+        ((0,), (1,), {0}),
+        ((), (1,), {0}),
+    ]
+    for halted, resumed, expected in steps:
         output = SimpleNamespace(
-            kv_connector_worker_meta=KVCoreWorkerMetadata((), halted), finished_recving=None
+            kv_connector_worker_meta=KVCoreWorkerMetadata((), halted, resumed), finished_recving=None
         )
         side.update_connector_output(output)  # type: ignore[arg-type]
-        assert side.halted_ranks == {1}
+        assert side.halted_ranks == expected
 
 
 def test_a_reset_under_a_waiting_async_load_makes_its_blocks_fail() -> None:

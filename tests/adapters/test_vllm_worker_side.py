@@ -47,6 +47,11 @@ def _side(timeout_s: float = 5.0) -> tuple[WorkerSide, InMemoryBlockMover]:
     return side, mover
 
 
+def _halted(worker: BlockWorker) -> bool:
+    """``worker.halted``, read afresh (mypy would keep a property narrowed across the calls between)."""
+    return worker.halted
+
+
 def _load(op_id: int, rid: str, engine: tuple[int, ...], host: tuple[int, ...]) -> BlockOp:
     return BlockOp(op_id, Direction.LOAD, engine, host, rid)
 
@@ -190,7 +195,7 @@ def test_a_late_sync_fetch_is_recomputed_and_the_tier_stays_up() -> None:
     assert mover.read_engine_block(8) == b"\x05" * BLOCK_BYTES
 
 
-def test_a_hung_copy_into_vllm_blocks_halts_the_rank_and_says_so_once() -> None:
+def test_a_hung_copy_into_vllm_blocks_halts_the_rank_until_it_ends() -> None:
     mover = InMemoryBlockMover(num_engine_blocks=16, num_host_blocks=16, layer_block_bytes=BLOCK_BYTES)
     config = load_config(
         {"backend": {"kind": "cpu", "size": "8MiB"}, "chunk_tokens": 128, "transfer_timeout_s": 0.2}
@@ -205,3 +210,20 @@ def test_a_hung_copy_into_vllm_blocks_halts_the_rank_and_says_so_once() -> None:
         assert meta is not None
         assert meta.halted_ranks == (3,)
         assert side.build_worker_meta() is None  # told once
+        mover.write_host_block(5, b"\x05" * BLOCK_BYTES)
+        side.start_load_kv(KVCoreMetadata(StepPlan((_load(2, "s", (8,), (5,)),))))
+        assert side.take_load_errors() == {8}  # halted: every load fails (a recompute)
+    # the hung copy ends: the next step says the rank is back, once, and its copies run again
+    deadline = time.monotonic() + 5
+    while (meta := side.build_worker_meta()) is None or not meta.resumed_ranks:
+        assert meta is None or meta.halted_ranks == (3,)
+        assert time.monotonic() < deadline, "the rank did not resume"
+        time.sleep(0.01)
+    assert (meta.halted_ranks, meta.resumed_ranks) == ((), (3,))
+    assert not _halted(side.worker)
+    side.start_load_kv(KVCoreMetadata(StepPlan((_load(3, "t", (9,), (5,)),))))
+    assert side.take_load_errors() == set()
+    assert mover.read_engine_block(9) == b"\x05" * BLOCK_BYTES
+    later = side.build_worker_meta()
+    assert later is not None
+    assert (later.halted_ranks, later.resumed_ranks) == ((), ())

@@ -22,7 +22,7 @@ from kvcore.faults import FaultHooks
 from kvcore.ids import JobId
 from kvcore.jobs import JobBoard, JobResult
 from kvcore.layout import HeadOrder, KVLayout, LayoutKind
-from kvcore.ports import BlockTransfer, Direction
+from kvcore.ports import BlockTransfer, Direction, SupportsReopen
 from kvcore.sizing import pool_slots
 from kvcore.testing.faults import TransferGate
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
@@ -430,6 +430,30 @@ def test_close_with_jobs_in_flight_reports_every_job() -> None:
     with pytest.raises(UsageError, match="closed"):
         mover.submit(BlockTransfer(Direction.SAVE, [0], [0]))
     mover.close()
+
+
+def test_a_closed_mover_reopens_once_its_running_copy_has_ended() -> None:
+    rig, gate = gated_rig()
+    mover = rig.mover
+    assert mover.reopen()  # an open mover is open
+    held = mover.submit(BlockTransfer(Direction.LOAD, [0], [0]))
+    assert gate.entered.wait(SETTLE)
+    mover.close(timeout=0.05)  # the held copy goes on running
+    assert not mover.reopen()
+    with pytest.raises(UsageError, match="closed"):
+        mover.submit(BlockTransfer(Direction.SAVE, [1], [1]))
+    gate.opened.set()
+    assert mover.wait([held], SETTLE)[0].ok
+    assert mover.reopen()
+    assert isinstance(mover, SupportsReopen)
+    job = mover.submit(BlockTransfer(Direction.SAVE, [5, 6], [7, 8]))  # on a fresh lane, ids going on
+    assert job == held + 1
+    assert mover.wait([job], SETTLE)[0].ok
+    assert (rig.host_block(7), rig.host_block(8)) == (rig.engine_block(5), rig.engine_block(6))
+    mover.close()
+    rig.host.close()
+    with pytest.raises(UsageError, match="host memory is closed"):
+        mover.reopen()
 
 
 def test_close_is_idempotent_and_every_job_gets_a_result(rig: Rig) -> None:

@@ -158,8 +158,9 @@ def _halt_backend(worker: Any) -> bool:
     return True
 
 
-def test_failed_loads_of_a_dead_backend_are_recomputed(lazy_engine: tuple[Any, Events]) -> None:
-    # the module's last test: it leaves the backend of the module's engine dead
+def test_failed_loads_of_a_halted_backend_are_recomputed_and_it_comes_back(
+    lazy_engine: tuple[Any, Events],
+) -> None:
     llm, _ = lazy_engine
     tokens = prompt(500, 3 * BLOCK + 40)
     first = generate(llm, tokens)
@@ -171,3 +172,8 @@ def test_failed_loads_of_a_dead_backend_are_recomputed(lazy_engine: tuple[Any, E
     # vLLM counts the scheduled hit in num_cached_tokens even when it recovers by recomputing
     assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
     assert kvcore_metric(llm, "pool_pinned") == 0
+    # nothing of the halt's copies still ran, so the worker resumed at once: saves land again
+    saved_before = kvcore_metric(llm, "saved_blocks")
+    _push_out(llm, 700)
+    assert kvcore_metric(llm, "saved_blocks") > saved_before
+    assert kvcore_metric(llm, "halted_ranks") == 0

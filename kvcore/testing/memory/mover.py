@@ -51,6 +51,14 @@ class InMemoryBlockMover(Jobs):
     def mark(self) -> None:
         """No mark is needed: the engine's writes to ``bytearray``s are done when it calls kvcore."""
 
+    def reopen(self) -> bool:
+        """``SupportsReopen``: open again once every job submitted before ``close`` has ended."""
+        with self._cond:
+            if self._closed and self._board.in_flight():
+                return False
+            self._closed = False
+            return True
+
     def submit_after(self, transfer: BlockTransfer, mark: object) -> JobId:
         """``submit`` (``OrderedMover``): jobs run in submission order, whichever thread submits them."""
         for name, blocks, bound in [
