@@ -385,9 +385,13 @@ class SupportsBlockTransfer(ManagedTier, Protocol):
         touch an engine block any more. Failure: failed items' engine blocks are undefined (recompute)."""
         ...
 
-    def abandon(self, job_id: JobId) -> None:
-        """The engine may overwrite the blocks of store ``job_id`` from now on (they were freed): unless
-        its copies have finished already, it stores nothing. Unknown or finished jobs are ignored."""
+    def abandon(self, job_id: JobId) -> bool:
+        """The engine gives job ``job_id`` up: its blocks may be freed and overwritten from now on.
+
+        A store whose copies have not finished stores nothing. A retrieve starts no copy into engine
+        blocks from now on; its items not yet copied fail. Returns whether a copy of the job into engine
+        blocks may still be running (a retrieve whose copy had started): the engine must then keep those
+        blocks until the job ends. Unknown or finished jobs are ignored (``False``)."""
         ...
 
 
@@ -506,8 +510,9 @@ class BlockRemote(RemoteTier, Protocol):
         ``BackendError`` when the tier cannot reach engine blocks."""
         ...
 
-    def abandon(self, job_id: JobId) -> None:
-        """A publish's engine blocks may be overwritten from now on (``SupportsBlockTransfer.abandon``)."""
+    def abandon(self, job_id: JobId) -> bool:
+        """Give a block job up (``SupportsBlockTransfer.abandon``): returns whether a fetch's copy into
+        engine blocks may still be running."""
         ...
 
 

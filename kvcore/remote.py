@@ -116,9 +116,8 @@ class ManagedRemote(_Remote):
         self._check_open("submit_publish_blocks")
         return self._blocks().submit_store_blocks(RequestId(session), items, chain)
 
-    def abandon(self, job_id: JobId) -> None:
-        if isinstance(self.tier, SupportsBlockTransfer):
-            self.tier.abandon(job_id)
+    def abandon(self, job_id: JobId) -> bool:
+        return isinstance(self.tier, SupportsBlockTransfer) and self.tier.abandon(job_id)
 
     def _blocks(self) -> SupportsBlockTransfer:
         if not isinstance(self.tier, SupportsBlockTransfer):

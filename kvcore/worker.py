@@ -175,9 +175,10 @@ class BlockWorker:
         running (the engine must not reuse their blocks before they are reported).
 
         A save whose copy has not finished by now reads bytes that are not the request's KV: it keeps and
-        publishes nothing. A load moves nothing more: a fetch still running is not followed by its copy.
-        Abandoned ops are still reported, failed, once their current job ends; unknown or reported ops are
-        ignored.
+        publishes nothing. A load moves nothing more: a fetch still running is not followed by its copy,
+        and a remote tier that moves engine blocks itself starts no copy more (its copy already running
+        is the one to wait for). Abandoned ops are still reported, failed, once their current job ends;
+        unknown or reported ops are ignored.
         """
         writing: list[int] = []
         for op_id in op_ids:
@@ -192,11 +193,15 @@ class BlockWorker:
             current = self._current.get(op_id)
             if current is None:
                 continue
+            tier = self._remote if current[0] == self._REMOTE else None
+            remote = tier if isinstance(tier, BlockRemote) else None  # a tier that can give a job up
             if save:
-                if current[0] == self._REMOTE and isinstance(self._remote, BlockRemote):
-                    self._remote.abandon(current[1])
-            elif run.stage is _Stage.COPY or _direct(run.op):
-                writing.append(op_id)
+                if remote is not None:
+                    remote.abandon(current[1])
+            else:
+                copying = run.stage is _Stage.COPY  # a copy from the host slot: queued or running
+                if copying or (_direct(run.op) and (remote is None or remote.abandon(current[1]))):
+                    writing.append(op_id)
         return writing
 
     def halt(self) -> None:

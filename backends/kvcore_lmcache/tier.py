@@ -86,7 +86,7 @@ class LMCacheManagedTier:
         self._slots = SlotIO(self.link, self._lookups, self._locks)
         self._board = JobBoard()
         self._lock = threading.Lock()
-        self._stores: dict[JobId, Values] = {}  # store jobs not finished, for ``abandon``
+        self._jobs: dict[JobId, Values] = {}  # jobs not finished, for ``abandon``
         self._closing = False
         self._lane = JobLane("kvcore-lmcache-jobs")
 
@@ -145,13 +145,14 @@ class LMCacheManagedTier:
         values = self._block_values(items, whole=False)
         return self._submit(self._slots.retrieve, session, values, _chain_of(items, chain))
 
-    def abandon(self, job_id: JobId) -> None:
-        """The engine may overwrite the blocks of store ``job_id`` from now on: unless its copies have
-        already finished, it stores nothing (its slots get no valid header). Unknown jobs are ignored."""
+    def abandon(self, job_id: JobId) -> bool:
+        """The engine may overwrite the blocks of job ``job_id`` from now on: a store whose copies have
+        not finished stores nothing (its slots get no valid header); a retrieve starts no copy into
+        them (its items not yet copied fail). Returns whether a retrieve's copy into them is running
+        (``SupportsBlockTransfer.abandon``). Unknown or finished jobs are ignored."""
         with self._lock:
-            values = self._stores.get(job_id)
-        if values is not None:
-            values.abandoned.set()
+            values = self._jobs.get(job_id)
+        return values is not None and values.abandon()
 
     def close(self) -> None:
         """Fail the queued jobs at once (a job running now finishes, each wait bounded by the request
@@ -235,8 +236,7 @@ class LMCacheManagedTier:
         with self._lock:  # close sets ``_closing`` under it first: the lane is still open
             self._check_open()
             job_id = self._board.new()
-            if store:
-                self._stores[job_id] = values
+            self._jobs[job_id] = values
             run = partial(self._run, job, job_id, session, values, chain)
             self._lane.submit(run, partial(self._fail, job_id), Priority.WRITE if store else Priority.READ)
         return job_id
@@ -256,5 +256,5 @@ class LMCacheManagedTier:
 
     def _finish(self, result: JobResult) -> None:
         with self._lock:
-            self._stores.pop(result.job_id, None)
+            self._jobs.pop(result.job_id, None)
         self._board.finish(result)

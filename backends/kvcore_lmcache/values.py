@@ -18,6 +18,7 @@ from typing import Protocol
 
 from kvcore.errors import InvalidSpecError, TransferTimeout, UsageError
 from kvcore.ids import ChunkKey
+from kvcore.jobs import JobResult
 from kvcore.ports import BlockItem, BlockTransfer, Direction, OrderedMover, StoreItem
 from kvcore_lmcache.link import Segment, SlotLayout
 
@@ -46,7 +47,32 @@ class Values(abc.ABC):
     def __init__(self, keys: Sequence[ChunkKey], lengths: Sequence[int]) -> None:
         self.keys = tuple(keys)
         self.lengths = tuple(lengths)  # each item's value length, as its header states it
-        self.abandoned = threading.Event()  # a store's engine blocks may be overwritten from now on
+        self._state = threading.Lock()
+        self._abandoned = False  # the engine's blocks may be overwritten from now on
+        self._copying = False  # a copy into engine blocks runs
+
+    @property
+    def abandoned(self) -> bool:
+        with self._state:
+            return self._abandoned
+
+    def abandon(self) -> bool:
+        """The engine gives the job up: no copy into its blocks starts from now on; returns whether one
+        is running (``SupportsBlockTransfer.abandon``)."""
+        with self._state:
+            self._abandoned = True
+            return self._copying
+
+    def _start_copy_in(self) -> bool:
+        """Whether a copy into engine blocks may start now (not once abandoned); it then counts as running
+        until ``_end_copy_in``."""
+        with self._state:
+            self._copying = not self._abandoned
+            return self._copying
+
+    def _end_copy_in(self) -> None:
+        with self._state:
+            self._copying = False
 
     @abc.abstractmethod
     def put(self, pairs: Sequence[tuple[int, int]], pool: Segment) -> set[int]: ...
@@ -138,11 +164,27 @@ class BlockValues(Values):
         mover = self._mover_over(pool)
         if mover is None:
             return everything
+        into_engine = direction is Direction.LOAD
+        if into_engine and not self._start_copy_in():
+            return everything  # given up: the engine's blocks may hold other KV now
         try:
-            job = mover.submit_after(BlockTransfer(direction, engine, host), self._mark)
+            result = self._move(mover, BlockTransfer(direction, engine, host))
+        finally:
+            if into_engine:
+                self._end_copy_in()
+        if result is None:
+            return everything
+        if direction is Direction.SAVE and self.abandoned:
+            return everything  # the copy may have read blocks the engine was already overwriting
+        return {owner[k] for k in result.failed}
+
+    def _move(self, mover: OrderedMover, transfer: BlockTransfer) -> JobResult | None:
+        """One copy, waited out; ``None`` when it was refused or failed whole."""
+        try:
+            job = mover.submit_after(transfer, self._mark)
         except (InvalidSpecError, UsageError) as exc:
             log.warning("kvcore: LMCache block copy refused: %s", exc)
-            return everything
+            return None
         while True:
             try:
                 (result,) = mover.wait([job], self._patience)
@@ -151,7 +193,5 @@ class BlockValues(Values):
                 log.warning("kvcore: LMCache block copy still running after %.1fs", self._patience)
         if result.error is not None:
             log.warning("kvcore: LMCache block copy failed: %s", result.error)
-            return everything
-        if direction is Direction.SAVE and self.abandoned.is_set():
-            return everything  # the copy may have read blocks the engine was already overwriting
-        return {owner[k] for k in result.failed}
+            return None
+        return result

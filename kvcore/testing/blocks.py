@@ -187,10 +187,29 @@ class BlockTransferTests(HarnessFixture[BlockTransferHarness[TierT]], Generic[Ti
             job = harness.backend.submit_store_blocks(
                 new_session("abandon"), [BlockItem(key, _chunk(harness, 0))]
             )
-            harness.backend.abandon(job)
+            assert not harness.backend.abandon(job)  # a store copies nothing into engine blocks
             _fill(harness, "overwritten")
         assert not wait_one(harness.backend, job).ok
         assert harness.peek(key) is None
+
+    def test_an_abandoned_block_retrieve_writes_no_engine_block(
+        self, harness: BlockTransferHarness[TierT]
+    ) -> None:
+        # a retrieve given up before its copy started: none starts, its items fail, the blocks keep
+        # what the engine wrote there meanwhile (another request's KV)
+        stall = require_stall(harness)
+        (key,) = fresh_keys(1)
+        harness.poke(key, payload(harness.block_bytes * harness.blocks_per_chunk, key))
+        session = new_session("abandon-retrieve")
+        self._lock_hits(harness, session, [key])
+        with stall.stall():
+            job = harness.backend.submit_retrieve_blocks(session, [BlockItem(key, _chunk(harness, 0))], [key])
+            assert not harness.backend.abandon(job)  # nothing was copying
+            engine = _fill(harness, "the blocks' new owner")
+        assert wait_one(harness.backend, job).failed == (0,)
+        assert _engine(harness) == engine
+        harness.backend.end_session(session)
+        assert self._retrieve_chunks(harness, [BlockItem(key, _chunk(harness, 1))], [key]).ok  # still held
 
     def test_abandon_of_a_finished_or_unknown_block_store_changes_nothing(
         self, harness: BlockTransferHarness[TierT]
@@ -199,9 +218,12 @@ class BlockTransferTests(HarnessFixture[BlockTransferHarness[TierT]], Generic[Ti
         (key,) = fresh_keys(1)
         job, result = self._store_chunks(harness, [key])
         assert result.ok
-        harness.backend.abandon(job)
-        harness.backend.abandon(JobId(2**62))
+        assert not harness.backend.abandon(job)
+        assert not harness.backend.abandon(JobId(2**62))
         assert harness.peek(key) == _joined(engine, _chunk(harness, 0))
+        retrieved = self._retrieve_chunks(harness, [BlockItem(key, _chunk(harness, 1))], [key])
+        assert retrieved.ok
+        assert not harness.backend.abandon(retrieved.job_id)  # finished: no copy runs
 
     def test_close_refuses_block_jobs_and_reports_earlier_ones(
         self, harness: BlockTransferHarness[TierT]

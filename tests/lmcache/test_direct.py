@@ -234,3 +234,52 @@ def test_a_store_abandoned_during_its_copy_never_serves_what_it_read(lmcache_ser
     finally:
         for tier in tiers:
             tier.close()
+
+
+def test_a_retrieve_abandoned_during_its_copy_says_so_and_one_abandoned_before_copies_nothing(
+    lmcache_server: LMCacheServer,
+) -> None:
+    spec = _spec(1)
+    config = LMCacheMPConfig(url=lmcache_server.url, request_timeout_s=SETTLE_S)
+    gate = TransferGate(SETTLE_S)
+    bits = torch.randint(
+        -(2**15), 2**15, spec.layout.shape, dtype=torch.int16, generator=torch.manual_seed(3)
+    )
+    kv = EngineKV.register([bits.view(torch.bfloat16).clone() for _ in range(spec.num_layers)], spec.layout)
+    movers = MappedMovers(kv, faults=gate)
+    tier = LMCacheManagedTier(
+        config,
+        None,
+        value_bytes=PER_CHUNK * spec.host_block_bytes,
+        chunk_tokens=CHUNK_TOKENS,
+        model_name=spec.model_id,
+        block_movers=movers,
+        block_bytes=spec.host_block_bytes,
+    )
+
+    def blocks(first: int) -> list[bytes]:
+        return [bytes(p[first : first + PER_CHUNK].numpy().tobytes()) for p in kv.planes]
+
+    try:
+        key = ChunkKey(f"retrieve-abandoned/{uuid.uuid4().hex}")
+        gate.opened.set()  # the store copies at once
+        (stored,) = tier.wait(
+            [tier.submit_store_blocks(RequestId("s"), [BlockItem(key, range(PER_CHUNK))])], SETTLE_S
+        )
+        assert stored.ok
+        saved = blocks(0)
+        gate.opened.clear()
+        gate.entered.clear()
+        copying = tier.submit_retrieve_blocks(RequestId("r1"), [BlockItem(key, range(20, 20 + PER_CHUNK))])
+        assert gate.entered.wait(SETTLE_S), "the copy never started"
+        queued = tier.submit_retrieve_blocks(RequestId("r2"), [BlockItem(key, range(40, 40 + PER_CHUNK))])
+        assert tier.abandon(copying)  # its copy into the engine's blocks runs: wait for the job
+        assert not tier.abandon(queued)  # not started: no copy will
+        untouched = blocks(40)
+        gate.opened.set()
+        results = {r.job_id: r for r in tier.wait([copying, queued], SETTLE_S)}
+        assert results[queued].failed == (0,)
+        assert blocks(40) == untouched
+        assert blocks(20) == saved  # the copy that ran was whole
+    finally:
+        tier.close()

@@ -40,6 +40,7 @@ class DirectTier:
         self.board = JobBoard()
         self.fail: int | None = None  # the index of an item the next fetch fails
         self.abandoned: list[JobId] = []
+        self.copying = False  # what ``abandon`` answers: whether a copy into engine blocks runs
         self.hold = False  # jobs stay in flight until ``release``
         self.held: list[JobResult] = []
 
@@ -73,8 +74,9 @@ class DirectTier:
 
     submit_publish = submit_fetch
 
-    def abandon(self, job_id: JobId) -> None:
+    def abandon(self, job_id: JobId) -> bool:
         self.abandoned.append(job_id)
+        return self.copying
 
     def end_session(self, session: str) -> None:
         pass
@@ -264,6 +266,26 @@ def test_an_abandoned_save_in_flight_is_abandoned_on_the_tier_and_reported_faile
     a.tier.release()
     (report,) = a.worker.wait([op.op_id], 5.0)
     assert report.failed == tuple(range(6))
+
+
+@pytest.mark.parametrize("copying", [False, True], ids=["not-copying", "copying"])
+def test_an_abandoned_direct_load_is_awaited_only_while_the_tier_copies(copying: bool) -> None:
+    values: dict[ChunkKey, bytes] = {}
+    _saved(values)
+    b = Engine(values)
+    rid = RequestId("b")
+    assert b.lookup("b") == 24
+    b.sched.start_load(rid, range(30, 37))
+    plan = b.sched.take_plan()
+    b.tier.hold = True
+    b.tier.copying = copying
+    b.worker.execute(plan)
+    (op,) = plan.ops
+    assert b.worker.abandon([op.op_id]) == ([op.op_id] if copying else [])
+    assert b.tier.abandoned == [JobId(1)]
+    b.tier.release()
+    (report,) = b.worker.wait([op.op_id], 5.0)
+    assert report.failed == tuple(range(6))  # given up: failed whatever the tier did
 
 
 def test_a_managed_tier_without_block_moves_refuses_them() -> None:

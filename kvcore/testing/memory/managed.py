@@ -159,9 +159,10 @@ class InMemoryBlockTransferTier(InMemoryManagedTier):
     blocks of ``engine`` (``SupportsBlockTransfer``): a value is ``blocks_per_chunk`` engine blocks, in
     the byte form of host blocks, one after another.
 
-    Its jobs run in submission order on the tier's lane, so no ``mark`` is needed. A failed retrieve
-    item's engine blocks are overwritten with ``POISON``. An abandoned store job that has not run yet
-    stores nothing and fails every item.
+    Its jobs run in submission order on the tier's lane, so no ``mark`` is needed, each whole under the
+    tier's lock: ``abandon`` finds a job not started or finished, never copying. A failed retrieve item's
+    engine blocks are overwritten with ``POISON``. An abandoned job that has not run yet fails every
+    item: a store stores nothing, a retrieve writes no engine block (and releases its locks).
     """
 
     def __init__(
@@ -176,7 +177,7 @@ class InMemoryBlockTransferTier(InMemoryManagedTier):
         check_positive("blocks_per_chunk", blocks_per_chunk)
         self._engine = engine
         self.blocks_per_chunk = blocks_per_chunk
-        self._unfinished: set[JobId] = set()  # block stores not run yet
+        self._unfinished: set[JobId] = set()  # block jobs not run yet
         self._abandoned: set[JobId] = set()
 
     def submit_store_blocks(
@@ -186,28 +187,37 @@ class InMemoryBlockTransferTier(InMemoryManagedTier):
         self._check_blocks(items, whole=True)
         keys = tuple(item.key for item in items)
         store = partial(self._store, keys, partial(self._read_blocks, items), _outside(chain))
+        return self._submit_block_job(store, len(items), lambda: None)
+
+    def _submit_block_job(self, work: Work, count: int, on_abandon: Callable[[], None]) -> JobId:
         with self._cond:
-            job_id = self._submit(partial(self._store_unless_abandoned, len(items), store))
+            job_id = self._submit(partial(self._unless_abandoned, count, work, on_abandon))
             self._unfinished.add(job_id)
             return job_id
 
     def _read_blocks(self, items: tuple[BlockItem, ...], i: int) -> bytes:
         return b"".join(self._engine.read_engine_block(block) for block in items[i].engine_blocks)
 
-    def _store_unless_abandoned(self, count: int, store: Work, job_id: JobId) -> JobResult:
+    def _unless_abandoned(
+        self, count: int, work: Work, on_abandon: Callable[[], None], job_id: JobId
+    ) -> JobResult:
         with self._cond:
             self._unfinished.discard(job_id)
             if job_id in self._abandoned:
                 self._abandoned.discard(job_id)
+                on_abandon()
                 return JobResult(job_id, tuple(range(count)), "abandoned before its copies ran")
-            return store(job_id)
+            return work(job_id)
 
     def submit_retrieve_blocks(
         self, session: RequestId, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
         items = tuple(items)
         self._check_blocks(items, whole=False)
-        return self._submit(partial(self._retrieve_blocks, session, items, _outside(chain)))
+        retrieve = partial(self._retrieve_blocks, session, items, _outside(chain))
+        return self._submit_block_job(
+            retrieve, len(items), partial(self._release, session, [i.key for i in items])
+        )
 
     def _retrieve_blocks(
         self,
@@ -229,10 +239,11 @@ class InMemoryBlockTransferTier(InMemoryManagedTier):
             self._release(session, [item.key for item in items])
         return JobResult(job_id, tuple(failed))
 
-    def abandon(self, job_id: JobId) -> None:
+    def abandon(self, job_id: JobId) -> bool:
         with self._cond:
             if job_id in self._unfinished:
                 self._abandoned.add(job_id)
+        return False  # a job runs whole under the lock taken here: none is copying now
 
     def _check_blocks(self, items: Sequence[BlockItem], *, whole: bool) -> None:
         """Refuse, before anything is queued, items that are no whole chunk (a store) or no part of one,
