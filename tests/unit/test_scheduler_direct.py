@@ -223,13 +223,19 @@ def test_sightings_are_counted_without_a_pool() -> None:
     assert saved == [0, 3]  # saved once a second request asked for the chunks
 
 
-def test_a_failed_fetch_is_recomputed_and_not_counted_as_served() -> None:
+def _loading() -> tuple[Engine, RequestId]:
+    """Engine B with the load of what engine A saved started (engine blocks 30 on), not yet stepped."""
     values: dict[ChunkKey, bytes] = {}
     _saved(values)
     b = Engine(values)
     rid = RequestId("b")
     assert b.lookup("b") == 24
     b.sched.start_load(rid, range(30, 37))
+    return b, rid
+
+
+def test_a_failed_fetch_is_recomputed_and_not_counted_as_served() -> None:
+    b, rid = _loading()
     b.tier.fail = 2  # the last chunk's value is lost on the way
     b.step()
     assert set(b.sched.take_load_errors()[rid]) == {34, 35}
@@ -270,12 +276,7 @@ def test_an_abandoned_save_in_flight_is_abandoned_on_the_tier_and_reported_faile
 
 @pytest.mark.parametrize("copying", [False, True], ids=["not-copying", "copying"])
 def test_an_abandoned_direct_load_is_awaited_only_while_the_tier_copies(copying: bool) -> None:
-    values: dict[ChunkKey, bytes] = {}
-    _saved(values)
-    b = Engine(values)
-    rid = RequestId("b")
-    assert b.lookup("b") == 24
-    b.sched.start_load(rid, range(30, 37))
+    b, _ = _loading()
     plan = b.sched.take_plan()
     b.tier.hold = True
     b.tier.copying = copying
