@@ -190,9 +190,10 @@ class TorchBlockMover:
             if self._closed:
                 return
             self._closed = True
-        self._lane.close(timeout)
-        if self._copier is not None:
-            self._copier.close()
+            lane, copier = self._lane, self._copier  # a ``reopen`` from now on makes new ones
+        lane.close(timeout)
+        if copier is not None:
+            copier.close()
 
     def reopen(self) -> bool:
         """Take jobs again after ``close``, on a fresh lane, once every job submitted before has ended

@@ -209,7 +209,8 @@ class BlockTransferTests(HarnessFixture[BlockTransferHarness[TierT]], Generic[Ti
         assert wait_one(harness.backend, job).failed == (0,)
         assert _engine(harness) == engine
         harness.backend.end_session(session)
-        assert self._retrieve_chunks(harness, [BlockItem(key, _chunk(harness, 1))], [key]).ok  # still held
+        again = [BlockItem(key, _chunk(harness, 1))]
+        assert self._retrieve_chunks(harness, again, [key]).ok  # the value is still there
 
     def test_abandon_of_a_finished_or_unknown_block_store_changes_nothing(
         self, harness: BlockTransferHarness[TierT]
