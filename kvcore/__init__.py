@@ -1,13 +1,13 @@
 """kvcore: move and reuse LLM KV cache across memory tiers, processes and machines.
 
-This package exports the public API only: what an engine needs (``open_scheduler`` and ``open_worker``, which
-compose any installed backend, ``CacheScheduler``, ``BlockWorker``, the plan values, ``EngineSpec`` and
-``KVLayout``, ``ExtraKeys``, configuration and errors) and what a backend implements (the ports of
-``kvcore.ports``, with ``JobBoard``/``JobResult`` to implement ``JobQueue``). Everything else — hashing, keys,
-the block pool, load specs, TP transfer plans, the lifecycle — stays importable from its own module
-(``kvcore.keys``, ``kvcore.block_pool``, ...) and may change. The core imports the standard library, attrs and
-cattrs only; the conformance suite for backend authors is ``kvcore.testing`` (imported on demand, never from
-here).
+This package exports the public API only: what an engine needs (``open_scheduler`` and ``open_worker``,
+which compose any installed backend, ``CacheScheduler``, ``BlockWorker``, the plan values, ``EngineSpec``
+and ``KVLayout``, ``ExtraKeys``, ``FaultHooks``, configuration and errors) and what a backend implements
+(the ports of ``kvcore.ports``, with ``JobBoard``/``JobResult`` to implement ``JobQueue``). Everything
+else — hashing, keys, the block pool, load specs, TP transfer plans, the lifecycle — stays importable from
+its own module (``kvcore.keys``, ``kvcore.block_pool``, ...) and may change. The core imports the standard
+library, attrs and cattrs only; the conformance suite for backend authors is ``kvcore.testing`` (imported
+on demand, never from here).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from kvcore.errors import (
     UnsupportedConfiguration,
     UsageError,
 )
+from kvcore.faults import FaultHooks
 from kvcore.hashing import ExtraKeys, MMSpan
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.jobs import JobBoard, JobResult
@@ -53,6 +54,7 @@ from kvcore.ports import (
     SupportsBlockTransfer,
     SupportsClear,
     SupportsImmediateLookup,
+    SupportsReopen,
 )
 from kvcore.scheduler import CacheScheduler, SchedulerStats
 from kvcore.worker import BlockWorker
@@ -77,6 +79,7 @@ __all__ = [
     "Direction",
     "EngineSpec",
     "ExtraKeys",
+    "FaultHooks",
     "HeadOrder",
     "IncompatibleLayoutError",
     "InvalidSpecError",
@@ -105,6 +108,7 @@ __all__ = [
     "SupportsBlockTransfer",
     "SupportsClear",
     "SupportsImmediateLookup",
+    "SupportsReopen",
     "TransferFailed",
     "TransferTimeout",
     "UnsupportedConfiguration",
