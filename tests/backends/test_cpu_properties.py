@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvcore.errors import UsageError
+from kvcore.errors import BackendUnavailable, UsageError
 from kvcore.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.ports import BlockTransfer, Direction
 from kvcore_cpu.engine_kv import EngineKV
@@ -45,6 +45,14 @@ def either(draw: st.DrawFn, good: st.SearchStrategy[Any]) -> Any:
 
 def assert_names_one_of(exc: UsageError, names: tuple[str, ...]) -> None:
     assert any(name in str(exc) for name in names), str(exc)
+
+
+def assert_out_of_memory(exc: BackendUnavailable, num_blocks: object, block_bytes: object) -> None:
+    """A refusal of valid counts says what could not be allocated, and only a size no test machine has."""
+    assert isinstance(num_blocks, int)
+    assert isinstance(block_bytes, int)
+    assert num_blocks * block_bytes > 1 << 30, str(exc)
+    assert f"allocating {num_blocks * block_bytes} bytes of host memory" in str(exc)
 
 
 @st.composite
@@ -125,6 +133,7 @@ def test_register_gives_byte_views_or_refuses_by_name(args: tuple[object, object
     block_bytes=either(st.integers(1, 64)),
     device=either(st.sampled_from([CPU, torch.device("meta")])),
 )
+@example(num_blocks=1, block_bytes=1 << 50, device=CPU)  # valid, but no machine has a PiB to give
 def test_allocate_gives_the_size_asked_for_or_refuses_by_name(
     num_blocks: object, block_bytes: object, device: object
 ) -> None:
@@ -132,6 +141,9 @@ def test_allocate_gives_the_size_asked_for_or_refuses_by_name(
         host = HostMemory.allocate(num_blocks, block_bytes, device)  # type: ignore[arg-type]
     except UsageError as exc:
         assert_names_one_of(exc, ("num_blocks", "block_bytes", "device"))
+        return
+    except BackendUnavailable as exc:  # a valid size beyond what this machine can allocate
+        assert_out_of_memory(exc, num_blocks, block_bytes)
         return
     assert host.blocks.shape == (num_blocks, block_bytes)
     assert host.nbytes == host.buffer.untyped_storage().nbytes()
