@@ -66,4 +66,6 @@ def open_worker(
         return chosen.open_remote(config, engine, memory)
 
     memory = engine_memory(tensors)
+    if faults is None:  # an engine memory written before ``faults`` existed still opens workers
+        return memory.open_worker(config, engine, tensors, rank=rank, remote=remote)
     return memory.open_worker(config, engine, tensors, rank=rank, remote=remote, faults=faults)

@@ -66,7 +66,7 @@ def load_hooks(path: object, *, field: str = "faults") -> FaultHooks:
         raise ConfigError(field, path, "an import path 'package.module:NAME'")
     try:
         found: object = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
+    except Exception as exc:  # a module that fails as it is imported names no hooks either
         raise ConfigError(field, path, f"an importable name ({type(exc).__name__}: {exc})") from None
     if isinstance(found, FaultHooks):
         return found

@@ -109,6 +109,7 @@ class BlockWorker:
             raise UsageError(f"fence_timeout: got {fence_timeout!r}, expected a finite number of seconds > 0")
         self._fence_timeout = fence_timeout
         self._halted = False
+        self._closed = False
         self._warnings = _Repeats()
         self._mover = mover
         self._rank = rank
@@ -218,22 +219,39 @@ class BlockWorker:
         return self._halted
 
     def resume(self) -> bool:
-        """After ``halt``: copy again, on the same host slots, once every copy of the halted mover has
-        ended (``SupportsReopen``); returns whether this worker copies. Cheap enough to ask every step.
-        A worker halted with no mover (its remote tier moved the blocks, and is closed) or whose mover
-        cannot reopen stays halted."""
+        """After ``halt``: copy again, on the same host slots, once every copy of the halted mover and
+        every load the remote tier moves into engine blocks itself has ended (``SupportsReopen``);
+        returns whether this worker copies. Cheap enough to ask every step; never raises (a mover that
+        fails to reopen is logged and stays closed). A closed worker, a worker halted with no mover (its
+        remote tier moved the blocks, and is closed) or whose mover cannot reopen stays halted."""
+        if self._closed:
+            return False
         if not self._halted:
             return True
         mover: object = self._mover  # a BlockMover may or may not be SupportsReopen
-        if not (isinstance(mover, SupportsReopen) and mover.reopen()):
+        if not isinstance(mover, SupportsReopen) or self._remote_copies_blocks():
+            return False
+        try:
+            if not mover.reopen():
+                return False
+        except Exception as exc:
+            self._warnings.warn(f"rank {self._rank}: the halted mover did not reopen: {exc}")
             return False
         self._halted = False
         log.warning("kvcore: rank %d copies again: the copies that halted it have ended", self._rank)
         return True
 
+    def _remote_copies_blocks(self) -> bool:
+        """Whether a job of the remote tier that moves engine blocks itself is still in flight."""
+        return any(
+            queue == self._REMOTE and (run := self._runs.get(op_id)) is not None and _direct(run.op)
+            for op_id, (queue, _) in self._current.items()
+        )
+
     def close(self) -> None:
         """Stop the remote tier, then the mover (a failure is logged, never raised). Jobs not yet run
         fail; ops executed later fail (cache misses); reports keep coming until every op is reported."""
+        self._closed = True
         close_quietly(self._remote)
         close_quietly(self._mover)
 

