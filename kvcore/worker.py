@@ -220,7 +220,7 @@ class BlockWorker:
 
     def resume(self) -> bool:
         """After ``halt``: copy again, on the same host slots, once every copy of the halted mover and
-        every load the remote tier moves into engine blocks itself has ended (``SupportsReopen``);
+        every job in which the remote tier moves engine blocks itself has ended (``SupportsReopen``);
         returns whether this worker copies. Cheap enough to ask every step; never raises (a mover that
         fails to reopen is logged and stays closed). A closed worker, a worker halted with no mover (its
         remote tier moved the blocks, and is closed) or whose mover cannot reopen stays halted."""

@@ -28,6 +28,7 @@ from kvcore.remote import StoreRemote
 from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore
 from kvcore.worker import BlockWorker
 from tests.adapters.test_vllm_scheduler_side import ENGINE
+from tests.unit.test_worker_halt import halted_now
 
 BLOCK_BYTES = 64
 
@@ -45,11 +46,6 @@ def _side(timeout_s: float = 5.0) -> tuple[WorkerSide, InMemoryBlockMover]:
     side = WorkerSide(config, ENGINE, ["layer0"], 0, opener)
     side.register_kv_caches({"layer0": torch.zeros(1)})
     return side, mover
-
-
-def _halted(worker: BlockWorker) -> bool:
-    """``worker.halted``, read afresh (mypy would keep a property narrowed across the calls between)."""
-    return worker.halted
 
 
 def _load(op_id: int, rid: str, engine: tuple[int, ...], host: tuple[int, ...]) -> BlockOp:
@@ -220,7 +216,7 @@ def test_a_hung_copy_into_vllm_blocks_halts_the_rank_until_it_ends() -> None:
         assert time.monotonic() < deadline, "the rank did not resume"
         time.sleep(0.01)
     assert (meta.halted_ranks, meta.resumed_ranks) == ((), (3,))
-    assert not _halted(side.worker)
+    assert not halted_now(side.worker)
     side.start_load_kv(KVCoreMetadata(StepPlan((_load(3, "t", (9,), (5,)),))))
     assert side.take_load_errors() == set()
     assert mover.read_engine_block(9) == b"\x05" * BLOCK_BYTES

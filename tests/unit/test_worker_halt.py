@@ -19,7 +19,7 @@ def _load(op_id: int, engine: int, host: int) -> StepPlan:
     return StepPlan((BlockOp(op_id, Direction.LOAD, (engine,), (host,), f"r{op_id}"),))
 
 
-def _halted(worker: BlockWorker) -> bool:
+def halted_now(worker: BlockWorker) -> bool:
     """``worker.halted``, read afresh (mypy would keep a property narrowed across the calls between)."""
     return worker.halted
 
@@ -38,14 +38,14 @@ def test_a_halted_worker_fails_every_op_and_resumes_once_its_copy_ended() -> Non
     with mover.stall():
         worker.execute(_load(1, 5, 2))  # hangs in the mover
         worker.halt()
-        assert _halted(worker)
+        assert halted_now(worker)
         worker.execute(_load(2, 6, 2))
         assert _failed(worker, 2) == (0,)  # halted: refused, a cache miss
         assert not worker.resume()  # the hung copy still runs
-        assert _halted(worker)
+        assert halted_now(worker)
     assert _failed(worker, 1) == ()  # the hung copy ended (and wrote its block)
     assert worker.resume()
-    assert not _halted(worker)
+    assert not halted_now(worker)
     worker.execute(_load(3, 7, 2))
     assert _failed(worker, 3) == ()
     assert mover.read_engine_block(7) == b"\x02" * BLOCK
@@ -57,7 +57,7 @@ def test_a_worker_without_a_mover_stays_halted() -> None:
     worker = BlockWorker(None, remote=StoreRemote(InMemoryChunkStore(host)))
     worker.halt()
     assert not worker.resume()
-    assert _halted(worker)
+    assert halted_now(worker)
     worker.close()
 
 
@@ -72,7 +72,7 @@ def test_a_mover_that_fails_to_reopen_leaves_the_worker_halted_without_raising()
     worker = BlockWorker(ReopenFails(num_engine_blocks=8, num_host_blocks=8, layer_block_bytes=BLOCK))
     worker.halt()
     assert not worker.resume()
-    assert _halted(worker)
+    assert halted_now(worker)
 
 
 def test_a_closed_worker_does_not_resume() -> None:
