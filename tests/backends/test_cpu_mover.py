@@ -587,8 +587,27 @@ def test_an_interrupted_submit_leaves_nothing_pending(queue_fails: tuple[Rig, Qu
             (-(2**64),),
             rf"^host_blocks: block {-(2**64)} is outside \[0, {HOST_BLOCKS}\)",
         ),
+        (Direction.LOAD, (0, 1, True), (0, 1, 2), r"^engine_blocks: got True, expected integer block ids"),
+        (Direction.SAVE, (0, 1, 2), (2, -1, 0), rf"^host_blocks: block -1 is outside \[0, {HOST_BLOCKS}\)"),
+        (
+            Direction.SAVE,
+            (np.uint64(2**64 - 1),),
+            (0,),
+            rf"^engine_blocks: block {2**64 - 1} is outside \[0, {ENGINE_BLOCKS}\)",
+        ),
     ],
-    ids=["str-direction", "float", "integral-float", "bool", "str", "huge", "huge-negative"],
+    ids=[
+        "str-direction",
+        "float",
+        "integral-float",
+        "bool",
+        "str",
+        "huge",
+        "huge-negative",
+        "bool-among-ints",
+        "negative-among-ints",
+        "uint64-max",
+    ],
 )
 def test_what_numpy_would_truncate_or_misread_is_refused(
     rig: Rig, direction: object, engine_ids: tuple[object, ...], host_ids: tuple[object, ...], message: str
