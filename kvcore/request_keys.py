@@ -2,21 +2,26 @@
 
 A request's keys come from its tokens (hashed here, with its extra keys) or from the engine's own chained
 block hashes (regrouped into chunk hashes, extra keys folded in). They grow as decode extends the request
-(a trailing partial chunk is keyed again once it fills), and are rendered again under a new namespace
-epoch after a reset. ``Keyer`` owns the deployment side (hasher, namespace, keyspaces, which ranks write
-a shared tier); ``ChunkChain`` is one request's keys.
+(a chunk is keyed once it is full), and are rendered again under a new namespace epoch after a reset.
+With ``partial_chunks: keep`` the leading whole blocks of a chunk have keys too (``Keyer.tail_key``): a
+*tail* of ``k`` blocks is hashed like a chunk of ``k`` blocks' tokens, so its key differs from the full
+chunk's and from every other tail's. ``Keyer`` owns the deployment side (hasher, namespace, keyspaces,
+which ranks write a shared tier); ``ChunkChain`` is one request's keys.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import cast
+
+import attrs
 
 from kvcore.checks import is_int_in
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
 from kvcore.errors import InvalidSpecError
-from kvcore.hashing import ChunkHasher, ExtraKeys, regroup_block_hashes
+from kvcore.hashing import ChunkHasher, ExtraKeys, PartialChunkPolicy, regroup_block_hashes
 from kvcore.ids import ChunkKey
 from kvcore.keys import Keyspace, Namespace, Shard, writes
 from kvcore.layout import LayoutKind
@@ -27,13 +32,17 @@ __all__ = ["ChunkChain", "Keyer", "prompt_tokens", "token_sequence"]
 class ChunkChain:
     """One request's chunks: hashes, token counts, the pool's key of each chunk and, with a shared tier,
     each rank's shard key (``rank_keys[chunk][rank]``). ``by_hashes``: keyed from the engine's block
-    hashes (a request keeps the kind of key it was looked up with)."""
+    hashes (a request keeps the kind of key it was looked up with). ``source`` is what the keys were
+    last taken from (the tokens, or the block hashes of ``hash_block_tokens`` tokens each): the keys of
+    tails are taken from it when asked for."""
 
-    __slots__ = ("by_hashes", "counts", "extra", "hashes", "keys", "rank_keys")
+    __slots__ = ("by_hashes", "counts", "extra", "hash_block_tokens", "hashes", "keys", "rank_keys", "source")
 
     def __init__(self, extra: ExtraKeys, by_hashes: bool) -> None:
         self.extra = extra
         self.by_hashes = by_hashes
+        self.source: Sequence[object] = ()
+        self.hash_block_tokens = 1
         self.hashes: tuple[bytes, ...] = ()
         self.counts: tuple[int, ...] = ()
         self.keys: tuple[ChunkKey, ...] = ()
@@ -58,7 +67,9 @@ class Keyer:
         shard_keys: bool,
     ) -> None:
         self.chunk_tokens = config.chunk_tokens
-        self._partial = config.partial_chunks
+        self.tails = config.partial_chunks is PartialChunkPolicy.KEEP
+        """Whether the leading whole blocks of a chunk are keyed (``tail_key``) and kept."""
+        self._block_tokens = engine.layout.block_tokens
         self._epoch = config.epoch
         self._engine = engine
         self._shard_keys = shard_keys
@@ -67,8 +78,8 @@ class Keyer:
             algorithm=config.hash_algorithm,
             seed=config.hash_seed.encode(),
             chunk_tokens=config.chunk_tokens,
-            partial=config.partial_chunks,
         )
+        self._tail_hasher = attrs.evolve(self.hasher, partial=PartialChunkPolicy.KEEP)
         layout = engine.layout
         self._use(
             Namespace(
@@ -112,6 +123,7 @@ class Keyer:
         if block_hashes is not None:
             self.rekey(chain, block_hashes, hash_block_tokens)
         elif tokens is not None:
+            chain.source = tokens
             chain.hashes = self.hasher.hash_tokens(tokens, extra)
             chain.counts = self.hasher.chunk_token_counts(len(tokens))
             self.refresh(chain)
@@ -123,11 +135,11 @@ class Keyer:
         """Key ``chain`` again from the engine's block hashes (grown since); returns the first chunk whose
         key changed (a trailing partial chunk's, or ``len`` of the old keys)."""
         hashes = _block_hashes(block_hashes)
-        if not is_int_in(hash_block_tokens, 1):
-            raise InvalidSpecError(f"hash_block_tokens: got {hash_block_tokens!r}, expected an integer >= 1")
+        per_hash = _hash_block_tokens(hash_block_tokens)
         old = chain.keys
-        grouped = regroup_block_hashes(hashes, hash_block_tokens, self.chunk_tokens, self._partial)
-        chain.counts = self.hasher.chunk_token_counts(len(hashes) * hash_block_tokens)
+        chain.source, chain.hash_block_tokens = hashes, per_hash
+        grouped = regroup_block_hashes(hashes, per_hash, self.chunk_tokens)
+        chain.counts = self.hasher.chunk_token_counts(len(hashes) * per_hash)
         chain.hashes = self.hasher.fold_extra(grouped, chain.counts, chain.extra)
         self.refresh(chain)
         return next((i for i, (a, b) in enumerate(zip(old, chain.keys, strict=False)) if a != b), len(old))
@@ -136,6 +148,7 @@ class Keyer:
         """Key ``chain``'s chunks past its full ones from ``tokens`` (the request's tokens from its first
         on); returns the first chunk whose key changed."""
         full = chain.full_chunks(self.chunk_tokens)
+        chain.source = tokens
         chain.hashes, chain.counts = chain.hashes[:full], chain.counts[:full]
         chain.keys, chain.rank_keys = chain.keys[:full], chain.rank_keys[:full]
         known = sum(chain.counts)
@@ -146,6 +159,45 @@ class Keyer:
         chain.keys += self.keyspace.keys(more)
         chain.rank_keys += self._ranked(more)
         return full
+
+    def follow(
+        self,
+        chain: ChunkChain,
+        tokens: Sequence[int] | None,
+        block_hashes: Sequence[bytes] | None,
+        hash_block_tokens: int | None,
+    ) -> None:
+        """Take ``chain``'s tail keys from these tokens or block hashes (of the kind it was keyed from)
+        from now on, without rendering its chunk keys again; raises ``InvalidSpecError`` for bad ones."""
+        if chain.by_hashes and block_hashes is not None:
+            chain.source = _block_hashes(block_hashes)
+            if hash_block_tokens is not None:
+                chain.hash_block_tokens = _hash_block_tokens(hash_block_tokens)
+        elif not chain.by_hashes and tokens is not None:
+            chain.source = token_sequence(tokens)
+
+    def tail_key(self, chain: ChunkChain, chunk: int, blocks: int) -> ChunkKey | None:
+        """The pool's key of the first ``blocks`` engine blocks of chunk ``chunk`` (a tail: fewer blocks
+        than a chunk), or ``None`` where ``chain`` does not know their tokens yet (or the engine's hash
+        blocks do not end where the tail does). ``chunk`` is at most the chain's count of full chunks."""
+        start = chunk * self.chunk_tokens
+        count = blocks * self._block_tokens
+        end = start + count
+        if not (0 < count < self.chunk_tokens and 0 <= chunk <= len(chain.hashes)):
+            return None
+        if chain.by_hashes:
+            per_hash = chain.hash_block_tokens
+            if end % per_hash or end // per_hash > len(chain.source):
+                return None
+            last = cast(bytes, chain.source[end // per_hash - 1])
+            hashes = self.hasher.fold_extra((last,), (count,), chain.extra, start=start)
+        else:
+            if end > len(chain.source):
+                return None
+            parent = chain.hashes[chunk - 1] if chunk else None
+            tokens = cast(Sequence[int], chain.source[start:end])
+            hashes = self._tail_hasher.hash_tokens(tokens, chain.extra, parent, start=start)
+        return self.keyspace.keys(hashes)[0]
 
     def refresh(self, chain: ChunkChain) -> None:
         """Render ``chain``'s keys from its hashes under the current namespace."""
@@ -200,3 +252,9 @@ def _block_hashes(block_hashes: object) -> Sequence[bytes]:
         if not isinstance(value, bytes) or not value:
             raise InvalidSpecError(f"block_hashes[{position}]: got {value!r}, expected non-empty bytes")
     return block_hashes
+
+
+def _hash_block_tokens(value: object) -> int:
+    if not is_int_in(value, 1):
+        raise InvalidSpecError(f"hash_block_tokens: got {value!r}, expected an integer >= 1")
+    return value

@@ -86,11 +86,15 @@ class _Request:
         "local_hits",
         "lost_blocks",
         "pending",
+        "prompt_tokens",
         "saved_chunks",
+        "tail",
+        "tails_saved",
     )
 
-    def __init__(self, chain: ChunkChain) -> None:
+    def __init__(self, chain: ChunkChain, prompt_tokens: int) -> None:
         self.chain = chain
+        self.prompt_tokens = prompt_tokens
         self.pending: PendingLookup | None = None  # a remote lookup in flight
         self.local_hits = 0  # leading chunks the local pool held when looked up
         self.answer: int | None = None  # leading chunks the tiers hold
@@ -101,12 +105,25 @@ class _Request:
         self.lost_blocks: list[int] = []  # the part the scheduler itself decided (chunk gone before the copy)
         self.saved_chunks = 0
         self.chain_sent = 0  # leading chain positions (``chain.rank_keys``) already sent to the workers
+        self.tail: _Tail | None = None  # the pool's tail of the chunk after the answer's chunks
+        self.tails_saved: set[tuple[int, int]] | None = set()  # (chunk, blocks); None: save no more
 
     def stop_answer_at(self, chunk: int) -> None:
         """A chunk of the load is gone or failed: asked again (an engine that gave the request's blocks
         back), the lookup stops before it, so the same load is not tried again."""
         if self.answer is not None:
             self.answer = min(self.answer, chunk)
+        if self.tail is not None and chunk <= self.tail.chunk:
+            self.tail = None
+
+
+@frozen
+class _Tail:
+    """The first ``blocks`` blocks of request chunk ``chunk``, kept in the pool under ``key``."""
+
+    chunk: int
+    key: ChunkKey
+    blocks: int
 
 
 class CacheScheduler:
@@ -219,11 +236,12 @@ class CacheScheduler:
         req = self._requests.get(request_id)
         if req is None:
             # may raise: nothing is recorded yet
-            req = _Request(self.keyer.chain(extra, tokens, block_hashes, hash_block_tokens))
+            req = _Request(self.keyer.chain(extra, tokens, block_hashes, hash_block_tokens), total)
             self._requests[request_id] = req
             self._table.track(request_id)
             self._counters["lookups"] += 1
-            self._sightings.sight(req.chain.keys)
+            prompt_tail = self._tail_at(req, total)
+            self._sightings.sight((*req.chain.keys, *(() if prompt_tail is None else (prompt_tail.key,))))
         tracker = self._table.get(request_id)
         if tracker is None or tracker.ended:
             return 0
@@ -231,7 +249,10 @@ class CacheScheduler:
             req.answer = self._answer(req)
             if req.answer is None:
                 return None  # a remote lookup is pending: ask again next step
+            req.tail = self._tail_hit(req, req.answer)
         external = hit_tokens(req.answer, req.chain.counts)
+        if req.tail is not None:
+            external += req.tail.blocks * self.block_tokens
         req.load = plan_load(
             prompt_tokens=total,
             local_tokens=local_tokens,
@@ -278,7 +299,8 @@ class CacheScheduler:
         # any fetch reserves a slot, so that no fetch evicts a chunk this very load needs.
         sources: list[tuple[ChunkPiece, ChunkKey, bool]] = []
         for piece in spec.pieces(self.config.chunk_tokens):
-            key = req.chain.keys[piece.chunk]
+            tail = req.tail if req.tail is not None and req.tail.chunk == piece.chunk else None
+            key = tail.key if tail is not None else req.chain.keys[piece.chunk]
             if self.pool.lookup((key,)):
                 sources.append((piece, key, True))
             elif self._remote is not None and piece.chunk < (req.answer or 0):
@@ -332,7 +354,8 @@ class CacheScheduler:
         req = self._requests.get(request_id)
         if req is None or req.load is None or self._remote is None:
             return False
-        return self._direct or (req.load.stop - 1) // self.config.chunk_tokens >= req.local_hits
+        last = min((req.load.stop - 1) // self.config.chunk_tokens, (req.answer or 0) - 1)  # not a tail
+        return self._direct or last >= req.local_hits
 
     def take_lost_blocks(self) -> tuple[int, ...]:
         """Engine block ids the scheduler gave up loading before any copy (their chunks left the pool).
@@ -367,6 +390,8 @@ class CacheScheduler:
         tokens: Sequence[int] | None = None,
         block_hashes: Sequence[bytes] | None = None,
         hash_block_tokens: int | None = None,
+        *,
+        final: bool = False,
     ) -> int:
         """Queue saves of the request's full chunks whose KV is computed; returns chunks queued.
 
@@ -377,6 +402,12 @@ class CacheScheduler:
         extend the keys; a trailing partial chunk is keyed again once it is full. Chunks the pool
         already holds are skipped; chunks that do not fit are dropped (no room is not an error). Bad
         input (block ids out of range, repeated or not integers) raises ``InvalidSpecError``.
+
+        With ``partial_chunks: keep`` and a local pool, the whole blocks of the chunk a request stops in
+        are kept too (a *tail*, counted as a chunk): once when its prompt is computed, and once more when
+        ``final`` says it computes nothing more (call ``save`` with ``final=True`` before ``finish``).
+        Not at every decode block: a tail takes a slot, and one is worth it where the next request may
+        diverge. A tail never crosses to a remote tier (it is a miss there).
         """
         table = check_block_table("block_ids", block_ids, self.engine.layout.num_blocks)
         if not is_int_in(num_tokens, 0):
@@ -405,27 +436,32 @@ class CacheScheduler:
         full = min(full, chain.full_chunks(chunk_tokens), len(table) // self.blocks_per_chunk)
         # without a local tier, the chunks the remote tier held at lookup are not sent to it again
         start = max(req.saved_chunks, req.answer or 0) if self._direct else req.saved_chunks
-        if full <= start:
-            return 0
         per = self.blocks_per_chunk
         whole = [i for i in range(start, full) if None not in table[i * per : (i + 1) * per]]
-        ids = cast(tuple[int, ...], table)  # only whole chunks (no hole) are read below
-        wanted = self._sightings.admitted([chain.keys[i] for i in whole])
-        chunk_of = {chain.keys[i]: i for i in whole}
+        ids = cast(tuple[int, ...], table)  # only whole chunks and tails (no hole) are read below
+        wanted = list(self._sightings.admitted([chain.keys[i] for i in whole]))
+        chunk_of: dict[ChunkKey, tuple[int, int | None]] = {chain.keys[i]: (i, None) for i in whole}
+        tail = self._tail_to_save(req, table, num_tokens, final, tokens, block_hashes, hash_block_tokens)
+        if tail is not None and self._sightings.admitted([tail.key]):
+            wanted.append(tail.key)
+            chunk_of[tail.key] = (tail.chunk, tail.blocks)
+        if full > start:
+            req.saved_chunks = full
+        if not wanted:
+            return 0
         slots: Sequence[tuple[ChunkKey, int | None]] = (
             [(key, None) for key in wanted] if self._direct else self.pool.prepare_store(wanted).slots
         )
-        req.saved_chunks = full
         if not slots:
             return 0
         draft = OpDraft(self.blocks_per_chunk)
         writers = self.keyer.writers
         for key, slot in slots:
-            chunk = chunk_of[key]
+            chunk, blocks = chunk_of[key]
             owned = None  # a shared tier is written by one rank of each group of replicas
-            if self._remote is not None:
+            if self._remote is not None and blocks is None:
                 owned = tuple(k if w else None for k, w in zip(chain.rank_keys[chunk], writers, strict=True))
-            draft.add(key, chunk, ids, slot, shard_keys=owned)
+            draft.add(key, chunk, ids, slot, num_blocks=blocks, shard_keys=owned)
         self._submit(request_id, Direction.SAVE, draft)
         return len(draft.keys)
 
@@ -508,6 +544,7 @@ class CacheScheduler:
             req.pending = req.answer = None
             self.keyer.refresh(req.chain)
             req.saved_chunks = len(req.chain.keys)  # chunks computed before the reset are not saved again
+            req.tails_saved = None  # nor the tails of the chunk after them
             req.chain_sent = 0  # the chain is resent under the new keys
 
     def take_events(self) -> tuple[PoolEvent, ...]:
@@ -552,6 +589,56 @@ class CacheScheduler:
             return None
         req.pending = None
         return req.local_hits + begun
+
+    def _tail_span(self, num_tokens: int) -> tuple[int, int]:
+        """``(chunk, blocks)``: the whole blocks of the chunk that ``num_tokens`` tokens end in."""
+        chunk, rest = divmod(num_tokens, self.config.chunk_tokens)
+        return chunk, rest // self.block_tokens
+
+    def _tail_at(self, req: _Request, num_tokens: int) -> _Tail | None:
+        """The tail that ends at the last whole block of the request's first ``num_tokens`` tokens, if it
+        has one (``partial_chunks: keep``) and its key is known; ``None`` too without a local pool."""
+        if not self.keyer.tails or self._direct:
+            return None
+        chunk, blocks = self._tail_span(num_tokens)
+        key = self.keyer.tail_key(req.chain, chunk, blocks) if blocks else None
+        return None if key is None else _Tail(chunk, key, blocks)
+
+    def _tail_hit(self, req: _Request, chunk: int) -> _Tail | None:
+        """The longest tail of request chunk ``chunk`` (the first one no tier holds) in the local pool."""
+        if not self.keyer.tails or self._direct:
+            return None
+        for blocks in range(self.blocks_per_chunk - 1, 0, -1):
+            key = self.keyer.tail_key(req.chain, chunk, blocks)
+            if key is not None and self.pool.lookup((key,)):
+                return _Tail(chunk, key, blocks)
+        return None
+
+    def _tail_to_save(
+        self,
+        req: _Request,
+        table: Sequence[int | None],
+        num_tokens: int,
+        final: bool,
+        tokens: Sequence[int] | None,
+        block_hashes: Sequence[bytes] | None,
+        hash_block_tokens: int | None,
+    ) -> _Tail | None:
+        """The tail ``save`` keeps now: at the prompt's end once it is computed, at the request's end
+        when ``final``; each once, and only from blocks the engine holds."""
+        if req.tails_saved is None or not (final or num_tokens >= req.prompt_tokens):
+            return None
+        point = num_tokens if final else req.prompt_tokens
+        chunk, blocks = self._tail_span(point)
+        first = chunk * self.blocks_per_chunk
+        if not blocks or (chunk, blocks) in req.tails_saved or len(table) < first + blocks:
+            return None
+        if None in table[first : first + blocks]:
+            return None
+        if tokens is not None or block_hashes is not None:
+            self.keyer.follow(req.chain, tokens, block_hashes, hash_block_tokens)
+        req.tails_saved.add((chunk, blocks))
+        return self._tail_at(req, point)
 
     def _abandon(self, req: _Request) -> None:
         if self._remote is not None and req.pending is not None:
@@ -610,7 +697,8 @@ class CacheScheduler:
                 self.pool.complete_store(dropped, success=False)
                 self._counters["failed_save_chunks"] += len(dropped)
                 self._save_again(entry, dropped)
-            self._counters["saved_blocks"] += len(good) * self.blocks_per_chunk
+            sizes = zip(entry.keys, entry.sizes, strict=True)
+            self._counters["saved_blocks"] += sum(size for key, size in sizes if key not in failed)
         done = self._table.complete_job(JobId(op.op_id))
         if done is not None:
             self._retire(done[1])

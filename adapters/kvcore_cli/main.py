@@ -78,6 +78,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         reset=not args.no_reset,
         faults=not args.no_faults,
         recompute_late=not args.hold_late_loads,
+        tails=not args.no_tails,
         engine_blocks=args.engine_blocks,
         pool_slots=args.pool_slots,
         trace=args.trace,
@@ -130,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     fuzz.add_argument("--no-preempt", action="store_true", help="no random preemptions")
     fuzz.add_argument("--no-reset", action="store_true", help="no resets")
     fuzz.add_argument("--no-faults", action="store_true", help="no failing, late or stalling jobs")
+    fuzz.add_argument("--no-tails", action="store_true", help="partial_chunks drop: full chunks only")
     fuzz.add_argument(
         "--hold-late-loads", action="store_true", help="hold a request until its late load is reported"
     )

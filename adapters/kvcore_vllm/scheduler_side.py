@@ -173,7 +173,7 @@ class SchedulerSide:
         if request is not None and blocks is not None:
             self.evictions.freed(request.block_hashes, blocks)
 
-    def _save(self, rid: str, computed_tokens: int) -> None:
+    def _save(self, rid: str, computed_tokens: int, *, final: bool = False) -> None:
         request = self._requests.get(rid)
         blocks = self._blocks.get(rid)
         if self.lazy or request is None or not blocks:
@@ -189,6 +189,7 @@ class SchedulerSide:
             num_tokens=real,
             block_hashes=request.block_hashes,
             hash_block_tokens=self._hash_block_tokens,
+            final=final,
         )
 
     def _save_evicted(self, allocated: list[int]) -> StepPlan:
@@ -263,6 +264,8 @@ class SchedulerSide:
         if wanted:
             extra = self.core.extra_cached_tokens(rid)
             params = dict.fromkeys(wanted, extra)
+        if self.core.keyer.tails and request.request_id not in self._receiving:
+            self._save(request.request_id, request.num_computed_tokens, final=True)  # its last tail
         # a request that ends while its asynchronous load runs: vLLM keeps its blocks until the workers
         # report the load (finished_recving) and frees them then; a second report would free them twice
         delay = self.core.finish(rid) and request.request_id not in self._receiving

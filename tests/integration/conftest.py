@@ -134,6 +134,10 @@ def plain_tokens(tiny_model: Path) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="session")
 def kvcore_engine(tiny_model: Path) -> Iterator[Any]:
-    llm = start_engine(tiny_model, kvcore_transfer_config(faults="tests.integration.probes:SLOW_COPIES"))
+    # chunks of two blocks, tails kept: a prompt's last whole block inside a chunk is served too
+    config = kvcore_transfer_config(
+        chunk_tokens=2 * BLOCK, partial_chunks="keep", faults="tests.integration.probes:SLOW_COPIES"
+    )
+    llm = start_engine(tiny_model, config)
     yield llm
     stop_engine(llm)

@@ -75,6 +75,60 @@ def test_a_whole_prompt_hit_loads_all_but_the_last_token(kvcore_engine: Any) -> 
     assert list(served.outputs[0].token_ids) == list(recomputed_longer.outputs[0].token_ids)
 
 
+def _push_out(llm: Any, seed: int) -> None:
+    """Evict everything from vLLM's 24-block prefix cache."""
+    for i in range(3):
+        generate(llm, prompt(seed + i, 1500), max_tokens=1)
+
+
+def _answer(llm: Any, tokens: list[int], max_tokens: int) -> list[int]:
+    """``max_tokens`` greedy tokens, never fewer (the tiny model may well sample its end token)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+    return list(out.outputs[0].token_ids)
+
+
+def test_a_prompt_ending_inside_a_chunk_loads_its_last_whole_block_too(kvcore_engine: Any) -> None:
+    # two chunks of two blocks, then one whole block and 60 tokens: the tail of that block is kept
+    tokens = prompt(170, 5 * BLOCK + 60)
+    generate(kvcore_engine, tokens)
+    local = generate(kvcore_engine, tokens)  # vLLM's own prefix hit
+    assert local.num_cached_tokens == 5 * BLOCK
+    _push_out(kvcore_engine, 270)
+    hits_before = external_hits(kvcore_engine)
+    again = generate(kvcore_engine, tokens, kv_transfer_params={"num_extra_cached_tokens": True})
+    assert again.num_cached_tokens == 5 * BLOCK  # not 4 * BLOCK: the chunk's first block is served
+    assert external_hits(kvcore_engine) - hits_before == 5 * BLOCK
+    assert again.kv_transfer_params == {"num_extra_cached_tokens": 5 * BLOCK}
+    assert list(again.outputs[0].token_ids) == list(local.outputs[0].token_ids)
+    ((digests, same),) = kvcore_engine.collective_rpc(loaded_digests)
+    assert len(digests) == 5
+    assert same
+
+
+def test_the_next_turn_loads_the_last_whole_block_the_turn_before_computed(kvcore_engine: Any) -> None:
+    # the first turn ends inside its third chunk, past one whole block of it: that tail is kept at finish
+    first = prompt(180, 4 * BLOCK + 100)
+    turn2 = first + _answer(kvcore_engine, first, 40) + prompt(181, 30)
+    _push_out(kvcore_engine, 280)
+    hits_before = external_hits(kvcore_engine)
+    again = generate(kvcore_engine, turn2)
+    assert again.num_cached_tokens == 5 * BLOCK
+    assert external_hits(kvcore_engine) - hits_before == 5 * BLOCK
+    ((digests, same),) = kvcore_engine.collective_rpc(loaded_digests)
+    assert len(digests) == 5
+    assert same
+    # vLLM's own hit of the same length: the first turn again, from an empty cache, then the second
+    assert kvcore_engine.reset_prefix_cache(reset_connector=True)
+    _answer(kvcore_engine, first, 40)
+    local = generate(kvcore_engine, turn2)
+    assert local.num_cached_tokens == 5 * BLOCK
+    assert list(again.outputs[0].token_ids) == list(local.outputs[0].token_ids)
+
+
 def _evicted_and_served_again(llm: Any, tokens: list[int], seed: int) -> tuple[Any, Any]:
     """Serve ``tokens`` (saving their KV), push them out of vLLM's cache, damage the pool, serve again."""
     first = generate(llm, tokens)

@@ -357,7 +357,8 @@ def test_a_partial_chunk_filled_by_decode_is_saved_under_its_full_key() -> None:
     assert eng.sched.lookup(a, tokens=TOKENS) == 0  # 3 full chunks and a partial one of 6 tokens
     grown = [*TOKENS, 7, 8]  # two decode tokens fill the fourth chunk
     eng.fill(range(8), "a")
-    assert eng.sched.save(a, range(8), num_tokens=len(grown), tokens=grown) == 4
+    # the four full chunks, and the prompt's tail (its last whole block, in the fourth chunk)
+    assert eng.sched.save(a, range(8), num_tokens=len(grown), tokens=grown) == 5
     eng.step()
     eng.sched.finish(a)
     turn2 = [*grown, 9, 9, 9]

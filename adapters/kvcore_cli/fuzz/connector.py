@@ -53,6 +53,7 @@ class Connector:
         self._recompute_late = recompute_late
         self.ops: dict[int, BlockOp] = {}  # handed to the worker, not reported yet
         self._fenced: set[int] = set()  # ops of a preempted admission: their blocks are no longer its own
+        self._ending: dict[RequestId, Request] = {}  # ended with "delay": may still have a save planned
 
     def flush(self) -> None:
         """``execute(take_plan())``, await this plan's loads, hand every report to ``complete``, then take
@@ -130,7 +131,7 @@ class Connector:
         req.queued = queued // BLOCK_TOKENS
         req.errors, req.load_ops = set(), set()
 
-    def save(self, req: Request) -> None:
+    def save(self, req: Request, *, final: bool = False) -> None:
         if req.chat.by_hashes:
             saved = self._sched.save(
                 req.rid,
@@ -138,10 +139,13 @@ class Connector:
                 num_tokens=req.computed,
                 block_hashes=req.hashes,
                 hash_block_tokens=BLOCK_TOKENS,
+                final=final,
             )
         else:
-            saved = self._sched.save(req.rid, req.blocks, num_tokens=req.computed, tokens=req.tokens)
-        self._trace.note(f"save {req.rid} e{req.blocks} num_tokens={req.computed} -> {saved}")
+            saved = self._sched.save(
+                req.rid, req.blocks, num_tokens=req.computed, tokens=req.tokens, final=final
+            )
+        self._trace.note(f"save {req.rid} e{req.blocks} num_tokens={req.computed} final={final} -> {saved}")
         self._summary.saved_chunks += saved
         self._checks.handed_to_save(req)
 
@@ -161,6 +165,7 @@ class Connector:
         self._book.remove(req)
         if delay:
             self._book.ended[rid] = req.blocks
+            self._ending[rid] = req
         else:
             self._memory.release(req.blocks)
         if finish:
@@ -212,6 +217,8 @@ class Connector:
             what = "outside the blocks its lookup offered"
             req.load_ops.add(op.op_id)
         else:
+            # a save queued as its request finished (its last tail) is planned once it has ended
+            req = req or self._ending.get(RequestId(op.request_id))
             if req is None or req.state is not State.RUNNING:
                 self._trace.fail(op.request_id, f"save {op.op_id} planned for a request that is not running")
             allowed = set(req.blocks[: req.computed // BLOCK_TOKENS])
@@ -303,6 +310,7 @@ class Connector:
     def _named_finished(self, rid: RequestId) -> None:
         """``take_finished`` named an ended request: its blocks are the engine's again."""
         blocks = self._book.ended.pop(rid, None)
+        self._ending.pop(rid, None)
         if blocks is None:
             self._trace.fail(
                 rid, "take_finished named a request whose end was not delayed, or named it twice"

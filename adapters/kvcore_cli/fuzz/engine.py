@@ -194,6 +194,7 @@ class ModelEngine:
         for rid in list(self._book.running):
             req = self._book.live[rid]
             if req.state is State.RUNNING and req.computed == len(req.tokens):
+                self._connector.save(req, final=True)
                 self._connector.end(req, finish=True)
                 self._next_turn(req)
 

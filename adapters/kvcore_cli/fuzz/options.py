@@ -21,6 +21,7 @@ class FuzzOptions:
     reset: bool = True
     faults: bool = True
     recompute_late: bool = True  # rule 4: recompute a late load's blocks at once (half the time), or hold
+    tails: bool = True  # ``partial_chunks: keep``, and a final save before each finish
     engine_blocks: int = 40
     pool_slots: int = 16
     trace: int = 40  # API calls shown with a failure
@@ -29,7 +30,7 @@ class FuzzOptions:
         """The command-line flags that select these options (defaults left out)."""
         default = FuzzOptions()
         out = ["--remote"] if self.remote else []
-        out += [f"--no-{name}" for name in ("preempt", "reset", "faults") if not getattr(self, name)]
+        out += [f"--no-{name}" for name in ("preempt", "reset", "faults", "tails") if not getattr(self, name)]
         out += [] if self.recompute_late else ["--hold-late-loads"]
         out += [
             f"--{name.replace('_', '-')} {getattr(self, name)}"

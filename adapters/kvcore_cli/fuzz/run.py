@@ -110,5 +110,6 @@ def _config(options: FuzzOptions, slot_bytes: int) -> KVCoreConfig:
             "backend": {"kind": "cpu", "size": options.pool_slots * slot_bytes},
             "chunk_tokens": CHUNK_TOKENS,
             "lookup_timeout_s": LOOKUP_TIMEOUT_S,
+            "partial_chunks": "keep" if options.tails else "drop",
         }
     )
