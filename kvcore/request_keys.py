@@ -123,7 +123,7 @@ class Keyer:
         if block_hashes is not None:
             self.rekey(chain, block_hashes, hash_block_tokens)
         elif tokens is not None:
-            chain.source = tokens
+            chain.source = tuple(tokens)  # a copy: the caller may reuse its list
             chain.hashes = self.hasher.hash_tokens(tokens, extra)
             chain.counts = self.hasher.chunk_token_counts(len(tokens))
             self.refresh(chain)
@@ -137,7 +137,7 @@ class Keyer:
         hashes = _block_hashes(block_hashes)
         per_hash = _hash_block_tokens(hash_block_tokens)
         old = chain.keys
-        chain.source, chain.hash_block_tokens = hashes, per_hash
+        chain.source, chain.hash_block_tokens = tuple(hashes), per_hash
         grouped = regroup_block_hashes(hashes, per_hash, self.chunk_tokens)
         chain.counts = self.hasher.chunk_token_counts(len(hashes) * per_hash)
         chain.hashes = self.hasher.fold_extra(grouped, chain.counts, chain.extra)
@@ -148,7 +148,7 @@ class Keyer:
         """Key ``chain``'s chunks past its full ones from ``tokens`` (the request's tokens from its first
         on); returns the first chunk whose key changed."""
         full = chain.full_chunks(self.chunk_tokens)
-        chain.source = tokens
+        chain.source = tuple(tokens)
         chain.hashes, chain.counts = chain.hashes[:full], chain.counts[:full]
         chain.keys, chain.rank_keys = chain.keys[:full], chain.rank_keys[:full]
         known = sum(chain.counts)
@@ -170,11 +170,11 @@ class Keyer:
         """Take ``chain``'s tail keys from these tokens or block hashes (of the kind it was keyed from)
         from now on, without rendering its chunk keys again; raises ``InvalidSpecError`` for bad ones."""
         if chain.by_hashes and block_hashes is not None:
-            chain.source = _block_hashes(block_hashes)
+            chain.source = tuple(_block_hashes(block_hashes))
             if hash_block_tokens is not None:
                 chain.hash_block_tokens = _hash_block_tokens(hash_block_tokens)
         elif not chain.by_hashes and tokens is not None:
-            chain.source = token_sequence(tokens)
+            chain.source = tuple(token_sequence(tokens))
 
     def tail_key(self, chain: ChunkChain, chunk: int, blocks: int) -> ChunkKey | None:
         """The pool's key of the first ``blocks`` engine blocks of chunk ``chunk`` (a tail: fewer blocks

@@ -90,6 +90,7 @@ class _Request:
         "saved_chunks",
         "tail",
         "tails_saved",
+        "unloaded",
     )
 
     def __init__(self, chain: ChunkChain, prompt_tokens: int) -> None:
@@ -107,6 +108,8 @@ class _Request:
         self.chain_sent = 0  # leading chain positions (``chain.rank_keys``) already sent to the workers
         self.tail: _Tail | None = None  # the pool's tail of the chunk after the answer's chunks
         self.tails_saved: set[tuple[int, int]] | None = set()  # (chunk, blocks); None: save no more
+        # (plan, block): this plan's load gave up its blocks from ``block`` on before any copy
+        self.unloaded: tuple[int, int] | None = None
 
     def stop_answer_at(self, chunk: int) -> None:
         """A chunk of the load is gone or failed: asked again (an engine that gave the request's blocks
@@ -115,6 +118,7 @@ class _Request:
             self.answer = min(self.answer, chunk)
         if self.tail is not None and chunk <= self.tail.chunk:
             self.tail = None
+        self.load = None  # a load decided before is stale now: the next lookup decides again
 
 
 @frozen
@@ -184,6 +188,7 @@ class CacheScheduler:
         self._requests: dict[RequestId, _Request] = {}
         self._ops = OpLedger(world_size)
         self._plan: list[BlockOp] = []
+        self._plans = 0  # plans taken so far
         self._fenced: list[int] = []  # ops of preempted requests, for the next plan
         self._ended: list[RequestId] = []  # with a remote tier: requests whose sessions may end
         self._finished: list[RequestId] = []
@@ -334,6 +339,7 @@ class CacheScheduler:
         if lost:
             log.warning("kvcore: request %s: %d blocks left the pool before loading", request_id, lost)
             lost_from = spec.first_block + loaded
+            req.unloaded = (self._plans, lost_from)
             req.stop_answer_at(lost_from // self.blocks_per_chunk)
             req.failed_blocks.update(range(lost_from, spec.first_block + spec.num_blocks))
             req.load_errors.extend(ids[lost_from : spec.first_block + spec.num_blocks])
@@ -354,8 +360,10 @@ class CacheScheduler:
         req = self._requests.get(request_id)
         if req is None or req.load is None or self._remote is None:
             return False
-        last = min((req.load.stop - 1) // self.config.chunk_tokens, (req.answer or 0) - 1)  # not a tail
-        return self._direct or last >= req.local_hits
+        chunk = self.config.chunk_tokens
+        first = max(req.load.start // chunk, req.local_hits)
+        last = min((req.load.stop - 1) // chunk, (req.answer or 0) - 1)  # a tail is local
+        return self._direct or last >= first
 
     def take_lost_blocks(self) -> tuple[int, ...]:
         """Engine block ids the scheduler gave up loading before any copy (their chunks left the pool).
@@ -408,6 +416,11 @@ class CacheScheduler:
         ``final`` says it computes nothing more (call ``save`` with ``final=True`` before ``finish``).
         Not at every decode block: a tail takes a slot, and one is worth it where the next request may
         diverge. A tail never crosses to a remote tier (it is a miss there).
+
+        Blocks that this plan's load of the request gave up (their chunk left the pool first) are not
+        read, nor any after them: they hold no KV of the request until the engine recomputes them, which
+        a later ``save`` stores. An engine whose copies fail in the step that also saves (a synchronous
+        load, then the forward pass, then the saves) must not run that request's saves of the step.
         """
         table = check_block_table("block_ids", block_ids, self.engine.layout.num_blocks)
         if not is_int_in(num_tokens, 0):
@@ -432,8 +445,14 @@ class CacheScheduler:
                 changed = self.keyer.rekey(chain, block_hashes, hash_block_tokens)
             else:
                 changed = self.keyer.extend(chain, tokens or ())
-            req.chain_sent = min(req.chain_sent, changed)  # a partial chunk's key changed: resend it
+            req.chain_sent = min(req.chain_sent, changed)  # the first key not sent yet under its name
         full = min(full, chain.full_chunks(chunk_tokens), len(table) // self.blocks_per_chunk)
+        # blocks this plan's load gave up hold no KV of the request yet, nor do the blocks the engine
+        # computes after them in this step (their attention read those): saved once recomputed
+        unloaded = req.unloaded[1] if req.unloaded is not None and req.unloaded[0] == self._plans else None
+        if unloaded is not None:
+            full = min(full, unloaded // self.blocks_per_chunk)
+            num_tokens = min(num_tokens, unloaded * self.block_tokens)
         # without a local tier, the chunks the remote tier held at lookup are not sent to it again
         start = max(req.saved_chunks, req.answer or 0) if self._direct else req.saved_chunks
         per = self.blocks_per_chunk
@@ -472,6 +491,7 @@ class CacheScheduler:
         ``preempt``). Execute it before the engine reuses any block it freed."""
         plan = StepPlan(tuple(self._plan), tuple(self._ended), tuple(self._fenced))
         self._plan, self._ended, self._fenced = [], [], []
+        self._plans += 1
         return plan
 
     def complete(self, reports: Iterable[OpReport]) -> None:

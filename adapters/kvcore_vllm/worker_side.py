@@ -69,6 +69,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._delayed: set[str] = set()
         self._abandoned: set[int] = set()  # ops waited on past their deadline: reported as failed
+        self._unloaded: set[str] = set()  # requests whose load failed in this step, before its saves
         # asynchronous loads: request id -> (deadline, its load ops), until named in finished_recving
         self._receiving: dict[str, tuple[float, tuple[int, ...]]] = {}
         self._writing: set[int] = set()  # abandoned asynchronous loads whose copy into vLLM's blocks may run
@@ -104,6 +105,8 @@ class WorkerSide:
         self._collect(reports)
         done = {r.op_id for r in reports}
         late = [op for op in loads if op.op_id not in done]
+        failed = {r.op_id for r in reports if r.failed}
+        self._unloaded = {op.request_id for op in loads if op.op_id in failed or op.op_id not in done}
         if late:
             # vLLM recomputes these blocks in this very step: no copy may write them from now on. A
             # fetch still running is not copied; a copy into them still running is waited for and,
@@ -114,7 +117,21 @@ class WorkerSide:
                 self._load_errors.update(op.engine_blocks)
 
     def wait_for_save(self, meta: KVCoreMetadata) -> None:
-        self._run(meta.plan, Direction.SAVE)
+        """Start the step's saves, but none of a request whose load failed in this step: vLLM computed
+        its blocks from that load's on over KV that is not the request's (and recomputes them), so what
+        those saves would read is wrong. They are reported failed at once; the request's next saves
+        store its recomputed blocks."""
+        unloaded, self._unloaded = self._unloaded, set()
+        saves: list[BlockOp] = []
+        for op in meta.plan.ops:
+            if op.direction is Direction.SAVE and op.request_id in unloaded:
+                failed = tuple(range(len(op.engine_blocks)))
+                self._reports.append(
+                    OpReport(op.op_id, self._rank, failed, "its request's load failed", True)
+                )
+            elif op.direction is Direction.SAVE:
+                saves.append(op)
+        self._run(StepPlan(tuple(saves)), Direction.SAVE)
 
     def handle_preemptions(self, meta: KVCoreMetadata) -> None:
         evicting = self._run(meta.evictions, Direction.SAVE)

@@ -223,3 +223,38 @@ def test_a_hung_copy_into_vllm_blocks_halts_the_rank_until_it_ends() -> None:
     later = side.build_worker_meta()
     assert later is not None
     assert (later.halted_ranks, later.resumed_ranks) == ((), ())
+
+
+def test_no_save_runs_for_a_request_whose_load_failed_in_the_same_step() -> None:
+    # vLLM computed the request's blocks over a failed load's bytes in this step: nothing of it is kept
+    side, mover = _side()
+    mover.write_host_block(1, b"\x01" * mover.host_block_bytes)
+    mover.write_engine_block(3, b"\x03" * mover.host_block_bytes)
+    plan = StepPlan(
+        (
+            _load(1, "a", (2,), (1,)),
+            BlockOp(2, Direction.SAVE, (3,), (4,), "a"),
+            BlockOp(3, Direction.SAVE, (3,), (5,), "b"),  # another request's save runs
+        )
+    )
+    mover.fail_next(1)
+    meta = KVCoreMetadata(plan)
+    side.start_load_kv(meta)
+    assert side.take_load_errors() == {2}
+    side.wait_for_save(meta)
+    deadline = time.monotonic() + 5.0
+    reports: dict[int, tuple[int, ...]] = {}
+    while len(reports) < 3 and time.monotonic() < deadline:
+        side.get_finished()
+        worker_meta = side.build_worker_meta()
+        reports.update({r.op_id: r.failed for r in worker_meta.reports} if worker_meta is not None else {})
+        time.sleep(0.01)
+    assert reports == {1: (0,), 2: (0,), 3: ()}
+    assert mover.read_host_block(4) != mover.read_engine_block(3)  # never copied
+    assert mover.read_host_block(5) == mover.read_engine_block(3)
+    # the next step's saves run again
+    side.start_load_kv(KVCoreMetadata(StepPlan(())))
+    again = KVCoreMetadata(StepPlan((BlockOp(4, Direction.SAVE, (3,), (4,), "a"),)))
+    side.wait_for_save(again)
+    assert side.worker.wait([4], 5.0)[0].failed == ()
+    assert mover.read_host_block(4) == mover.read_engine_block(3)

@@ -204,3 +204,32 @@ def test_every_tail_has_a_key_of_its_own(by_hashes: bool) -> None:
     else:
         short = keyer.chain(ExtraKeys(), prefix, None, None)
     assert keyer.tail_key(short, 2, 1) == keyer.tail_key(chain, 2, 1)
+
+
+def test_a_load_decided_before_a_failure_of_the_tail_is_not_started() -> None:
+    eng = _keep()
+    eng.serve_and_save("a", TOKENS, range(8))
+    c = RequestId("c")
+    assert eng.sched.lookup(c, tokens=TOKENS, local_tokens=24) == 4  # the tail alone
+    assert eng.sched.start_load(c, range(20, 28)) == 4
+    assert eng.sched.lookup(c, tokens=TOKENS, local_tokens=24) == 4  # asked again while it copies
+    eng.mover.fail_next(1)
+    eng.step()
+    assert eng.sched.take_load_errors() == {c: (26,)}
+    assert eng.sched.start_load(c, range(20, 28)) == 0  # the load decided before the failure is stale
+    assert eng.sched.lookup(c, tokens=TOKENS, local_tokens=24) == 0  # the failed tail is not served again
+
+
+def test_a_load_of_the_tail_alone_reads_nothing_remote() -> None:
+    eng = _keep(remote=True)
+    eng.serve_and_save("a", TOKENS, range(8))
+    keys = eng.sched.keyer.chain(ExtraKeys(), TOKENS, None, None).keys
+    eng.sched.pool.remove(list(keys[1:3]))  # chunks 1 and 2 only in the remote tier now
+    b, c = RequestId("b"), RequestId("c")
+    hits = None
+    while hits is None:
+        hits = eng.sched.lookup(b, tokens=TOKENS, local_tokens=24)  # the engine holds chunks 0 to 2
+    assert hits == 4
+    assert not eng.sched.load_reads_remote(b)
+    assert answer(eng.sched, "c", TOKENS) == 28
+    assert eng.sched.load_reads_remote(c)  # chunks 1 and 2 come from the remote tier

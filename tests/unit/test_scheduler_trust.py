@@ -348,6 +348,32 @@ def test_different_extra_keys_never_share_a_chunk(
             assert k1 != k2, f"chunk {i} shared by {first} and {second}"
 
 
+def test_a_chunk_gone_before_its_load_is_not_saved_from_the_blocks_it_never_loaded() -> None:
+    # the chunk left the pool between lookup and load; the same step's save must not store what the
+    # blocks held before (nor what the engine computes over them in that step): only once recomputed
+    eng = Engine()
+    saved = eng.serve_and_save("a", TOKENS, range(8))
+    b = RequestId("b")
+    assert eng.sched.lookup(b, tokens=TOKENS) == 24
+    chunk1 = eng.sched.keyer.chain(ExtraKeys(), TOKENS, None, None).keys[1]
+    assert eng.sched.pool.remove([chunk1]) == 1
+    eng.fill(range(20, 28), "stale")
+    assert eng.sched.start_load(b, range(20, 28)) == 8
+    assert eng.sched.save(b, range(20, 28), num_tokens=len(TOKENS)) == 0  # chunk 0 is held already
+    eng.step()
+    assert eng.sched.take_load_errors() == {b: (22, 23, 24, 25)}
+    recomputed = eng.fill(range(22, 28), "b")  # the engine recomputes from the first lost block
+    assert eng.sched.save(b, range(20, 28), num_tokens=len(TOKENS)) == 1  # chunk 1 (2 is held)
+    eng.step()
+    eng.sched.finish(b)
+    c = RequestId("c")
+    assert eng.sched.lookup(c, tokens=TOKENS) == 24
+    eng.sched.start_load(c, range(40, 48))
+    eng.step()
+    got = [eng.mover.read_engine_block(40 + i) for i in range(6)]
+    assert got == [saved[0], saved[1], recomputed[22], recomputed[23], saved[4], saved[5]]
+
+
 # -- partial chunks, extra cached tokens ----------------------------------------------------------------
 
 
