@@ -135,10 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows = _measure(llm, lengths, repeats)
     header = ("prompt", "recompute s", "local hit s", "reuse s", "reuse/local", "speed-up", "cached")
-    print(
-        f"backend: {args.backend}, load mode: {args.load_mode}, partial chunks: {args.partial_chunks}, "
-        f"dtype: {args.dtype}, repeats: {repeats}"
-    )
+    kvcore = "" if args.backend == "lmcache-native" else f", partial chunks: {args.partial_chunks}"
+    print(f"backend: {args.backend}, load mode: {args.load_mode}{kvcore}, dtype: {args.dtype}", end="")
+    print(f", repeats: {repeats}")
     print("{:>7} {:>12} {:>12} {:>9} {:>13} {:>9} {:>7}".format(*header))
     for length, t in rows:
         print(

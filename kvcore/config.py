@@ -96,7 +96,7 @@ class KVCoreConfig:
         default=256, validator=within(1, 2**20, "a whole number of tokens from 1 to 2**20")
     )
     hash_algorithm: HashAlgorithm = HashAlgorithm.SHA256
-    partial_chunks: PartialChunkPolicy = PartialChunkPolicy.DROP
+    partial_chunks: PartialChunkPolicy = PartialChunkPolicy.KEEP
     eviction: str = field(default="lru", validator=one_of("lru", "arc"))
     save_after_sightings: int = field(default=1, validator=within(1, 2**20, "a count from 1 to 2**20"))
     lookup_timeout_s: float = field(default=1.0, validator=seconds)

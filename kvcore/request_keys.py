@@ -67,9 +67,12 @@ class Keyer:
         shard_keys: bool,
     ) -> None:
         self.chunk_tokens = config.chunk_tokens
-        self.tails = config.partial_chunks is PartialChunkPolicy.KEEP
-        """Whether the leading whole blocks of a chunk are keyed (``tail_key``) and kept."""
         self._block_tokens = engine.layout.block_tokens
+        self.tails = (
+            config.partial_chunks is PartialChunkPolicy.KEEP and self.chunk_tokens > self._block_tokens
+        )
+        """Whether the leading whole blocks of a chunk are keyed (``tail_key``) and kept (a chunk of one
+        block has none)."""
         self._epoch = config.epoch
         self._engine = engine
         self._shard_keys = shard_keys

@@ -7,4 +7,4 @@ from tests.engine_example import run_toy_engine
 
 
 def test_toy_engine_example_runs_on_the_cpu_tier() -> None:
-    assert "cpu: loaded 256 of 300 tokens from kvcore; bytes identical: True" in run_toy_engine()
+    assert "cpu: loaded 288 of 300 tokens from kvcore; bytes identical: True" in run_toy_engine()

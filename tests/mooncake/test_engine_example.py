@@ -16,4 +16,4 @@ def test_toy_engine_example_runs_on_a_mooncake_store(master: Master) -> None:
         "transfer_buffer_size": "16MiB",
     }
     out = run_toy_engine(backend)
-    assert "mooncake_store: loaded 256 of 300 tokens from kvcore; bytes identical: True" in out
+    assert "mooncake_store: loaded 288 of 300 tokens from kvcore; bytes identical: True" in out

@@ -28,7 +28,12 @@ TOKENS = list(range(100, 130))  # 30 tokens: 3 full chunks of 8, then 6 tokens
 class Rig:
     def __init__(self, slots: int = 8, **extra: object) -> None:
         self.config: KVCoreConfig = load_config(
-            {"backend": {"kind": "cpu", "size": 1 << 20}, "chunk_tokens": 8, **extra}
+            {
+                "backend": {"kind": "cpu", "size": 1 << 20},
+                "chunk_tokens": 8,
+                "partial_chunks": "drop",
+                **extra,
+            }
         )
         self.sched = CacheScheduler(self.config, ENGINE, slots)
         self.mover = InMemoryBlockMover(

@@ -29,7 +29,9 @@ LAYOUT = KVLayout(
 ENGINE = EngineSpec(model_id="tiny", kv_dtype="int8", num_layers=2, total_kv_heads=2, layout=LAYOUT)
 TOKENS = list(range(100, 130))  # 30 tokens: 3 full chunks of 8, then 6 tokens
 OTHER = list(range(1000, 1030))
-CONFIG = load_config({"backend": {"kind": "cpu", "size": 1 << 20}, "chunk_tokens": 8})
+CONFIG = load_config(
+    {"backend": {"kind": "cpu", "size": 1 << 20}, "chunk_tokens": 8, "partial_chunks": "drop"}
+)
 
 
 class StoreIndex:

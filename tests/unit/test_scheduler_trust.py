@@ -36,7 +36,12 @@ class Engine:
 
     def __init__(self, slots: int = 8, remote: bool = False, **extra: object) -> None:
         self.config: KVCoreConfig = load_config(
-            {"backend": {"kind": "cpu", "size": 1 << 20}, "chunk_tokens": CHUNK, **extra}
+            {
+                "backend": {"kind": "cpu", "size": 1 << 20},
+                "chunk_tokens": CHUNK,
+                "partial_chunks": "drop",
+                **extra,
+            }
         )
         self.mover = InMemoryBlockMover(
             num_engine_blocks=64,
