@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--partial-chunks",
         choices=("drop", "keep"),
-        default="drop",
+        default="keep",
         help="kvcore's partial_chunks: keep also serves the whole blocks of an unaligned prompt's last chunk",
     )
     parser.add_argument(
