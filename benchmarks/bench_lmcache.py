@@ -21,7 +21,13 @@ chunk) and the slots with its block mover (``submit_store_blocks`` /
 ``submit_retrieve_blocks``, the default deployment: no host pool), against the same raw client copying
 from and into a host buffer.
 
-    python -m benchmarks.bench_lmcache [--quick] [--blocks] [--chunks 32] [--url tcp://127.0.0.1:5555]
+``--calls``: instead of timing, counts the server requests of one load of ``--chunks`` chunks as each
+connector makes it in vLLM with no host pool: kvcore's scheduler lookup (``LMCacheChunkIndex``) and
+its worker's retrieve straight into engine blocks (which locks what it reads with a lookup of its own)
+and session end; LMCache's connector's lookup, whose locks its worker's retrieve consumes, and session
+end. Lookups per load and requests per chunk, side by side.
+
+    python -m benchmarks.bench_lmcache [--quick] [--blocks] [--calls] [--chunks 32] [--url tcp://127.0.0.1:5555]
 """
 
 from __future__ import annotations
@@ -40,8 +46,10 @@ import sys
 import time
 import uuid
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, cast
 
 from kvcore.testing.support import start_owned
 
@@ -277,6 +285,67 @@ class KVCoreSide:
         self.tier.close()
 
 
+class CountedClient:
+    """A request client whose calls are counted, by method name."""
+
+    def __init__(self, client: RequestClient) -> None:
+        self._client = client
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def count_calls(url: str, size: int, chunks: int) -> tuple[Counter[str], Counter[str]]:
+    """Server requests of one load of ``chunks`` stored chunks: kvcore's, LMCache's connector's."""
+    rng = random.Random(size)
+    kv_host, raw_host = bytearray(chunks * size), bytearray(chunks * size)
+    kv, raw = KVCoreSide(url, size, kv_host, _engine(size, chunks)), RawSide(url, size, raw_host)
+    try:
+        keys = [ChunkKey(f"calls/{uuid.uuid4().hex[:8]}/{i}") for i in range(chunks)]
+        tokens = tuple(rng.randrange(1, 1 << 30) for _ in range(chunks * CHUNK_TOKENS))
+        if kv.store(keys) != chunks or raw.store(tokens) != chunks:
+            raise RuntimeError("the chunks to load were not stored")
+        counted = [CountedClient(kv.index.link.client), CountedClient(kv.tier.link.client)]
+        kv.index.link.client = cast(RequestClient, counted[0])
+        kv.tier.link.client = cast(RequestClient, counted[1])
+        if kv.probe(keys) != chunks:  # the scheduler's lookup
+            raise RuntimeError("kvcore's lookup missed")
+        session = RequestId(f"calls-{next(_ids)}")
+        blocks = kv.blocks(keys, chunks * BLOCKS_PER_CHUNK)
+        (result,) = kv.tier.wait([kv.tier.submit_retrieve_blocks(session, blocks, keys)], TIMEOUT_S)
+        kv.tier.end_session(session)
+        lmcache = CountedClient(raw.client)
+        raw.client = cast(RequestClient, lmcache)
+        if result.failed or raw.load(tokens) != chunks:
+            raise RuntimeError("a load missed")
+        time.sleep(1.0)  # releases and session ends go out on a clean-up thread
+        return counted[0].calls + counted[1].calls, Counter(lmcache.calls)  # before the closes below
+    finally:
+        kv.close()
+        raw.close()
+
+
+def _print_calls(url: str, chunks: int) -> None:
+    ours, theirs = count_calls(url, SIZES[0], chunks)
+    print(f"server requests of one load of {chunks} chunks (no host pool)")
+    print(f"{'request':>34} {'kvcore':>7} {'lmcache':>8}")
+    for name in sorted(set(ours) | set(theirs)):
+        print(f"{name:>34} {ours[name]:>7} {theirs[name]:>8}")
+    total = (sum(ours.values()), sum(theirs.values()))
+    print(f"{'total':>34} {total[0]:>7} {total[1]:>8}")
+    print(f"{'lookups per load':>34} {ours['lookup']:>7} {theirs['lookup']:>8}")
+    print(f"{'requests per chunk':>34} {total[0] / chunks:>7.2f} {total[1] / chunks:>8.2f}")
+
+
 def _timed(fn: Callable[[], int], expect: int) -> float:
     start = time.perf_counter()
     got = fn()
@@ -359,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=32, help="chunks per operation")
     parser.add_argument("--blocks", action="store_true", help="kvcore moves engine blocks to the slots")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--calls", action="store_true", help="count one load's server requests instead")
     parser.add_argument(
         "--url", help="use a running server (chunk size 256, --shm-name) instead of one's own"
     )
@@ -372,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             url, start_s = stack.enter_context(lmcache_server(l1_gb))
         print(f"lmcache server {url} (answered after {start_s:.1f}s)")
+        if args.calls:
+            _print_calls(url, args.chunks)
+            return 0
         kvcore = "engine blocks <-> slots (block mover)" if args.blocks else "host buffer <-> slots"
         print(f"{args.chunks} chunks per operation, {repeats} repeats; kvcore: {kvcore}")
         print(f"{'value':>8} {'op':>7} {'kvcore':>12} {'lmcache':>12} {'ratio':>6}")
