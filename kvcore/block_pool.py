@@ -78,6 +78,34 @@ class PoolUsage:
     evictions: int
 
 
+class _FreeSlots:
+    """The free slots: those given back (taken first, last in first out), then those never used, in
+    order, so that a batch of keys gets consecutive slots while the pool fills up. Costs nothing per slot
+    until a slot is used: a pool's size may be anything the host could hold (a list of every slot number
+    took gigabytes for a large one)."""
+
+    __slots__ = ("_capacity", "_given_back", "_next")
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._given_back: list[int] = []
+        self._next = 0  # the first slot never used
+
+    def __len__(self) -> int:
+        return len(self._given_back) + self._capacity - self._next
+
+    def pop(self) -> int:
+        if self._given_back:
+            return self._given_back.pop()
+        if self._next >= self._capacity:
+            raise IndexError("no free slot")
+        self._next += 1
+        return self._next - 1
+
+    def append(self, slot: int) -> None:
+        self._given_back.append(slot)
+
+
 class BlockPool:
     """Index of ``num_slots`` host slots, evicting unpinned ready chunks in ``policy`` order.
 
@@ -99,8 +127,7 @@ class BlockPool:
             raise ConfigError("policy", policy, "an eviction policy that holds no key yet")
         self._capacity = num_slots
         self._policy = policy
-        # A stack, so that a batch of keys gets consecutive slots while the pool fills up.
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._free = _FreeSlots(num_slots)
         self._ready: dict[ChunkKey, int] = {}
         # Keys that hold a slot but are not ready: being stored, or left behind by reset (below).
         self._pending: dict[ChunkKey, int] = {}

@@ -97,6 +97,9 @@ def test_save_and_start_load_queue_or_refuse_naming_the_argument(
 
 @settings(max_examples=200, deadline=None)
 @given(num_slots=values, world_size=values)
+@example(
+    num_slots=2**62, world_size=1
+)  # once a list of every slot number: the test process ran out of memory
 def test_the_scheduler_constructor_refuses_naming_the_argument(num_slots: Any, world_size: Any) -> None:
     try:
         CacheScheduler(CONFIG, ENGINE, num_slots, world_size=world_size)

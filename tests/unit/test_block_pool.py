@@ -34,6 +34,16 @@ def ready(pool: BlockPool, names: str) -> list[str]:
 # -- lookups -------------------------------------------------------------------------------------------
 
 
+def test_a_pool_of_any_size_costs_nothing_until_used() -> None:
+    pool = BlockPool(2**62)  # a list of every free slot would not fit in any host's memory
+    plan = pool.prepare_store([ChunkKey("a"), ChunkKey("b")])
+    assert [slot for _, slot in plan.slots] == [0, 1]  # consecutive, from the first
+    pool.complete_store([ChunkKey("a")], success=False)
+    assert pool.prepare_store([ChunkKey("c")]).slots == ((ChunkKey("c"), 0),)  # given back: taken first
+    assert pool.usage().used == 2
+    assert pool.usage().capacity == 2**62
+
+
 def test_lookup_counts_leading_ready_keys_only() -> None:
     pool = BlockPool(8)
     store(pool, "a b c")
