@@ -118,7 +118,6 @@ class _Request:
             self.answer = min(self.answer, chunk)
         if self.tail is not None and chunk <= self.tail.chunk:
             self.tail = None
-        self.load = None  # a load decided before is stale now: the next lookup decides again
 
 
 @frozen
@@ -305,6 +304,8 @@ class CacheScheduler:
         sources: list[tuple[ChunkPiece, ChunkKey, bool]] = []
         for piece in spec.pieces(self.config.chunk_tokens):
             tail = req.tail if req.tail is not None and req.tail.chunk == piece.chunk else None
+            if tail is None and piece.chunk >= len(req.chain.keys):
+                break  # the tail this load was decided with failed since: its blocks are recomputed
             key = tail.key if tail is not None else req.chain.keys[piece.chunk]
             if self.pool.lookup((key,)):
                 sources.append((piece, key, True))
@@ -407,7 +408,7 @@ class CacheScheduler:
         does not hold: a chunk with such a hole is not saved). ``num_tokens`` counts real computed
         tokens (never placeholders). When the request grew past its prompt (decode tokens are reused by
         the next turn of a chat), ``tokens`` — or the engine's ``block_hashes``, if the lookup used them —
-        extend the keys; a trailing partial chunk is keyed again once it is full. Chunks the pool
+        extend the keys (a chunk is keyed once it is full). Chunks the pool
         already holds are skipped; chunks that do not fit are dropped (no room is not an error). Bad
         input (block ids out of range, repeated or not integers) raises ``InvalidSpecError``.
 
