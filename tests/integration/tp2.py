@@ -164,8 +164,9 @@ def start_tp_engine(
 
 def tier_config(backend: dict[str, Any] | None = None) -> dict[str, Any]:
     """The connector's config for a tier (the CPU pool by default), in chunks of ``CHUNK`` tokens, with a
-    generous bound on remote lookups (``PATIENCE_S``)."""
-    extra: dict[str, Any] = {"chunk_tokens": CHUNK, "lookup_timeout_s": PATIENCE_S}
+    generous bound on remote lookups (``PATIENCE_S``). Whole chunks only: the counts checked here are
+    of chunks (tails are served and checked at TP 1, ``test_vllm_cpu.py``)."""
+    extra: dict[str, Any] = {"chunk_tokens": CHUNK, "lookup_timeout_s": PATIENCE_S, "partial_chunks": "drop"}
     if backend is not None:
         extra["backend"] = backend
     return kvcore_transfer_config(**extra)
