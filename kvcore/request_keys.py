@@ -136,7 +136,7 @@ class Keyer:
 
     def rekey(self, chain: ChunkChain, block_hashes: object, hash_block_tokens: object) -> int:
         """Key ``chain`` again from the engine's block hashes (grown since); returns the first chunk whose
-        key changed (a trailing partial chunk's, or ``len`` of the old keys)."""
+        key changed (``len`` of the old keys, unless the namespace changed)."""
         hashes = _block_hashes(block_hashes)
         per_hash = _hash_block_tokens(hash_block_tokens)
         old = chain.keys
