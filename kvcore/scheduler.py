@@ -244,8 +244,10 @@ class CacheScheduler:
             self._requests[request_id] = req
             self._table.track(request_id)
             self._counters["lookups"] += 1
-            prompt_tail = self._tail_at(req, total)
-            self._sightings.sight((*req.chain.keys, *(() if prompt_tail is None else (prompt_tail.key,))))
+            if self._sightings.active:  # the prompt's tail is admitted by its sightings too
+                prompt_tail = self._tail_at(req, total)
+                tail_keys = () if prompt_tail is None else (prompt_tail.key,)
+                self._sightings.sight((*req.chain.keys, *tail_keys))
         tracker = self._table.get(request_id)
         if tracker is None or tracker.ended:
             return 0
