@@ -317,9 +317,15 @@ def count_calls(url: str, size: int, chunks: int) -> tuple[Counter[str], Counter
         counted = [CountedClient(kv.index.link.client), CountedClient(kv.tier.link.client)]
         kv.index.link.client = cast(RequestClient, counted[0])
         kv.tier.link.client = cast(RequestClient, counted[1])
-        if kv.probe(keys) != chunks:  # the scheduler's lookup
-            raise RuntimeError("kvcore's lookup missed")
         session = RequestId(f"calls-{next(_ids)}")
+        # the scheduler's held lookup, its locks handed to the worker with the load (as the core does)
+        lookup = kv.index.submit_held_lookup([[key] for key in keys])
+        while (hits := kv.index.poll_lookup(lookup)) is None:
+            time.sleep(POLL_S)
+        held = kv.index.take_held(lookup)
+        if hits != chunks or held is None or not kv.index.hand_over(held):
+            raise RuntimeError("kvcore's lookup missed")
+        kv.tier.adopt(session, held.holders[0], keys, held.start, held.end)
         blocks = kv.blocks(keys, chunks * BLOCKS_PER_CHUNK)
         (result,) = kv.tier.wait([kv.tier.submit_retrieve_blocks(session, blocks, keys)], TIMEOUT_S)
         kv.tier.end_session(session)

@@ -16,7 +16,7 @@ from attrs import frozen
 from kvcore.errors import BackendError
 from kvcore.health import CircuitBreaker
 from kvcore.ids import ChunkKey, LookupId
-from kvcore.ports import ChunkIndex, SupportsImmediateLookup
+from kvcore.ports import ChunkIndex, HeldChunks, SupportsHeldLookups, SupportsImmediateLookup
 
 __all__ = ["PendingLookup", "PrefixLookup", "leading_complete"]
 
@@ -65,13 +65,24 @@ class PrefixLookup:
         self._breaker = breaker if breaker is not None else CircuitBreaker(clock=clock)
         self._clock = clock
 
+    @property
+    def holds(self) -> bool:
+        """Whether lookups can keep their hits locked for the workers (``SupportsHeldLookups``)."""
+        return isinstance(self._remote, SupportsHeldLookups)
+
     def begin(
-        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+        self,
+        chunks: Sequence[Sequence[ChunkKey]],
+        preceding: Sequence[Sequence[ChunkKey]] = (),
+        *,
+        held: bool = False,
     ) -> int | PendingLookup:
         """Start a lookup: the answer at once, or a pending lookup to ``resume`` on a later step.
 
         ``preceding`` are the request's chunks before ``chunks`` (see ``ChunkIndex.submit_lookup``); an
-        immediate index keys chunks alone and is not given them."""
+        immediate index keys chunks alone and is not given them. ``held`` (where ``holds``): a held
+        lookup, each chunk naming every rank's key (``SupportsHeldLookups.submit_held_lookup``); the
+        caller takes its locks with ``take_held`` once it answered."""
         if not chunks or not self._breaker.allow():
             return 0
         try:
@@ -81,7 +92,10 @@ class PrefixLookup:
                     if self._immediate is not None
                     else 0
                 )
-            lookup_id = self._remote.submit_lookup(chunks, preceding)
+            if held and isinstance(self._remote, SupportsHeldLookups):
+                lookup_id = self._remote.submit_held_lookup(chunks, preceding)
+            else:
+                lookup_id = self._remote.submit_lookup(chunks, preceding)
         except BackendError as exc:
             return self._fail(f"lookup failed: {exc}")
         return PendingLookup(lookup_id, self._clock() + self._timeout, len(chunks))
@@ -100,6 +114,30 @@ class PrefixLookup:
             return None
         self.abandon(pending)
         return self._fail(f"lookup timed out after {self._timeout:.3f}s")
+
+    def take_held(self, pending: PendingLookup) -> HeldChunks | None:
+        """The locks a held lookup that ``resume`` answered keeps (see ``SupportsHeldLookups``)."""
+        if not isinstance(self._remote, SupportsHeldLookups):
+            return None
+        try:
+            return self._remote.take_held(pending.lookup_id)
+        except BackendError as exc:
+            log.warning("kvcore: taking the locks of lookup %s failed: %s", pending.lookup_id, exc)
+            return None
+
+    def hand_over(self, held: HeldChunks) -> bool:
+        """Hand ``held`` to the workers (true), or release it (false: see ``SupportsHeldLookups``)."""
+        if not isinstance(self._remote, SupportsHeldLookups):
+            return False
+        try:
+            return self._remote.hand_over(held)
+        except BackendError as exc:
+            log.warning("kvcore: handing locks over failed: %s", exc)
+            return False
+
+    def release_held(self, held: HeldChunks) -> None:
+        if isinstance(self._remote, SupportsHeldLookups):
+            self._remote.release_held(held)
 
     def abandon(self, pending: PendingLookup) -> None:
         """Forget a lookup whose answer is no longer wanted (request aborted, timed out)."""

@@ -11,7 +11,7 @@ from attrs.validators import ge, optional
 
 from kvcore.checks import instance
 from kvcore.ids import ChunkKey
-from kvcore.ports import Direction, int_ids, int_tuple
+from kvcore.ports import Direction, HeldChunks, int_ids, int_tuple
 
 __all__ = ["BlockOp", "OpReport", "RemoteChunk", "StepPlan"]
 
@@ -49,6 +49,10 @@ class BlockOp:
     ``chain`` carries the request's keys (per rank, as in ``RemoteChunk.keys`` but never ``None``) at
     positions ``chain_from`` on that earlier ops of the request did not carry: a worker keeps each
     request's chain, which a chained remote tier needs (``ManagedTier``), without every op resending it.
+
+    ``held``: a load's chunks that the scheduler's lookup keeps read-locked for each rank
+    (``SupportsHeldLookups``); the op's chain reaches ``held.end``, and each rank's tier adopts its
+    locks (``SupportsAdoptedLocks``) before the op's fetch.
     """
 
     op_id: int
@@ -59,6 +63,7 @@ class BlockOp:
     remote: tuple[RemoteChunk, ...] = ()
     chain_from: int = field(default=0, validator=ge(0))
     chain: tuple[tuple[ChunkKey, ...], ...] = ()
+    held: HeldChunks | None = field(default=None, validator=optional(instance(HeldChunks)))
 
 
 @frozen

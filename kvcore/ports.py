@@ -1,7 +1,8 @@
 """The ports: what kvcore needs from the world outside, as ``typing.Protocol``s grouped by side.
 
-Scheduler side (decides, indexes, never touches KV bytes): ``ChunkIndex`` and its optional immediate form
-``SupportsImmediateLookup``.
+Scheduler side (decides, indexes, never touches KV bytes): ``ChunkIndex``, its optional immediate form
+``SupportsImmediateLookup`` and ``SupportsHeldLookups`` (lookups whose read locks the workers' load
+takes over, with ``SupportsAdoptedLocks`` on the worker side).
 
 Worker side (owns memory, executes jobs): ``BlockMover`` (engine KV <-> host blocks), ``ChunkStore`` (a
 content-addressed remote tier the client fills and drains), ``ManagedTier`` (a tier that manages its own
@@ -41,6 +42,7 @@ __all__ = [
     "ChunkIndex",
     "ChunkStore",
     "Direction",
+    "HeldChunks",
     "JobQueue",
     "ManagedTier",
     "MemoryRegion",
@@ -49,8 +51,10 @@ __all__ = [
     "RankMemory",
     "RemoteTier",
     "StoreItem",
+    "SupportsAdoptedLocks",
     "SupportsBlockTransfer",
     "SupportsClear",
+    "SupportsHeldLookups",
     "SupportsImmediateLookup",
     "SupportsReopen",
 ]
@@ -118,6 +122,38 @@ class StoreItem:
     key: ChunkKey
     offset: int
     length: int
+
+
+def _holders(_: object, attribute: Attribute[tuple[str, ...]], value: object) -> None:
+    if not isinstance(value, tuple) or not value or not all(h and isinstance(h, str) for h in value):
+        raise InvalidSpecError(
+            f"HeldChunks.{attribute.name}: a tuple of one non-empty name per rank, got {value!r}"
+        )
+
+
+def _chunk_position(_: object, attribute: Attribute[int], value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidSpecError(f"HeldChunks.{attribute.name}: a chunk position (an int >= 0), got {value!r}")
+
+
+def _after_start(owner: HeldChunks, attribute: Attribute[int], value: int) -> None:
+    if value <= owner.start:
+        raise InvalidSpecError(f"HeldChunks.{attribute.name}: must exceed start ({owner.start}), got {value}")
+
+
+@frozen
+class HeldChunks:
+    """Chunks ``[start, end)`` of a request's chain that a remote index's lookup keeps read-locked, for
+    each rank under the name ``holders[rank]`` (opaque to the core: the tier's name of the lock's owner).
+
+    The scheduler hands them to the workers with the request's load (``BlockOp.held``): each rank's tier
+    reads those chunks without a lookup of its own and releases what it does not read
+    (``SupportsAdoptedLocks``). Or it releases them itself, unread (``SupportsHeldLookups``).
+    """
+
+    holders: tuple[str, ...] = field(validator=_holders)
+    start: int = field(validator=_chunk_position)
+    end: int = field(validator=[_chunk_position, _after_start])
 
 
 @frozen
@@ -212,6 +248,41 @@ class SupportsImmediateLookup(Protocol):
 
     def lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> int:
         """How many leading chunks have every shard present. Never raises for a miss."""
+        ...
+
+
+@runtime_checkable
+class SupportsHeldLookups(ChunkIndex, Protocol):
+    """A ``ChunkIndex`` whose lookups can keep their hits read-locked for the workers' load, so that a
+    worker reads them without a lookup of its own (an LMCache server's lookups lock what they find).
+
+    The scheduler owns a held lookup's locks from its answer on, and must end each ``HeldChunks`` it
+    takes in exactly one of two ways: ``hand_over`` (the workers' tier takes the locks over) or
+    ``release_held``. Locks never ended lapse with the tier's own lock timeout.
+    """
+
+    def submit_held_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
+        """As ``ChunkIndex.submit_lookup``, except that each chunk names every rank's key in rank order
+        (ranks that share a shard repeat its key: each of them reads it, and each takes a lock), and
+        that the chunks the answer counts stay locked for ``take_held``."""
+        ...
+
+    def take_held(self, lookup_id: LookupId) -> HeldChunks | None:
+        """The locks of a held lookup that ``poll_lookup`` answered, handed out once: the answered
+        chunks, at their positions in the request's chain (``preceding`` first). ``None`` when nothing
+        is held (a miss, a failed or cancelled lookup, an unknown id)."""
+        ...
+
+    def hand_over(self, held: HeldChunks) -> bool:
+        """End ``held`` by handing it to the workers: true when they may read under it now; false when
+        it is too old for that (its locks may lapse before a worker reads), or the index is closed: it
+        is released then, and the workers must lock what they read themselves."""
+        ...
+
+    def release_held(self, held: HeldChunks) -> None:
+        """End ``held`` unread: release its locks. Never raises."""
         ...
 
 
@@ -395,6 +466,18 @@ class SupportsBlockTransfer(ManagedTier, Protocol):
         ...
 
 
+@runtime_checkable
+class SupportsAdoptedLocks(ManagedTier, Protocol):
+    """A ``ManagedTier`` that takes over locks a scheduler's held lookup took (``SupportsHeldLookups``)."""
+
+    def adopt(self, session: RequestId, holder: str, chain: Sequence[ChunkKey], start: int, end: int) -> None:
+        """Chunks ``[start, end)`` of ``chain`` (the session's chain, at least ``end`` keys) are locked
+        under ``holder`` for this rank: the session's next retrieve reads them without a lookup of its
+        own, and releases those it does not read once it ends; ``end_session`` releases any left.
+        Never raises (a tier that cannot adopt them releases them, or leaves them to lapse)."""
+        ...
+
+
 class PeerTransport(JobQueue, Protocol):
     """Pushes bytes into a peer's registered memory (prefill -> decode).
 
@@ -475,6 +558,11 @@ class RemoteTier(JobQueue, Protocol):
         self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
         """Store each item's host bytes under its key; a failed item is simply not stored."""
+        ...
+
+    def adopt(self, session: str, holder: str, chain: Sequence[ChunkKey], start: int, end: int) -> None:
+        """Take over the locks a scheduler's held lookup keeps for this rank (``SupportsAdoptedLocks``);
+        a tier without locks ignores it. Never raises."""
         ...
 
     def end_session(self, session: str) -> None:

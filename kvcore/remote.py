@@ -16,7 +16,14 @@ from typing import Protocol
 from kvcore.errors import BackendError, UsageError
 from kvcore.ids import ChunkKey, JobId, RequestId
 from kvcore.jobs import JobResult
-from kvcore.ports import BlockItem, ChunkStore, ManagedTier, StoreItem, SupportsBlockTransfer
+from kvcore.ports import (
+    BlockItem,
+    ChunkStore,
+    ManagedTier,
+    StoreItem,
+    SupportsAdoptedLocks,
+    SupportsBlockTransfer,
+)
 
 __all__ = ["Closeable", "ManagedRemote", "StoreRemote", "close_quietly"]
 
@@ -83,6 +90,9 @@ class StoreRemote(_Remote):
         self._check_open("submit_publish")
         return self.store.submit_put(items)
 
+    def adopt(self, session: str, holder: str, chain: Sequence[ChunkKey], start: int, end: int) -> None:
+        """A store takes no locks."""
+
     def end_session(self, session: str) -> None:
         """A store keeps no sessions."""
 
@@ -123,6 +133,12 @@ class ManagedRemote(_Remote):
         if not isinstance(self.tier, SupportsBlockTransfer):
             raise BackendError(f"{type(self.tier).__name__} cannot move engine blocks itself")
         return self.tier
+
+    def adopt(self, session: str, holder: str, chain: Sequence[ChunkKey], start: int, end: int) -> None:
+        if isinstance(self.tier, SupportsAdoptedLocks):
+            self.tier.adopt(RequestId(session), holder, chain, start, end)
+        else:  # only a scheduler whose index holds locks hands them over: the same backend's tier
+            log.warning("kvcore: %s cannot take over locks; they lapse on the tier", type(self.tier).__name__)
 
     def end_session(self, session: str) -> None:
         self.tier.end_session(RequestId(session))

@@ -47,7 +47,7 @@ from kvcore.lookup import PendingLookup, PrefixLookup
 from kvcore.op_draft import OpDraft
 from kvcore.plan import BlockOp, OpReport, StepPlan
 from kvcore.pool_index import PoolIndex
-from kvcore.ports import ChunkIndex, Direction
+from kvcore.ports import ChunkIndex, Direction, HeldChunks
 from kvcore.remote import close_quietly
 from kvcore.request_keys import ChunkChain, Keyer, prompt_tokens, token_sequence
 
@@ -80,6 +80,7 @@ class _Request:
         "chain",
         "chain_sent",
         "failed_blocks",
+        "held",
         "load",
         "load_errors",
         "loaded",
@@ -97,6 +98,7 @@ class _Request:
         self.chain = chain
         self.prompt_tokens = prompt_tokens
         self.pending: PendingLookup | None = None  # a remote lookup in flight
+        self.held: HeldChunks | None = None  # the remote lookup's locks, until the load hands them over
         self.local_hits = 0  # leading chunks the local pool held when looked up
         self.answer: int | None = None  # leading chunks the tiers hold
         self.load: LoadSpec | None = None
@@ -265,6 +267,8 @@ class CacheScheduler:
             external_tokens=external,
             block_tokens=self.block_tokens,
         )
+        if req.load is None:
+            self._release_held(req)
         return req.load.num_tokens if req.load is not None else 0
 
     def start_load(
@@ -347,9 +351,16 @@ class CacheScheduler:
             req.failed_blocks.update(range(lost_from, spec.first_block + spec.num_blocks))
             req.load_errors.extend(ids[lost_from : spec.first_block + spec.num_blocks])
             req.lost_blocks.extend(ids[lost_from : spec.first_block + spec.num_blocks])
+        held, req.held = req.held, None
+        if held is not None and self._remote is not None:
+            if not draft.fetched:  # the load reads nothing remote: no worker will take the locks
+                self._remote.release_held(held)
+                held = None
+            elif not self._remote.hand_over(held):  # too old to hand over: released
+                held = None
         if not loaded:
             return 0
-        self._submit(request_id, Direction.LOAD, draft)
+        self._submit(request_id, Direction.LOAD, draft, held)
         queued = spec.tokens_in(loaded)
         self._counters["hit_tokens"] += queued
         self._counters["async_loads"] += is_async
@@ -599,9 +610,14 @@ class CacheScheduler:
             req.local_hits = self._index.lookup([(k,) for k in keys])
             if self._remote is None or req.local_hits == len(keys):
                 return req.local_hits
-            chunks = [tuple(dict.fromkeys(shards)) for shards in req.chain.rank_keys]
+            held = self._remote.holds  # every rank's key: each rank that reads a chunk holds its lock
+            chunks = (
+                list(req.chain.rank_keys)
+                if held
+                else [tuple(dict.fromkeys(shards)) for shards in req.chain.rank_keys]
+            )
             begun: int | PendingLookup | None = self._remote.begin(
-                chunks[req.local_hits :], chunks[: req.local_hits]
+                chunks[req.local_hits :], chunks[: req.local_hits], held=held
             )
         else:
             begun = self._remote.resume(req.pending) if self._remote is not None else 0
@@ -610,6 +626,11 @@ class CacheScheduler:
             return None
         if begun is None:
             return None
+        if req.pending is not None and self._remote is not None:
+            self._release_held(req)
+            req.held = self._remote.take_held(req.pending)
+            if not begun:
+                self._release_held(req)
         req.pending = None
         return req.local_hits + begun
 
@@ -664,18 +685,29 @@ class CacheScheduler:
         return self._tail_at(req, point)
 
     def _abandon(self, req: _Request) -> None:
+        """Drop the request's remote lookup in flight and release the locks its answer holds."""
         if self._remote is not None and req.pending is not None:
             self._remote.abandon(req.pending)
+        self._release_held(req)
 
-    def _submit(self, request_id: RequestId, direction: Direction, draft: OpDraft) -> None:
+    def _release_held(self, req: _Request) -> None:
+        held, req.held = req.held, None
+        if held is not None and self._remote is not None:
+            self._remote.release_held(held)
+
+    def _submit(
+        self, request_id: RequestId, direction: Direction, draft: OpDraft, held: HeldChunks | None = None
+    ) -> None:
         """Queue the drafted op. One with remote chunks carries the request's chain positions up to
-        ``draft.through`` (one past its last remote chunk) that no earlier op carried."""
+        ``draft.through`` (one past its last remote chunk; with ``held``, at least its end) that no
+        earlier op carried."""
         chain: tuple[tuple[ChunkKey, ...], ...] = ()
         chain_from = 0
         if draft.remote:
             req = self._requests[request_id]
-            chain_from, chain = req.chain_sent, req.chain.rank_keys[req.chain_sent : draft.through]
-            req.chain_sent = max(req.chain_sent, draft.through)
+            through = max(draft.through, held.end if held is not None else 0)
+            chain_from, chain = req.chain_sent, req.chain.rank_keys[req.chain_sent : through]
+            req.chain_sent = max(req.chain_sent, through)
         op = BlockOp(
             self._ops.next_id(),
             direction,
@@ -685,6 +717,7 @@ class CacheScheduler:
             tuple(draft.remote),
             chain_from,
             chain,
+            held,
         )
         keys = tuple(draft.keys)
         role = JobRole.LOAD if direction is Direction.LOAD else JobRole.SAVE

@@ -26,6 +26,7 @@ from kvcore.ports import (
     BlockRemote,
     BlockTransfer,
     Direction,
+    HeldChunks,
     JobQueue,
     RemoteTier,
     StoreItem,
@@ -131,6 +132,8 @@ class BlockWorker:
         for op in plan.ops:
             if op.chain and self._remote is not None:
                 self._extend_chain(op)
+            if op.held is not None:
+                self._adopt(op, op.held)
             run = _Run(op)
             self._runs[op.op_id] = run
             if op.op_id in fenced:  # its blocks were freed before it could start: it moves nothing
@@ -378,6 +381,23 @@ class BlockWorker:
             return
         del chain[op.chain_from :]
         chain.extend(keys[self._rank] for keys in op.chain)
+
+    def _adopt(self, op: BlockOp, held: HeldChunks) -> None:
+        """Take over this rank's locks of the op's held chunks, before anything reads them (even for a
+        fenced op: the tier releases them with the session)."""
+        chain = self._chains.get(op.request_id, [])
+        if self._remote is None or self._rank >= len(held.holders) or len(chain) < held.end:
+            log.warning(
+                "kvcore: op %d: locks on chunks [%d, %d) of %s not taken over (%d holders, %d keys known)",
+                op.op_id,
+                held.start,
+                held.end,
+                op.request_id,
+                len(held.holders),
+                len(chain),
+            )
+            return
+        self._remote.adopt(op.request_id, held.holders[self._rank], chain[: held.end], held.start, held.end)
 
     def _track(self, run: _Run, queue_id: int, job: JobId) -> None:
         self._jobs[(queue_id, job)] = run.op.op_id

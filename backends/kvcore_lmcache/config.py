@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from attrs import field, frozen
 
-from kvcore.config_fields import ByteCount, fits_in_memory, one_of, seconds, word
+from kvcore.config_fields import ByteCount, fits_in_memory, one_of, seconds, within, word
 
 __all__ = ["LMCacheMPConfig"]
 
@@ -14,6 +14,11 @@ __all__ = ["LMCacheMPConfig"]
 @frozen
 class LMCacheMPConfig:
     """A standalone LMCache multiprocess server, driven by the engine through shared-memory slots.
+
+    ``lock_handover_s``: how long after its lookup the scheduler may hand that lookup's read locks to
+    the workers, whose retrieve then needs no lookup of its own (older ones are released and the workers
+    look up again); keep it well under the server's read-lock TTL (``--l1-read-ttl-seconds``, 300 by
+    default). 0 turns the hand-over off.
 
     ``local_size`` 0 (the default): no local tier; the engine's blocks are copied straight into and out
     of the server's slots, whose memory is the node's host tier. A positive size keeps a host pool of the
@@ -35,6 +40,7 @@ class LMCacheMPConfig:
     request_timeout_s: float = field(default=5.0, validator=seconds)
     heartbeat_s: float = field(default=30.0, validator=seconds)
     connect_timeout_s: float = field(default=1.0, validator=seconds)
+    lock_handover_s: float = field(default=60.0, validator=within(0.0, 3_600.0, "seconds, 0 (off) to 3600"))
     local_size: ByteCount = field(default=ByteCount(0), validator=fits_in_memory)
 
     @property

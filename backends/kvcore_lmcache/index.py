@@ -1,8 +1,16 @@
 """``LMCacheChunkIndex``: the scheduler's view of an LMCache server, as kvcore's ``ChunkIndex`` port.
 
-It runs in the scheduler process (vLLM's engine core), apart from the workers, and only asks which
-leading chunks the server holds: every lookup's read locks are released as soon as it is answered, so
-the index never pins anything (the worker's ``LMCacheManagedTier`` locks what it is about to load).
+It runs in the scheduler process (vLLM's engine core), apart from the workers, and asks which leading
+chunks the server holds. A plain lookup's read locks are released as soon as it is answered. A *held*
+lookup (``SupportsHeldLookups``) keeps the locks of the chunks it answered, one lookup per rank, and the
+scheduler hands them to the workers with the load (each rank's ``LMCacheManagedTier`` prepares those
+chunks under them with no lookup of its own, and releases what it does not read) or releases them.
+The locks a held lookup does not keep (chunks before the asked ones, a rank's hits past the answer)
+are released before the lookup answers, so no release of this index's can reach the server after a
+worker ended the server session. A hand-over is refused once ``lock_handover_s`` have passed since the
+answer (the server's read locks lapse: ``--l1-read-ttl-seconds``, 300 by default); the workers then
+lock what they read themselves, and a lock that lapsed all the same is a miss at the retrieve.
+
 A lookup never blocks: submit, then poll; an absent server raises ``BackendUnavailable`` at once and a
 silent one ``TransferTimeout`` at the request timeout, which ``kvcore.lookup.PrefixLookup`` turns into
 a miss and its circuit breaker.
@@ -11,16 +19,38 @@ a miss and its circuit breaker.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+import time
 from collections.abc import Sequence
+from typing import Any
 
-from kvcore.errors import BackendUnavailable, UsageError
+from lmcache.v1.multiprocess.futures import MessagingFuture
+
+from kvcore.errors import BackendError, BackendUnavailable, UsageError
 from kvcore.ids import ChunkKey, LookupId, RequestId
+from kvcore.ports import HeldChunks
 from kvcore_lmcache.config import LMCacheMPConfig
 from kvcore_lmcache.link import ServerLink, SlotLayout
-from kvcore_lmcache.lookups import LookupBook
+from kvcore_lmcache.lookups import LookupBook, LookupState
 
 __all__ = ["LMCacheChunkIndex"]
+
+log = logging.getLogger(__name__)
+
+
+class _Held:
+    """A held lookup's kept locks: answered, then (once the locks it does not keep are released)
+    taken by the scheduler, then handed over or released."""
+
+    __slots__ = ("answer", "at", "chains", "held", "releases")
+
+    def __init__(self, state: LookupState, answer: int, releases: list[MessagingFuture[Any]]) -> None:
+        self.held = HeldChunks(state.servers, state.first, state.first + answer)
+        self.chains = state.chains
+        self.answer = answer
+        self.releases = releases
+        self.at = time.monotonic()
 
 
 class LMCacheChunkIndex:
@@ -50,6 +80,10 @@ class LMCacheChunkIndex:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._asked: dict[LookupId, int] = {}  # chunks asked (after the preceding ones)
+        self._holding: set[LookupId] = set()  # held lookups not answered yet
+        self._settling: dict[LookupId, _Held] = {}  # answered; releasing the locks they do not keep
+        self._answered: dict[LookupId, _Held] = {}  # answered, for ``take_held``
+        self._taken: dict[HeldChunks, _Held] = {}  # taken, until handed over or released
         self._closed = False
 
     def submit_lookup(
@@ -57,6 +91,22 @@ class LMCacheChunkIndex:
     ) -> LookupId:
         """One server lookup per shard: the shard's keys of ``preceding`` and ``chunks`` as one chain.
         Raises ``BackendUnavailable`` while the server is down, and after ``close``."""
+        return self._submit(chunks, preceding)
+
+    def submit_held_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
+        """One server lookup per rank (each rank's prepare consumes one lock); the answered chunks stay
+        locked for ``take_held``. With ``lock_handover_s`` 0, a plain lookup."""
+        lookup_id = self._submit(chunks, preceding)
+        if self.link.config.lock_handover_s > 0:
+            with self._lock:
+                self._holding.add(lookup_id)
+        return lookup_id
+
+    def _submit(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]]
+    ) -> LookupId:
         self._check_open()
         shards = {len(chunk) for chunk in (*preceding, *chunks)}
         if len(shards) > 1 or 0 in shards:
@@ -74,35 +124,111 @@ class LMCacheChunkIndex:
         self._check_open()
         with self._lock:
             asked = self._asked.get(lookup_id)
+            settling = self._settling.get(lookup_id)
         if asked is None:
             raise UsageError(f"lookup {lookup_id} is unknown, cancelled or already answered")
+        if settling is not None:
+            return self._settle(lookup_id, settling)
         try:
             answer = self._lookups.poll(lookup_id)
         except BaseException:
             with self._lock:
                 self._asked.pop(lookup_id, None)
+                self._holding.discard(lookup_id)
             raise
         if answer is None:
             return None
+        state, hits = answer
+        answered = min(max(min(hits) - state.first, 0), asked)
+        with self._lock:
+            holding = lookup_id in self._holding
+            self._holding.discard(lookup_id)
+        if not (holding and answered):
+            with self._lock:
+                self._asked.pop(lookup_id, None)
+            self._release_all(state.servers, state.chains)
+            return answered
+        end = state.first + answered
+        client, codec = self.link.client, self.link.codec
+        releases = [
+            client.free_lookup_locks(codec.ipc_key(server, chain, start, stop, None), 1)
+            for server, chain, hit in zip(state.servers, state.chains, hits, strict=True)
+            for start, stop in ((0, state.first), (end, hit))
+            if start < stop
+        ]
+        record = _Held(state, answered, releases)
+        with self._lock:
+            self._settling[lookup_id] = record
+        return self._settle(lookup_id, record)
+
+    def _settle(self, lookup_id: LookupId, record: _Held) -> int | None:
+        """A held lookup's answer once the locks it does not keep are released (``None`` until then).
+        A release that failed or was not answered by the lookup's deadline leaves a lock to lapse."""
+        pending = [future for future in record.releases if not future.query()]
+        if pending and time.monotonic() - record.at < self.link.config.request_timeout_s:
+            time.sleep(0)  # as ``LookupBook.poll``: let the client's reply thread hand over what arrived
+            return None
+        for future in record.releases:
+            try:
+                self.link.result(future, "free_lookup_locks", timeout=0)
+            except BackendError as exc:
+                log.warning("kvcore: %s (the lock lapses on the server)", exc)
         with self._lock:
             self._asked.pop(lookup_id, None)
-        state, hits = answer
-        for server, chain in zip(state.servers, state.chains, strict=True):
-            self.link.release(server, chain, ((0, len(chain)),))
-        return min(max(min(hits) - state.first, 0), asked)
+            self._settling.pop(lookup_id, None)
+            self._answered[lookup_id] = record
+        record.at = time.monotonic()
+        return record.answer
+
+    def take_held(self, lookup_id: LookupId) -> HeldChunks | None:
+        with self._lock:
+            record = self._answered.pop(lookup_id, None)
+            if record is not None:
+                self._taken[record.held] = record
+        return None if record is None else record.held
+
+    def hand_over(self, held: HeldChunks) -> bool:
+        with self._lock:
+            record = self._taken.pop(held, None)
+            fresh = not self._closed and record is not None
+        if record is None:
+            return False
+        if fresh and time.monotonic() - record.at <= self.link.config.lock_handover_s:
+            return True
+        self._release_all(record.held.holders, record.chains)
+        return False
+
+    def release_held(self, held: HeldChunks) -> None:
+        with self._lock:
+            record = self._taken.pop(held, None)
+        if record is not None:
+            self._release_all(record.held.holders, record.chains)
 
     def cancel_lookup(self, lookup_id: LookupId) -> None:
         with self._lock:
             self._asked.pop(lookup_id, None)
+            self._holding.discard(lookup_id)
+            record = self._settling.pop(lookup_id, None) or self._answered.pop(lookup_id, None)
+        if record is not None:
+            self._release_all(record.held.holders, record.chains)
         self._lookups.cancel(lookup_id)
 
     def close(self) -> None:
-        """Drop the pending lookups and the connection; later lookups raise ``BackendUnavailable``.
-        Idempotent."""
+        """Drop the pending lookups, the locks held for hand-overs (they lapse on the server) and the
+        connection; later lookups raise ``BackendUnavailable``. Idempotent."""
         with self._lock:
             self._closed = True
             self._asked.clear()
+            self._holding.clear()
+            self._settling.clear()
+            self._answered.clear()
+            self._taken.clear()
         self.link.close()
+
+    def _release_all(self, servers: Sequence[str], chains: Sequence[Sequence[ChunkKey]]) -> None:
+        """Release every lock of these lookups' server sessions and end them."""
+        for server, chain in zip(servers, chains, strict=True):
+            self.link.release(server, chain, ((0, len(chain)),))
 
     def _check_open(self) -> None:
         with self._lock:

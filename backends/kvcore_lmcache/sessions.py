@@ -4,7 +4,9 @@ A server lookup read-locks its hits in a server session of its own (``kvcore_lmc
 tier keeps the locks of the chunks its caller may retrieve (``keep``); a retrieve's prepare consumes
 them (``consumed``); ending the kvcore session releases the rest (``end``). A session keeps one lock per
 key: a later lookup's lock on a key replaces the earlier one, which is released. A server session ends
-once none of its locks is left.
+once none of its locks is left. Locks a scheduler's lookup took and handed over are *adopted*: kept the
+same way, and what the session's next retrieve did not read is released once it ends
+(``release_adopted``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class SessionLocks:
         self._link = link
         self._lock = threading.Lock()
         self._held: dict[RequestId, dict[ChunkKey, Hold]] = {}
+        self._adopted: dict[RequestId, set[str]] = {}  # server sessions of the adopted locks
 
     def keep(
         self,
@@ -77,6 +80,25 @@ class SessionLocks:
         for old, pos in replaced:
             self._link.release(old.server, old.chain, ((pos, pos + 1),), end=not old.positions)
 
+    def adopt(
+        self, session: RequestId, server: str, chain: tuple[ChunkKey, ...], kept: Iterable[int]
+    ) -> None:
+        """Keep the locks another client's lookup took in ``server`` on the chunks of ``chain`` at
+        ``kept``, until ``release_adopted``."""
+        with self._lock:
+            self._adopted.setdefault(session, set()).add(server)
+        self.keep(session, server, chain, kept, ())
+
+    def release_adopted(self, session: RequestId) -> None:
+        """Release what the session's adopted locks still hold."""
+        with self._lock:
+            servers = self._adopted.pop(session, set())
+            held = self._held.get(session, {})
+            gone = [held.pop(key) for key in [k for k, hold in held.items() if hold.server in servers]]
+            holds = {id(hold): hold for hold in gone}
+        for hold in holds.values():
+            self._link.release(hold.server, hold.chain, runs(hold.positions))
+
     def held(
         self, session: RequestId, chain: tuple[ChunkKey, ...], positions: Iterable[int]
     ) -> dict[int, Hold]:
@@ -85,21 +107,20 @@ class SessionLocks:
             held = self._held.get(session, {})
             return {pos: held[chain[pos]] for pos in positions if chain[pos] in held}
 
-    def consumed(self, session: RequestId, hold: Hold, pos: int) -> None:
-        """A hold's lock at ``pos`` was consumed (by a retrieve's prepare); end its server session once
-        none is left."""
+    def consumed(self, session: RequestId, hold: Hold, pos: int) -> bool:
+        """A hold's lock at ``pos`` was consumed (by a retrieve's prepare). Returns whether none is left:
+        the caller then ends its server session, once the retrieve committed (a commit names it)."""
         with self._lock:
             hold.positions.discard(pos)
             held = self._held.get(session)
             if held is not None and held.get(hold.chain[pos]) is hold:
                 del held[hold.chain[pos]]
-            done = not hold.positions
-        if done:
-            self._link.release(hold.server, hold.chain, ())
+            return not hold.positions
 
     def end(self, session: RequestId) -> None:
         """Release every lock the session still holds."""
         with self._lock:
+            self._adopted.pop(session, None)
             holds = {id(h): h for h in self._held.pop(session, {}).values()}
         for hold in holds.values():
             self._link.release(hold.server, hold.chain, runs(hold.positions))

@@ -4,8 +4,8 @@ A job's items are cut into runs of consecutive chunks of the request's chain, an
 request; the runs of a job are pipelined. A store reserves a run's slots (``prepare_store``), copies the
 values in, writes each slot's header and commits; a retrieve maps the slots of a run of locked hits
 (``prepare_retrieve``), checks each header, copies the values out and commits, which releases the read
-locks (those a lookup of the session took, else a lookup of the job's own). No tensor is ever pickled
-onto the socket.
+locks (those a lookup of the session took or the session adopted, else a lookup of the job's own). No
+tensor is ever pickled onto the socket.
 """
 
 from __future__ import annotations
@@ -128,6 +128,15 @@ class SlotIO:
     def retrieve(
         self, job_id: JobId, session: RequestId, values: Values, chain: tuple[ChunkKey, ...]
     ) -> JobResult:
+        """Read the values; then release the adopted locks it did not read, whatever became of it."""
+        try:
+            return self._retrieve(job_id, session, values, chain)
+        finally:
+            self._locks.release_adopted(session)
+
+    def _retrieve(
+        self, job_id: JobId, session: RequestId, values: Values, chain: tuple[ChunkKey, ...]
+    ) -> JobResult:
         pool = self._pool(values)
         if pool is None:
             return self._refused(job_id, values)
@@ -135,7 +144,6 @@ class SlotIO:
         if not at:
             return JobResult(job_id, tuple(failed))
         codec, client, iid = self._link.codec, self._link.client, self._link.instance_id
-        server = self._link.server_session(session, f"r{job_id}")
         holds = self._locks.held(session, chain, at)
         # what no earlier lookup of the session locked is locked now, by a lookup of this job
         locked_here, lookup = (
@@ -143,16 +151,23 @@ class SlotIO:
         )
         wanted = [pos for pos in at if pos in holds or pos < locked_here]
         failed.extend(i for pos in at if pos not in wanted for i in at[pos])
+        # Reading under one lookup's locks only (the usual hand-over), the transfers name that lookup's
+        # server session, which then ends once, after the commits; otherwise a session of the job's own.
+        sessions = {holds[pos].server if pos in holds else None for pos in wanted}
+        shared = sessions.pop() if len(sessions) == 1 else None
+        server = shared if shared is not None else self._link.server_session(session, f"r{job_id}")
         spans = runs(wanted)
         keys = [codec.ipc_key(server, chain, start, end, 0) for start, end in spans]
         prepared = [client.prepare_retrieve(key, iid) for key in keys]
         leftover = set(range(locked_here))
+        emptied: dict[int, Hold] = {}  # holds whose last lock a prepare consumed
         commits: list[MessagingFuture[bool]] = []
         try:
             for (start, end), key, future in zip(spans, keys, prepared, strict=True):
                 try:
+                    run = (start, end)
                     failed.extend(
-                        self._read_run(session, values, pool, at, holds, leftover, (start, end), future)
+                        self._read_run(session, values, pool, at, holds, leftover, emptied, run, future)
                     )
                 finally:
                     # Every prepare gets its commit, after the run's copies: the commit ends the server's
@@ -165,7 +180,10 @@ class SlotIO:
             self._reply(commit, "commit_retrieve")
         if lookup is not None:
             self._link.release(lookup, chain, runs(leftover))
-        self._link.release(server, chain, ())
+        for hold in emptied.values():
+            self._link.release(hold.server, hold.chain, ())
+        if shared is None:
+            self._link.release(server, chain, ())
         return JobResult(job_id, tuple(sorted(set(failed))))
 
     def _read_run(
@@ -176,11 +194,13 @@ class SlotIO:
         at: dict[int, list[int]],
         holds: dict[int, Hold],
         leftover: set[int],
+        emptied: dict[int, Hold],
         run: tuple[int, int],
         future: MessagingFuture[Any],
     ) -> list[int]:
         """Copy out the chain positions ``run`` (``[start, end)``) that ``future`` prepared; returns the
-        items that failed. The locks the prepare consumed leave ``holds`` or ``leftover``."""
+        items that failed. The locks the prepare consumed leave ``holds`` (into ``emptied``, a hold
+        left with none) or ``leftover``."""
         start, end = run
         slots, consumed = self._prepared_slots(future)
         if consumed:  # a prepare consumed one lock per chunk of its run, whatever it found
@@ -188,8 +208,8 @@ class SlotIO:
                 hold = holds.get(pos)
                 if hold is None:
                     leftover.discard(pos)
-                else:
-                    self._locks.consumed(session, hold, pos)
+                elif self._locks.consumed(session, hold, pos):
+                    emptied[id(hold)] = hold
         if slots is None or len(slots) != end - start:
             return [i for pos in range(start, end) for i in at[pos]]
         failed: list[int] = []

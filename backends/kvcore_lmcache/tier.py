@@ -109,6 +109,16 @@ class LMCacheManagedTier:
         self._locks.keep(state.session, state.servers[0], chain, range(first, max(hit, first)), ((0, first),))
         return max(hit - first, 0)
 
+    def adopt(self, session: RequestId, holder: str, chain: Sequence[ChunkKey], start: int, end: int) -> None:
+        """Take over the read locks a scheduler's held lookup took in server session ``holder``
+        (``LMCacheChunkIndex``): the session's next retrieve reads those chunks without a lookup."""
+        if not 0 <= start < end <= len(chain) or not holder:
+            log.warning(
+                "kvcore: locks on chunks [%d, %d) of a %d-key chain left to lapse", start, end, len(chain)
+            )
+            return
+        self._locks.adopt(session, holder, tuple(chain[:end]), range(start, end))
+
     def end_session(self, session: RequestId) -> None:
         self._lookups.cancel_session(session)
         self._locks.end(session)

@@ -1,8 +1,10 @@
-"""Conformance suite for ``ChunkIndex`` (and ``SupportsImmediateLookup``), and its state machine.
+"""Conformance suites for ``ChunkIndex`` (and ``SupportsImmediateLookup``) and ``SupportsHeldLookups``,
+and the index's state machine.
 
-A backend's test module subclasses ``ChunkIndexTests[MyIndex]`` and defines ``make_harness``: a context
-manager that yields an ``IndexHarness``. ``chunk_index_state_machine(factory)`` builds the stateful test
-from the same factory.
+A backend's test module subclasses ``ChunkIndexTests[MyIndex]`` (and, for an index whose lookups hold
+locks, ``HeldLookupTests[MyIndex]``) and defines ``make_harness``: a context manager that yields an
+``IndexHarness``. ``chunk_index_state_machine(factory)`` builds the stateful test from the same factory.
+For a chained index, ``make_present(keys)`` stores ``keys`` as one chain, in order.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from kvcore.errors import BackendError, BackendUnavailable
 from kvcore.ids import ChunkKey, LookupId
-from kvcore.ports import ChunkIndex, SupportsClear, SupportsImmediateLookup
+from kvcore.ports import ChunkIndex, SupportsClear, SupportsHeldLookups, SupportsImmediateLookup
 from kvcore.testing.support import (
     HarnessFixture,
     finish_machine,
@@ -34,10 +36,18 @@ from kvcore.testing.support import (
     settle,
 )
 
-__all__ = ["ChunkIndexTests", "IndexHarness", "answer", "chunk_index_state_machine", "settle_lookup"]
+__all__ = [
+    "ChunkIndexTests",
+    "HeldLookupTests",
+    "IndexHarness",
+    "answer",
+    "chunk_index_state_machine",
+    "settle_lookup",
+]
 
 IndexT = TypeVar("IndexT", bound=ChunkIndex)
 IndexT_co = TypeVar("IndexT_co", bound=ChunkIndex, covariant=True)
+HeldT = TypeVar("HeldT", bound=SupportsHeldLookups)
 
 
 class IndexHarness(Protocol[IndexT_co]):
@@ -207,6 +217,79 @@ class ChunkIndexTests(HarnessFixture[IndexHarness[IndexT]], Generic[IndexT]):
                 assert answer(harness.backend, chunks[:n]) == min(n, 5)
 
         run_threads(4, lookups)
+
+
+class HeldLookupTests(HarnessFixture[IndexHarness[HeldT]], Generic[HeldT]):
+    """The ``SupportsHeldLookups`` contract: a held lookup answers as a plain one, and the locks of its
+    answer are handed out once and end once. Define ``make_harness`` as for ``ChunkIndexTests``."""
+
+    def test_a_held_lookup_answers_as_a_plain_one_and_holds_its_answer(
+        self, harness: IndexHarness[HeldT]
+    ) -> None:
+        index = harness.backend
+        chunks = _one_per_chunk(fresh_keys(4))
+        harness.make_present([chunk[0] for chunk in chunks[:3]])
+        lookup_id = index.submit_held_lookup(chunks[1:], chunks[:1])
+        assert settle_lookup(index, lookup_id) == 2
+        held = index.take_held(lookup_id)
+        assert held is not None
+        assert (held.start, held.end, len(held.holders)) == (1, 3, 1)  # chain positions, one rank
+        assert index.take_held(lookup_id) is None, "the same locks were handed out twice"
+        index.release_held(held)
+        index.release_held(held)  # ended already: nothing happens, nothing raises
+        assert index.take_held(LookupId(2**62)) is None
+
+    def test_each_rank_holds_its_own_locks(self, harness: IndexHarness[HeldT]) -> None:
+        index = harness.backend
+        keys = fresh_keys(2)
+        harness.make_present(keys)
+        lookup_id = index.submit_held_lookup([[key, key] for key in keys])  # two ranks, one shard
+        assert settle_lookup(index, lookup_id) == 2
+        held = index.take_held(lookup_id)
+        assert held is not None
+        assert len(held.holders) == 2
+        assert index.hand_over(held)
+
+    def test_a_miss_holds_nothing(self, harness: IndexHarness[HeldT]) -> None:
+        index = harness.backend
+        lookup_id = index.submit_held_lookup(_one_per_chunk(fresh_keys(2)))
+        assert settle_lookup(index, lookup_id) == 0
+        assert index.take_held(lookup_id) is None
+
+    def test_a_hand_over_ends_the_hold(self, harness: IndexHarness[HeldT]) -> None:
+        index = harness.backend
+        keys = fresh_keys(2)
+        harness.make_present(keys)
+        lookup_id = index.submit_held_lookup(_one_per_chunk(keys))
+        assert settle_lookup(index, lookup_id) == 2
+        held = index.take_held(lookup_id)
+        assert held is not None
+        assert index.hand_over(held)
+        assert not index.hand_over(held), "the same locks were handed over twice"
+        index.release_held(held)
+
+    def test_an_answered_lookup_cancelled_before_its_locks_are_taken_holds_nothing(
+        self, harness: IndexHarness[HeldT]
+    ) -> None:
+        index = harness.backend
+        keys = fresh_keys(1)
+        harness.make_present(keys)
+        lookup_id = index.submit_held_lookup([keys])
+        assert settle_lookup(index, lookup_id) == 1
+        index.cancel_lookup(lookup_id)
+        assert index.take_held(lookup_id) is None
+
+    def test_a_closed_index_hands_nothing_over(self, harness: IndexHarness[HeldT]) -> None:
+        index = harness.backend
+        keys = fresh_keys(1)
+        harness.make_present(keys)
+        lookup_id = index.submit_held_lookup([keys])
+        assert settle_lookup(index, lookup_id) == 1
+        held = index.take_held(lookup_id)
+        assert held is not None
+        index.close()
+        assert not index.hand_over(held)
+        index.release_held(held)
 
 
 def chunk_index_state_machine(

@@ -25,13 +25,16 @@ import urllib.error
 import urllib.request
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import pytest
 
 from kvcore.testing.support import process_started, running, start_owned
+
+if TYPE_CHECKING:
+    from tests.lmcache.direct_rig import EngineFactory
 
 # lmcache 0.5.6 builds an OpenTelemetry logging handler at import that warns of its own deprecation;
 # the suite runs with warnings as errors, so take the import here, once, with that warning ignored.
@@ -142,11 +145,13 @@ class LMCacheServer:
         chunk_tokens: int = CHUNK_TOKENS,
         *,
         shared_memory: bool = True,
+        options: Sequence[str] = (),
     ) -> None:
         self.port = free_port()
         self.url = f"tcp://127.0.0.1:{self.port}"
         self.chunk_tokens = chunk_tokens
         self.shm_name = new_shm_name() if shared_memory else None
+        self.options = tuple(options)
         self._launcher = launcher
         self.log = log_dir / f"lmcache-{self.port}.log"
         self.http_port = 0
@@ -162,6 +167,7 @@ class LMCacheServer:
         ]  # fmt: skip
         if self.shm_name is not None:
             argv += ["--shm-name", self.shm_name]
+        argv += self.options
         self.pid = self._launcher.spawn(argv, self.log)
         self._wait_ready()
 
@@ -182,15 +188,23 @@ class LMCacheServer:
             client.close()
 
     def registered(self) -> list[int]:
-        """The instance ids of the workers whose (engine-driven) registration the server holds, from its
-        HTTP status (which may come up shortly after the server answers requests)."""
+        """The instance ids of the workers whose (engine-driven) registration the server holds."""
+        return [int(i) for i in self.status()["registered_non_cuda_instance_ids"]]
+
+    def read_locked(self) -> int:
+        """How many of the server's cached chunks are read-locked now."""
+        return int(self.status()["storage_manager"]["l1_manager"]["read_locked_count"])
+
+    def status(self) -> dict[str, Any]:
+        """The server's HTTP status (which may come up shortly after the server answers requests)."""
         deadline = time.monotonic() + READY_S
         while True:
             try:
                 with urllib.request.urlopen(
                     f"http://127.0.0.1:{self.http_port}/status", timeout=READY_S
                 ) as reply:
-                    return [int(i) for i in json.load(reply)["registered_non_cuda_instance_ids"]]
+                    status: dict[str, Any] = json.load(reply)
+                    return status
             except urllib.error.URLError:
                 if time.monotonic() > deadline:
                     raise
@@ -231,7 +245,9 @@ def new_shm_name() -> str:
 class ServerFactory(Protocol):
     """``server_factory``: servers (not yet started) of one test."""
 
-    def __call__(self, chunk_tokens: int = CHUNK_TOKENS, *, shared_memory: bool = True) -> LMCacheServer: ...
+    def __call__(
+        self, chunk_tokens: int = CHUNK_TOKENS, *, shared_memory: bool = True, options: Sequence[str] = ()
+    ) -> LMCacheServer: ...
 
 
 @pytest.fixture(scope="session")
@@ -264,12 +280,16 @@ def server_factory(
     lmcache_launcher: Launcher, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerFactory]:
     """Servers (not yet started) of one test, killed at its end: ``factory(chunk_tokens)``;
-    ``shared_memory=False`` leaves out ``--shm-name``."""
+    ``shared_memory=False`` leaves out ``--shm-name``; ``options`` are more server arguments."""
     made: list[LMCacheServer] = []
     log_dir = tmp_path_factory.mktemp("lmcache")
 
-    def make(chunk_tokens: int = CHUNK_TOKENS, *, shared_memory: bool = True) -> LMCacheServer:
-        server = LMCacheServer(lmcache_launcher, log_dir, chunk_tokens, shared_memory=shared_memory)
+    def make(
+        chunk_tokens: int = CHUNK_TOKENS, *, shared_memory: bool = True, options: Sequence[str] = ()
+    ) -> LMCacheServer:
+        server = LMCacheServer(
+            lmcache_launcher, log_dir, chunk_tokens, shared_memory=shared_memory, options=options
+        )
         made.append(server)
         return server
 
@@ -278,3 +298,12 @@ def server_factory(
     finally:
         for server in made:
             server.kill()
+
+
+@pytest.fixture
+def engines(lmcache_server: LMCacheServer) -> Iterator[EngineFactory]:
+    """Engines stepped by hand (``direct_rig``), on the shared server unless told another."""
+    from tests.lmcache.direct_rig import engine_factory  # it imports this module
+
+    with engine_factory(lmcache_server) as make:
+        yield make

@@ -1,5 +1,6 @@
-"""The ``ManagedTier`` and ``SupportsBlockTransfer`` conformance suites against a real LMCache server;
-the block transfer one moving a CPU engine's blocks through ``kvcore_cpu``'s ``MappedMovers``.
+"""The ``ManagedTier``, ``SupportsBlockTransfer`` and ``SupportsHeldLookups`` conformance suites against a
+real LMCache server; the block transfer one moving a CPU engine's blocks through ``kvcore_cpu``'s
+``MappedMovers``.
 
 Not declared, so skipped with the capability's name: failure injection and stalls (a real server
 offers neither hook) and a capacity (the server's smallest L1 is far larger than the suite's values).
@@ -18,11 +19,12 @@ import torch
 from kvcore.ids import ChunkKey
 from kvcore.layout import KVLayout, LayoutKind
 from kvcore.testing.blocks import BlockTransferTests
+from kvcore.testing.index import HeldLookupTests
 from kvcore.testing.managed import ManagedTierTests
 from kvcore.testing.support import SETTLE_S
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_cpu.tier import MappedMovers
-from kvcore_lmcache import LMCacheManagedTier
+from kvcore_lmcache import LMCacheChunkIndex, LMCacheManagedTier
 from kvcore_lmcache.config import LMCacheMPConfig
 from tests.lmcache.conftest import LMCacheServer
 from tests.lmcache.raw import RawClient
@@ -121,4 +123,33 @@ class TestLMCacheBlockTransfer(BlockTransferTests[LMCacheManagedTier]):
     @pytest.fixture
     def harness(self, lmcache_server: LMCacheServer) -> Iterator[BlockTierHarness]:
         with contextlib.closing(BlockTierHarness(lmcache_server)) as harness:
+            yield harness
+
+
+class IndexHarness:
+    """The scheduler's index; ``make_present`` stores the keys as one chain through ``RawClient``."""
+
+    def __init__(self, server: LMCacheServer) -> None:
+        config, model = _config(server)
+        self.backend = LMCacheChunkIndex(
+            config, value_bytes=VALUE_BYTES, chunk_tokens=server.chunk_tokens, model_name=model
+        )
+        self.raw = RawClient(server.url, model, VALUE_BYTES, server.chunk_tokens)
+
+    def make_present(self, keys: Sequence[ChunkKey]) -> None:
+        for i, key in enumerate(keys):
+            self.raw.poke(key, bytes(VALUE_BYTES), keys[:i])
+
+    def make_absent(self, keys: Sequence[ChunkKey]) -> None:
+        raise AssertionError("an LMCache server removes no single key; the held-lookup suite needs none")
+
+    def close(self) -> None:
+        self.backend.close()
+        self.raw.close()
+
+
+class TestLMCacheHeldLookups(HeldLookupTests[LMCacheChunkIndex]):
+    @pytest.fixture
+    def harness(self, lmcache_server: LMCacheServer) -> Iterator[IndexHarness]:
+        with contextlib.closing(IndexHarness(lmcache_server)) as harness:
             yield harness

@@ -9,125 +9,30 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from kvcore.compose import open_scheduler, open_worker
-from kvcore.config import KVCoreConfig, load_config
-from kvcore.engine import EngineSpec
 from kvcore.ids import ChunkKey, RequestId
-from kvcore.layout import KVLayout, LayoutKind
-from kvcore.plan import StepPlan
 from kvcore.ports import BlockItem
-from kvcore.scheduler import CacheScheduler
 from kvcore.testing.faults import TransferGate
 from kvcore.testing.support import SETTLE_S
 from kvcore_cpu.engine_kv import EngineKV
-from kvcore_cpu.tier import CPUWorker, MappedMovers
+from kvcore_cpu.tier import MappedMovers
 from kvcore_lmcache import LMCacheManagedTier
 from kvcore_lmcache.config import LMCacheMPConfig
 from tests.lmcache.conftest import CHUNK_TOKENS, LMCacheServer
-
-BLOCK = 32  # tokens per engine block: a chunk of the server's is CHUNK_TOKENS // BLOCK blocks
-PER_CHUNK = CHUNK_TOKENS // BLOCK
-CHUNKS = 3
-ENGINE_BLOCKS = 64
-
-
-def _spec(tp: int) -> EngineSpec:
-    layout = KVLayout(
-        LayoutKind.VLLM_CPU,
-        num_blocks=ENGINE_BLOCKS,
-        block_tokens=BLOCK,
-        num_kv_heads=2,
-        head_size=16,
-        dtype_size=2,
-    )
-    model = f"org/direct-{uuid.uuid4().hex[:8]}"
-    return EngineSpec(model, "bfloat16", num_layers=2, total_kv_heads=2 * tp, layout=layout, tp_size=tp)
-
-
-class Engine:
-    """A scheduler and one worker per rank over random KV, stepped by hand."""
-
-    def __init__(self, config: KVCoreConfig, spec: EngineSpec, seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.sched: CacheScheduler = open_scheduler(config, spec, hash_identity="test-hashes")
-        self.plans: list[StepPlan] = []
-        self.workers: list[CPUWorker] = []
-        for rank in range(spec.tp_size):
-            bits = torch.randint(-(2**15), 2**15, spec.layout.shape, dtype=torch.int16, generator=generator)
-            kv = [bits.view(torch.bfloat16).clone() for _ in range(spec.num_layers)]
-            worker = open_worker(config, spec, kv, rank=rank)
-            assert isinstance(worker, CPUWorker)
-            self.workers.append(worker)
-
-    def step(self) -> None:
-        plan = self.sched.take_plan()
-        self.plans.append(plan)
-        for worker in self.workers:
-            worker.execute(plan)
-        for worker in self.workers:
-            self.sched.complete(worker.wait(plan.op_ids(), 2 * SETTLE_S))
-        assert self.sched.in_flight() == 0
-
-    def lookup(self, request: str, tokens: list[int], local_tokens: int = 0) -> int:
-        deadline = time.monotonic() + SETTLE_S
-        while (
-            hits := self.sched.lookup(RequestId(request), tokens=tokens, local_tokens=local_tokens)
-        ) is None:
-            assert time.monotonic() < deadline, "the lookup never answered"
-            time.sleep(0.005)
-        return hits
-
-    def blocks(self, rank: int, ids: range) -> list[bytes]:
-        return [self.workers[rank].engine_block_bytes(b) for b in ids]
-
-    def close(self) -> None:
-        for worker in self.workers:
-            worker.close()
-        self.sched.close()
-
-
-@pytest.fixture
-def engines(lmcache_server: LMCacheServer) -> Iterator[Callable[..., Engine]]:
-    made: list[Engine] = []
-
-    def make(spec: EngineSpec, seed: int, server: LMCacheServer = lmcache_server) -> Engine:
-        backend: dict[str, Any] = {"kind": "lmcache_mp", "url": server.url, "heartbeat_s": 0.5}
-        config = load_config({"chunk_tokens": CHUNK_TOKENS, "backend": backend})
-        engine = Engine(config, spec, seed)
-        made.append(engine)
-        return engine
-
-    yield make
-    for engine in made:
-        engine.close()
-
-
-def _tokens(seed: int) -> list[int]:
-    return [(seed * 7919 + 31 * i) % 30000 for i in range(CHUNKS * CHUNK_TOKENS + 5)]
-
-
-def _save(engine: Engine, request: str, tokens: list[int]) -> None:
-    assert engine.lookup(request, tokens) == 0
-    assert engine.sched.save(RequestId(request), list(range(CHUNKS * PER_CHUNK)), len(tokens)) == CHUNKS
-    engine.step()
-    assert engine.sched.stats().failed_save_chunks == 0
+from tests.lmcache.direct_rig import BLOCK, CHUNKS, PER_CHUNK, EngineFactory, engine_spec, prompt, save
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_blocks_travel_engine_to_server_to_engine_byte_for_byte(
-    tp: int, engines: Callable[..., Engine]
-) -> None:
-    spec = _spec(tp)
+def test_blocks_travel_engine_to_server_to_engine_byte_for_byte(tp: int, engines: EngineFactory) -> None:
+    spec = engine_spec(tp)
     a, b = engines(spec, seed=1), engines(spec, seed=2)
     assert all(w.host is None and w.mover is None for w in a.workers)  # no host pool in between
-    tokens = _tokens(11)
-    _save(a, "a", tokens)
+    tokens = prompt(11)
+    save(a, "a", tokens)
     assert b.lookup("b", tokens) == CHUNKS * CHUNK_TOKENS
     into = range(20, 20 + CHUNKS * PER_CHUNK)
     assert b.sched.start_load(RequestId("b"), list(into)) == CHUNKS * CHUNK_TOKENS
@@ -140,11 +45,11 @@ def test_blocks_travel_engine_to_server_to_engine_byte_for_byte(
         assert b.blocks(rank, into) == a.blocks(rank, range(CHUNKS * PER_CHUNK))
 
 
-def test_a_load_may_start_inside_a_chunk(engines: Callable[..., Engine]) -> None:
-    spec = _spec(1)
+def test_a_load_may_start_inside_a_chunk(engines: EngineFactory) -> None:
+    spec = engine_spec(1)
     a, b = engines(spec, seed=3), engines(spec, seed=4)
-    tokens = _tokens(12)
-    _save(a, "a", tokens)
+    tokens = prompt(12)
+    save(a, "a", tokens)
     local = BLOCK  # the engine holds the first block itself
     assert b.lookup("b", tokens, local_tokens=local) == CHUNKS * CHUNK_TOKENS - local
     ids = list(range(30, 30 + CHUNKS * PER_CHUNK))
@@ -155,25 +60,25 @@ def test_a_load_may_start_inside_a_chunk(engines: Callable[..., Engine]) -> None
     assert b.blocks(0, range(30, 31)) != a.blocks(0, range(1))  # the block it held was not loaded
 
 
-def test_a_second_save_of_held_chunks_sends_nothing(engines: Callable[..., Engine]) -> None:
-    spec = _spec(1)
+def test_a_second_save_of_held_chunks_sends_nothing(engines: EngineFactory) -> None:
+    spec = engine_spec(1)
     a = engines(spec, seed=5)
-    tokens = _tokens(13)
-    _save(a, "a", tokens)
+    tokens = prompt(13)
+    save(a, "a", tokens)
     assert a.lookup("again", tokens) == CHUNKS * CHUNK_TOKENS
     assert a.sched.save(RequestId("again"), list(range(CHUNKS * PER_CHUNK)), len(tokens)) == 0
 
 
 def test_a_restarted_server_is_mapped_again_and_serves_new_saves(
-    engines: Callable[..., Engine], server_factory: Callable[[int], LMCacheServer]
+    engines: EngineFactory, server_factory: Callable[[int], LMCacheServer]
 ) -> None:
     server = server_factory(CHUNK_TOKENS)
     server.start()
-    spec = _spec(1)
+    spec = engine_spec(1)
     a, b = engines(spec, seed=6, server=server), engines(spec, seed=7, server=server)
-    _save(a, "before", _tokens(14))
+    save(a, "before", prompt(14))
     server.restart()  # an empty cache in a new shared-memory segment
-    tokens = _tokens(15)
+    tokens = prompt(15)
     deadline = time.monotonic() + 6 * SETTLE_S
     while True:  # the heartbeat finds the server again; until then saves fail and lookups miss
         saved_before = a.sched.stats().saved_blocks
@@ -193,7 +98,7 @@ def test_a_restarted_server_is_mapped_again_and_serves_new_saves(
 
 
 def test_a_store_abandoned_during_its_copy_never_serves_what_it_read(lmcache_server: LMCacheServer) -> None:
-    spec = _spec(1)
+    spec = engine_spec(1)
     config = LMCacheMPConfig(url=lmcache_server.url, request_timeout_s=SETTLE_S)
     value_bytes = PER_CHUNK * spec.host_block_bytes
     tiers, kvs, gate = [], [], TransferGate(SETTLE_S)
@@ -239,7 +144,7 @@ def test_a_store_abandoned_during_its_copy_never_serves_what_it_read(lmcache_ser
 def test_a_retrieve_abandoned_during_its_copy_says_so_and_one_abandoned_before_copies_nothing(
     lmcache_server: LMCacheServer,
 ) -> None:
-    spec = _spec(1)
+    spec = engine_spec(1)
     config = LMCacheMPConfig(url=lmcache_server.url, request_timeout_s=SETTLE_S)
     gate = TransferGate(SETTLE_S)
     bits = torch.randint(

@@ -78,6 +78,9 @@ class DirectTier:
         self.abandoned.append(job_id)
         return self.copying
 
+    def adopt(self, session: str, holder: str, chain: Sequence[ChunkKey], start: int, end: int) -> None:
+        """This tier takes no locks."""
+
     def end_session(self, session: str) -> None:
         pass
 

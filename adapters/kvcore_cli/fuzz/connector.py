@@ -203,6 +203,10 @@ class Connector:
             "slots neither free nor ready": pool.used - pool.ready,
             "engine blocks in use": self._memory.in_use(),
         }
+        index = self._ports.index
+        if index is not None:
+            left["remote locks neither handed over nor released"] = len(index.open)
+            left["remote locks ended twice"] = len(index.ended_twice)
         leaks = {k: v for k, v in left.items() if v}
         if leaks:
             self._trace.fail(None, f"at quiescence the scheduler still holds {leaks}")

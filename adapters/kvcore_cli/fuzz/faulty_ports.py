@@ -1,6 +1,8 @@
 """The ports kvcore is given in a fuzz run, with seeded faults: the ``BlockMover`` over the CPU tier's real
 mover and, with ``remote``, the remote tier and the remote index over the in-memory reference store and
-index. Jobs fail (wholly or in part) or finish steps late; lookups fail or stall.
+index. Jobs fail (wholly or in part) or finish steps late; lookups fail or stall. The remote index holds
+its answers' locks for a hand-over (``SupportsHeldLookups``) and keeps the books: every lock taken must
+end once, handed over or released, and a hand-over is now and then refused as too old.
 
 ``FaultyPorts`` builds them from the seed and answers for them as a whole. The mover and remote classes
 keep a leading underscore in their names because a closed one names its class when it refuses a job, and
@@ -18,7 +20,7 @@ from typing import cast
 from kvcore.errors import BackendError, UsageError
 from kvcore.ids import ChunkKey, JobId, LookupId
 from kvcore.jobs import JobResult
-from kvcore.ports import BlockMover, BlockTransfer, Direction, StoreItem
+from kvcore.ports import BlockMover, BlockTransfer, Direction, HeldChunks, StoreItem
 from kvcore.remote import StoreRemote
 from kvcore.testing.memory import InMemoryChunkIndex, InMemoryChunkStore
 from kvcore_cli.fuzz.options import FuzzOptions
@@ -34,6 +36,7 @@ Spoil = Callable[[Direction, int, str], None]
 
 P_STALL = 0.06  # the remote index answers nothing for 1 to 4 steps
 P_LOOKUP_FAIL = 0.1
+P_STALE_LOCKS = 0.1  # a hand-over is refused: the locks are too old
 
 
 class FaultyPorts:
@@ -58,7 +61,8 @@ class FaultyPorts:
         self.index: _FaultyIndex | None = None
         self.remote: _FaultyRemote | None = None
         if options.remote:
-            self.index = _FaultyIndex(InMemoryChunkIndex())
+            index_rng = random.Random(f"kvcore-fuzz:{seed}:index")
+            self.index = _FaultyIndex(InMemoryChunkIndex(), index_rng, options.faults)
             # a memoryview slices and assigns as the bytearray it is annotated with does
             view = cast(bytearray, host.buffer.numpy().data)
             store = InMemoryChunkStore(view, capacity=4 * options.pool_slots * slot_bytes)
@@ -95,6 +99,7 @@ class FaultyPorts:
         summary.late_jobs = self.mover.late + (self.remote.late if self.remote else 0)
         summary.lookup_faults = self.index.failures if self.index else 0
         summary.index_stalls = self.index.stalls if self.index else 0
+        summary.locks_handed_over = self.index.handed if self.index else 0
         summary.halted_at = self.mover.closed_at
 
 
@@ -164,6 +169,9 @@ class _FaultyRemote(Postponed):
     ) -> JobId:
         return self._submit(self._remote.submit_publish, session, items, chain, publish=True)
 
+    def adopt(self, session: str, holder: str, chain: Sequence[ChunkKey], start: int, end: int) -> None:
+        self._remote.adopt(session, holder, chain, start, end)
+
     def end_session(self, session: str) -> None:
         self._remote.end_session(session)
 
@@ -203,8 +211,15 @@ class _FaultyIndex:
     through its own ``fail_next`` but never twice in a row. Three failures in a row open the lookup's
     circuit breaker, whose back-off is wall-clock time: the run would then depend on the machine's speed."""
 
-    def __init__(self, inner: InMemoryChunkIndex) -> None:
+    def __init__(self, inner: InMemoryChunkIndex, rng: random.Random, faults: bool) -> None:
         self.inner = inner
+        self._rng = rng
+        self._faults = faults
+        self._holding: dict[LookupId, tuple[int, int]] = {}  # held lookups: (first chunk, ranks)
+        self._answered: dict[LookupId, HeldChunks] = {}
+        self.open: set[HeldChunks] = set()  # taken, not yet handed over or released
+        self.ended_twice: list[HeldChunks] = []
+        self.handed = 0
         self.failures = 0
         self.stalls = 0
         self.stall_until = 0
@@ -239,19 +254,56 @@ class _FaultyIndex:
     ) -> LookupId:
         return self.inner.submit_lookup(chunks, preceding)
 
+    def submit_held_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
+        lookup_id = self.inner.submit_lookup(chunks, preceding)
+        self._holding[lookup_id] = (len(preceding), len(chunks[0]) if chunks else 1)
+        return lookup_id
+
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
         try:
             answer = self.inner.poll_lookup(lookup_id)
         except BackendError:
+            self._holding.pop(lookup_id, None)
             self._armed = False
             self._in_a_row += 1
             self.failures += 1
             raise
         if answer is not None:
             self._in_a_row = 0
+            held = self._holding.pop(lookup_id, None)
+            if held is not None and answer:
+                first, ranks = held
+                holders = tuple(f"lookup{lookup_id}.rank{rank}" for rank in range(ranks))
+                self._answered[lookup_id] = HeldChunks(holders, first, first + answer)
         return answer
 
+    def take_held(self, lookup_id: LookupId) -> HeldChunks | None:
+        held = self._answered.pop(lookup_id, None)
+        if held is not None:
+            self.open.add(held)
+        return held
+
+    def hand_over(self, held: HeldChunks) -> bool:
+        self._end(held)
+        if self._faults and self._rng.random() < P_STALE_LOCKS:
+            return False
+        self.handed += 1
+        return True
+
+    def release_held(self, held: HeldChunks) -> None:
+        self._end(held)
+
+    def _end(self, held: HeldChunks) -> None:
+        if held in self.open:
+            self.open.remove(held)
+        else:
+            self.ended_twice.append(held)
+
     def cancel_lookup(self, lookup_id: LookupId) -> None:
+        self._holding.pop(lookup_id, None)
+        self._answered.pop(lookup_id, None)
         self.inner.cancel_lookup(lookup_id)
 
     def close(self) -> None:

@@ -32,6 +32,7 @@ class FuzzSummary:
     remote_faults: int = 0
     lookup_faults: int = 0
     index_stalls: int = 0
+    locks_handed_over: int = 0  # remote lookups' locks handed to the worker with a load
     late_jobs: int = 0
     evictions: int = 0
     halted_at: int | None = None  # the step a fence gave up on a copy and stopped the worker for good
@@ -55,7 +56,11 @@ class FuzzSummary:
                 f"{self.requests} ({self.finished} finished, {self.aborted} aborted, "
                 f"{self.preemptions} preemptions)",
             ),
-            ("lookups", f"{self.lookups} ({self.hash_lookups} by block hashes)"),
+            (
+                "lookups",
+                f"{self.lookups} ({self.hash_lookups} by block hashes; {self.locks_handed_over} remote "
+                "ones' locks handed over)",
+            ),
             ("loads checked", f"{self.loads_checked}"),
             (
                 "blocks verified",

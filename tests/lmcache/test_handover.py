@@ -1,0 +1,243 @@
+"""The scheduler's read locks handed to the workers (``SupportsHeldLookups``), against a real server.
+
+A held lookup keeps the chunks it answered read-locked, one lookup per rank; the load carries the locks
+to the workers, whose retrieve prepares those chunks under them with no lookup of its own and releases
+what it does not read. Every path must leave the server with no lock of the request's: a finished,
+aborted or preempted request, a load that reads less than the lookup found, and a lock too old to hand
+over. A server restart or a lapsed lock between lookup and load is a miss (recomputed), never bytes the
+load was not meant to read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvcore.ids import RequestId
+from kvcore.testing.support import SETTLE_S
+from kvcore_lmcache.tier import LMCacheManagedTier
+from tests.lmcache.conftest import CHUNK_TOKENS, LMCacheServer, ServerFactory
+from tests.lmcache.direct_rig import CHUNKS, PER_CHUNK, Engine, EngineFactory, engine_spec, prompt, save
+
+BLOCKS = CHUNKS * PER_CHUNK
+INTO = range(20, 20 + BLOCKS)  # where engine B loads
+
+
+class CountingClient:
+    """A request client that counts its calls by name."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def _count_worker_calls(engine: Engine) -> list[CountingClient]:
+    counted = []
+    for worker in engine.workers:
+        tier = getattr(worker.remote, "tier", None)
+        assert isinstance(tier, LMCacheManagedTier)
+        client = CountingClient(tier.link.client)
+        tier.link.client = client  # counts, then forwards every call
+        counted.append(client)
+    return counted
+
+
+def _unlocked(server: LMCacheServer) -> bool:
+    """Whether the server's read locks all went (releases leave on a clean-up thread: wait for them)."""
+    deadline = time.monotonic() + SETTLE_S
+    while server.read_locked():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture
+def server(server_factory: ServerFactory) -> LMCacheServer:
+    """A server of the test's own: its lock count is the test's alone."""
+    made = server_factory()
+    made.start()
+    return made
+
+
+@pytest.mark.parametrize(("tp", "kv_heads"), [(1, None), (2, None), (2, 1)], ids=["tp1", "tp2", "tp2-shared"])
+def test_a_load_reads_under_the_schedulers_locks_and_releases_them_all(
+    tp: int, kv_heads: int | None, engines: EngineFactory, server: LMCacheServer
+) -> None:
+    spec = engine_spec(tp, kv_heads)
+    a, b = engines(spec, seed=1, server=server), engines(spec, seed=2, server=server)
+    tokens = prompt(21)
+    save(a, "a", tokens)
+    counted = _count_worker_calls(b)
+    assert b.lookup("b", tokens) == CHUNKS * CHUNK_TOKENS
+    assert server.read_locked() == CHUNKS * (2 if tp == 2 and kv_heads is None else 1)  # objects, not counts
+    b.sched.start_load(RequestId("b"), list(INTO))
+    b.step()
+    (op,) = b.plans[-1].ops
+    assert op.held is not None
+    assert len(op.held.holders) == tp
+    assert b.sched.take_load_errors() == {}
+    for rank in range(tp):  # a shared shard is written by rank 0 alone, and read by every rank
+        assert b.blocks(rank, INTO) == a.blocks(rank if kv_heads is None else 0, range(BLOCKS))
+    assert [c.calls["lookup"] for c in counted] == [0] * tp  # no lookup of the workers' own
+    assert [c.calls["prepare_retrieve"] for c in counted] == [1] * tp
+    assert _unlocked(server)  # every rank's prepare consumed its own lock, nothing lingers
+    b.sched.finish(RequestId("b"))
+    b.step()
+    assert _unlocked(server)
+
+
+def test_without_the_hand_over_each_worker_locks_with_a_lookup_of_its_own(
+    engines: EngineFactory, server: LMCacheServer
+) -> None:
+    spec = engine_spec(1)
+    a, b = engines(spec, seed=3, server=server), engines(spec, seed=4, server=server, lock_handover_s=0)
+    tokens = prompt(22)
+    save(a, "a", tokens)
+    (counted,) = _count_worker_calls(b)
+    assert b.lookup("b", tokens) == CHUNKS * CHUNK_TOKENS
+    assert _unlocked(server)  # a plain lookup keeps nothing
+    b.sched.start_load(RequestId("b"), list(INTO))
+    b.step()
+    assert b.sched.take_load_errors() == {}
+    assert b.blocks(0, INTO) == a.blocks(0, range(BLOCKS))
+    assert counted.calls["lookup"] == 1
+    assert _unlocked(server)
+
+
+def test_locks_the_load_does_not_read_are_released_once_it_ran(
+    engines: EngineFactory, server: LMCacheServer
+) -> None:
+    spec = engine_spec(1)
+    a, b = engines(spec, seed=5, server=server), engines(spec, seed=6, server=server)
+    tokens = prompt(23)
+    save(a, "a", tokens)
+    local = CHUNK_TOKENS  # the engine's own prefix cache holds the first chunk: the load reads two
+    assert b.lookup("b", tokens, local_tokens=local) == (CHUNKS - 1) * CHUNK_TOKENS
+    b.sched.start_load(RequestId("b"), list(INTO))
+    b.step()
+    assert b.sched.take_load_errors() == {}
+    assert b.blocks(0, INTO[PER_CHUNK:]) == a.blocks(0, range(PER_CHUNK, BLOCKS))
+    assert _unlocked(server)  # the first chunk's lock too, while the request still runs
+
+
+@pytest.mark.parametrize("end", ["finish", "abort", "preempt", "no load"])
+def test_a_request_that_never_loads_releases_what_its_lookup_locked(
+    end: str, engines: EngineFactory, server: LMCacheServer
+) -> None:
+    spec = engine_spec(2)
+    a, b = engines(spec, seed=7, server=server), engines(spec, seed=8, server=server)
+    tokens = prompt(24)
+    save(a, "a", tokens)
+    request = RequestId("b")
+    if end == "no load":  # the engine holds the whole prompt itself: there is nothing to load
+        assert b.lookup("b", tokens, local_tokens=len(tokens) - 5) == 0
+    else:
+        assert b.lookup("b", tokens) == CHUNKS * CHUNK_TOKENS
+        assert server.read_locked()
+        ending: Callable[[RequestId], object] = {
+            "finish": b.sched.finish,
+            "abort": b.sched.abort,
+            "preempt": b.sched.preempt,
+        }[end]
+        ending(request)
+    b.step()
+    assert _unlocked(server)
+
+
+def test_a_lock_too_old_to_hand_over_is_released_and_the_worker_locks_afresh(
+    engines: EngineFactory, server: LMCacheServer
+) -> None:
+    spec = engine_spec(1)
+    a, b = engines(spec, seed=9, server=server), engines(spec, seed=10, server=server, lock_handover_s=0.2)
+    tokens = prompt(25)
+    save(a, "a", tokens)
+    (counted,) = _count_worker_calls(b)
+    assert b.lookup("b", tokens) == CHUNKS * CHUNK_TOKENS
+    time.sleep(0.4)  # the engine took its time to allocate the blocks
+    b.sched.start_load(RequestId("b"), list(INTO))
+    b.step()
+    (op,) = b.plans[-1].ops
+    assert op.held is None
+    assert b.sched.take_load_errors() == {}
+    assert b.blocks(0, INTO) == a.blocks(0, range(BLOCKS))
+    assert counted.calls["lookup"] == 1  # a fresh lookup of the worker's own
+    assert _unlocked(server)
+
+
+def _tier(engine: Engine) -> LMCacheManagedTier:
+    tier = getattr(engine.workers[0].remote, "tier", None)
+    assert isinstance(tier, LMCacheManagedTier)
+    return tier
+
+
+def test_a_server_restart_between_lookup_and_load_is_a_miss_not_the_new_servers_bytes(
+    engines: EngineFactory, server: LMCacheServer
+) -> None:
+    spec = engine_spec(1)
+    a, b, c = (engines(spec, seed=seed, server=server) for seed in (11, 12, 13))
+    tokens = prompt(26)
+    save(a, "a", tokens)
+    assert b.lookup("b", tokens) == CHUNKS * CHUNK_TOKENS  # locked on the server that is about to go
+    server.restart()  # empty, in a new shared-memory segment
+    deadline = time.monotonic() + 6 * SETTLE_S
+    while True:  # engine C saves the same prompt, other bytes, on the new server
+        request = RequestId(f"c-{time.monotonic()}")
+        if c.lookup(request, tokens) == 0:
+            c.sched.save(request, list(range(BLOCKS)), len(tokens))
+        c.sched.finish(request)  # its lookup's locks go: C reads nothing
+        c.step()
+        pool = _tier(b).link.segment
+        if c.sched.stats().saved_blocks and _tier(b).link.available() and pool and not pool.stale():
+            break
+        assert time.monotonic() < deadline, "the server never came back"
+        time.sleep(0.2)
+    assert _unlocked(server)
+    before = b.blocks(0, INTO)
+    b.sched.start_load(RequestId("b"), list(INTO))
+    b.step()
+    assert b.plans[-1].ops[0].held is not None  # handed over: locks of the server that went
+    assert sorted(b.sched.take_load_errors()[RequestId("b")]) == list(INTO)  # recomputed, all of it
+    assert b.blocks(0, INTO) == before  # nothing written, C's bytes least of all
+    assert _unlocked(server)
+
+
+def test_a_lock_that_lapsed_before_the_load_is_a_miss(
+    engines: EngineFactory, server_factory: ServerFactory
+) -> None:
+    server = server_factory(options=["--l1-read-ttl-seconds", "1"])
+    server.start()
+    spec = engine_spec(1)
+    a, b = engines(spec, seed=14, server=server), engines(spec, seed=15, server=server)
+    tokens = prompt(27)
+    save(a, "a", tokens)
+    assert b.lookup("b", tokens) == CHUNKS * CHUNK_TOKENS
+    time.sleep(1.5)  # past the server's read-lock TTL, within the hand-over's 60 s
+    assert server.read_locked() == 0
+    before = b.blocks(0, INTO)
+    b.sched.start_load(RequestId("b"), list(INTO))
+    b.step()
+    assert b.plans[-1].ops[0].held is not None
+    assert sorted(b.sched.take_load_errors()[RequestId("b")]) == list(INTO)
+    assert b.blocks(0, INTO) == before
+    assert b.lookup("again", tokens) == CHUNKS * CHUNK_TOKENS  # the chunks are still there: a new lookup
+    b.sched.start_load(RequestId("again"), list(INTO))
+    b.step()
+    assert b.sched.take_load_errors() == {}
+    assert b.blocks(0, INTO) == a.blocks(0, range(BLOCKS))
+    assert _unlocked(server)
