@@ -195,14 +195,14 @@ class LMCacheChunkIndex:
             return False
         if fresh and time.monotonic() - record.at <= self.link.config.lock_handover_s:
             return True
-        self._release_all(record.held.holders, record.chains)
+        self._release_kept(record)
         return False
 
     def release_held(self, held: HeldChunks) -> None:
         with self._lock:
             record = self._taken.pop(held, None)
         if record is not None:
-            self._release_all(record.held.holders, record.chains)
+            self._release_kept(record)
 
     def cancel_lookup(self, lookup_id: LookupId) -> None:
         with self._lock:
@@ -210,7 +210,7 @@ class LMCacheChunkIndex:
             self._holding.discard(lookup_id)
             record = self._settling.pop(lookup_id, None) or self._answered.pop(lookup_id, None)
         if record is not None:
-            self._release_all(record.held.holders, record.chains)
+            self._release_kept(record)
         self._lookups.cancel(lookup_id)
 
     def close(self) -> None:
@@ -229,6 +229,14 @@ class LMCacheChunkIndex:
         """Release every lock of these lookups' server sessions and end them."""
         for server, chain in zip(servers, chains, strict=True):
             self.link.release(server, chain, ((0, len(chain)),))
+
+    def _release_kept(self, record: _Held) -> None:
+        """Release the locks a held lookup kept and end its server sessions. Only those: the others were
+        released before it answered, and the server's counts are anonymous (releasing a chunk twice
+        would take another reader's lock)."""
+        held = record.held
+        for server, chain in zip(held.holders, record.chains, strict=True):
+            self.link.release(server, chain, ((held.start, held.end),))
 
     def _check_open(self) -> None:
         with self._lock:

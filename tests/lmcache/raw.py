@@ -87,6 +87,23 @@ class RawClient:
         self.client.end_session(server).result(timeout=TIMEOUT_S)
         return value
 
+    def lock(self, chain: Sequence[ChunkKey]) -> str:
+        """Read-lock the chunks of ``chain`` the server holds, as a lookup does, in a server session of
+        its own, which is returned (``unlock`` releases them)."""
+        server = self._server()
+        self.client.lookup(self.codec.ipc_key(server, chain, 0, len(chain), None), 1).result(
+            timeout=TIMEOUT_S
+        )
+        deadline = time.monotonic() + TIMEOUT_S
+        while self.client.query_prefetch_status(server).result(timeout=TIMEOUT_S) is None:
+            assert time.monotonic() < deadline, "prefetch never finished"
+        return server
+
+    def unlock(self, server: str, chain: Sequence[ChunkKey]) -> None:
+        lock_key = self.codec.ipc_key(server, chain, 0, len(chain), None)
+        self.client.free_lookup_locks(lock_key, 1).result(timeout=TIMEOUT_S)
+        self.client.end_session(server).result(timeout=TIMEOUT_S)
+
     def close(self) -> None:
         self.client.unregister_kv_cache_engine_driven_context(self.instance_id).result(timeout=TIMEOUT_S)
         self.segment.close()

@@ -13,15 +13,19 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
 
-from kvcore.ids import RequestId
-from kvcore.testing.support import SETTLE_S
+from kvcore.ids import ChunkKey, RequestId
+from kvcore.testing.support import SETTLE_S, settle
+from kvcore_lmcache import LMCacheChunkIndex
+from kvcore_lmcache.config import LMCacheMPConfig
 from kvcore_lmcache.tier import LMCacheManagedTier
 from tests.lmcache.conftest import CHUNK_TOKENS, LMCacheServer, ServerFactory
 from tests.lmcache.direct_rig import CHUNKS, PER_CHUNK, Engine, EngineFactory, engine_spec, prompt, save
+from tests.lmcache.raw import RawClient
 
 BLOCKS = CHUNKS * PER_CHUNK
 INTO = range(20, 20 + BLOCKS)  # where engine B loads
@@ -57,10 +61,11 @@ def _count_worker_calls(engine: Engine) -> list[CountingClient]:
     return counted
 
 
-def _unlocked(server: LMCacheServer) -> bool:
-    """Whether the server's read locks all went (releases leave on a clean-up thread: wait for them)."""
+def _unlocked(server: LMCacheServer, left: int = 0) -> bool:
+    """Whether the server's read-locked chunks come down to ``left`` (releases leave on a clean-up
+    thread: wait for them)."""
     deadline = time.monotonic() + SETTLE_S
-    while server.read_locked():
+    while server.read_locked() != left:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)
@@ -241,3 +246,31 @@ def test_a_lock_that_lapsed_before_the_load_is_a_miss(
     assert b.sched.take_load_errors() == {}
     assert b.blocks(0, INTO) == a.blocks(0, range(BLOCKS))
     assert _unlocked(server)
+
+
+def test_the_index_releases_each_lock_once_and_never_another_readers(server: LMCacheServer) -> None:
+    """A held lookup after a chunk the local pool holds releases that chunk's lock before it answers,
+    and the chunks it kept when released: a second release of the first chunk would take the lock
+    another reader holds on it (the server's counts are anonymous)."""
+    model, value_bytes = f"org/held-{time.monotonic_ns()}", 4096
+    config = LMCacheMPConfig(url=server.url, request_timeout_s=SETTLE_S / 2)
+    raw = RawClient(server.url, model, value_bytes, CHUNK_TOKENS)
+    index = LMCacheChunkIndex(config, value_bytes=value_bytes, chunk_tokens=CHUNK_TOKENS, model_name=model)
+    try:
+        keys = [ChunkKey(f"held/{time.monotonic_ns()}/{i}") for i in range(3)]
+        for i, key in enumerate(keys):
+            raw.poke(key, bytes(value_bytes), keys[:i])
+        other = raw.lock(keys[:1])  # another reader's lock on the first chunk, kept
+        for _ in range(2):
+            lookup_id = index.submit_held_lookup([[key] for key in keys[1:]], [keys[:1]])
+            assert settle(partial(index.poll_lookup, lookup_id), "the held lookup") == 2
+            held = index.take_held(lookup_id)
+            assert held is not None
+            assert (held.start, held.end) == (1, 3)
+            index.release_held(held)
+        assert _unlocked(server, left=1)  # the other reader's lock on the first chunk
+        raw.unlock(other, keys[:1])
+        assert _unlocked(server)
+    finally:
+        index.close()
+        raw.close()
