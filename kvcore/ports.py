@@ -277,8 +277,9 @@ class SupportsHeldLookups(ChunkIndex, Protocol):
 
     def hand_over(self, held: HeldChunks) -> bool:
         """End ``held`` by handing it to the workers: true when they may read under it now; false when
-        it is too old for that (its locks may lapse before a worker reads), or the index is closed: it
-        is released then, and the workers must lock what they read themselves."""
+        it is too old for that (its locks may lapse before a worker reads: it is released then), or the
+        index is closed (its locks are left to lapse); the workers then lock what they read
+        themselves."""
         ...
 
     def release_held(self, held: HeldChunks) -> None:

@@ -352,8 +352,10 @@ class CacheScheduler:
             req.load_errors.extend(ids[lost_from : spec.first_block + spec.num_blocks])
             req.lost_blocks.extend(ids[lost_from : spec.first_block + spec.num_blocks])
         held, req.held = req.held, None
-        if held is not None and self._remote is not None:
-            if not draft.fetched:  # the load reads nothing remote: no worker will take the locks
+        if held is not None:
+            if self._remote is None:  # closed: the index dropped its locks
+                held = None
+            elif not draft.fetched:  # the load reads nothing remote: no worker will take the locks
                 self._remote.release_held(held)
                 held = None
             elif not self._remote.hand_over(held):  # too old to hand over: released

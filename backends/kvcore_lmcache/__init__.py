@@ -2,9 +2,10 @@
 
 ``LMCacheManagedTier`` (worker side) implements the ``ManagedTier`` port over the server's
 engine-driven shared-memory slots; ``LMCacheChunkIndex`` (scheduler side) answers ``ChunkIndex``
-lookups without holding locks. Both keep working while the server is absent, hung, restarting or without
-a shared-memory pool (``NoSharedMemoryPool``, said once in a warning): they miss, and rejoin when it
-answers again. See ``docs/lmcache.md``.
+lookups, and keeps the read locks a load hands to the workers (``SupportsHeldLookups``). Both keep
+working while the server is absent, hung, restarting or without a shared-memory pool
+(``NoSharedMemoryPool``, said once in a warning): they miss, and rejoin when it answers again. See
+``docs/lmcache.md``.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ class LMCacheMPConfig:
 
     ``lock_handover_s``: how long after its lookup the scheduler may hand that lookup's read locks to
     the workers, whose retrieve then needs no lookup of its own (older ones are released and the workers
-    look up again); keep it well under the server's read-lock TTL (``--l1-read-ttl-seconds``, 300 by
-    default). 0 turns the hand-over off.
+    look up again); at most 240, under the server's default read-lock TTL (``--l1-read-ttl-seconds``,
+    300; a server run with a shorter TTL needs a shorter hand-over). 0 turns the hand-over off.
 
     ``local_size`` 0 (the default): no local tier; the engine's blocks are copied straight into and out
     of the server's slots, whose memory is the node's host tier. A positive size keeps a host pool of the
@@ -40,7 +40,7 @@ class LMCacheMPConfig:
     request_timeout_s: float = field(default=5.0, validator=seconds)
     heartbeat_s: float = field(default=30.0, validator=seconds)
     connect_timeout_s: float = field(default=1.0, validator=seconds)
-    lock_handover_s: float = field(default=60.0, validator=within(0.0, 3_600.0, "seconds, 0 (off) to 3600"))
+    lock_handover_s: float = field(default=60.0, validator=within(0.0, 240.0, "seconds, 0 (off) to 240"))
     local_size: ByteCount = field(default=ByteCount(0), validator=fits_in_memory)
 
     @property

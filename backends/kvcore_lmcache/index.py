@@ -6,10 +6,12 @@ lookup (``SupportsHeldLookups``) keeps the locks of the chunks it answered, one 
 scheduler hands them to the workers with the load (each rank's ``LMCacheManagedTier`` prepares those
 chunks under them with no lookup of its own, and releases what it does not read) or releases them.
 The locks a held lookup does not keep (chunks before the asked ones, a rank's hits past the answer)
-are released before the lookup answers, so no release of this index's can reach the server after a
-worker ended the server session. A hand-over is refused once ``lock_handover_s`` have passed since the
+are released, and answered, before the lookup answers, so that no release of this index's reaches the
+server after a worker ended the server session (a release left unanswered at the request timeout is
+the exception: its lock lapses). A hand-over is refused once ``lock_handover_s`` have passed since the
 answer (the server's read locks lapse: ``--l1-read-ttl-seconds``, 300 by default); the workers then
-lock what they read themselves, and a lock that lapsed all the same is a miss at the retrieve.
+lock what they read themselves, and a lock that lapsed all the same is a miss at the retrieve. Locks
+too old to trust are never released, only left to lapse (``ServerLink.release``).
 
 A lookup never blocks: submit, then poll; an absent server raises ``BackendUnavailable`` at once and a
 silent one ``TransferTimeout`` at the request timeout, which ``kvcore.lookup.PrefixLookup`` turns into
@@ -50,7 +52,7 @@ class _Held:
         self.chains = state.chains
         self.answer = answer
         self.releases = releases
-        self.at = time.monotonic()
+        self.at = time.monotonic()  # the locks are as old as this, or a little older
 
 
 class LMCacheChunkIndex:
@@ -97,11 +99,15 @@ class LMCacheChunkIndex:
         self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
     ) -> LookupId:
         """One server lookup per rank (each rank's prepare consumes one lock); the answered chunks stay
-        locked for ``take_held``. With ``lock_handover_s`` 0, a plain lookup."""
+        locked for ``take_held``. With ``lock_handover_s`` 0, a plain lookup (one per shard)."""
+        if self.link.config.lock_handover_s <= 0:
+            return self._submit(
+                [tuple(dict.fromkeys(chunk)) for chunk in chunks],
+                [tuple(dict.fromkeys(chunk)) for chunk in preceding],
+            )
         lookup_id = self._submit(chunks, preceding)
-        if self.link.config.lock_handover_s > 0:
-            with self._lock:
-                self._holding.add(lookup_id)
+        with self._lock:
+            self._holding.add(lookup_id)
         return lookup_id
 
     def _submit(
@@ -177,7 +183,6 @@ class LMCacheChunkIndex:
             self._asked.pop(lookup_id, None)
             self._settling.pop(lookup_id, None)
             self._answered[lookup_id] = record
-        record.at = time.monotonic()
         return record.answer
 
     def take_held(self, lookup_id: LookupId) -> HeldChunks | None:
@@ -232,11 +237,12 @@ class LMCacheChunkIndex:
 
     def _release_kept(self, record: _Held) -> None:
         """Release the locks a held lookup kept and end its server sessions. Only those: the others were
-        released before it answered, and the server's counts are anonymous (releasing a chunk twice
-        would take another reader's lock)."""
+        released before it answered (or are being: this waits for them), and the server's counts are
+        anonymous (releasing a chunk twice would take another reader's lock)."""
         held = record.held
         for server, chain in zip(held.holders, record.chains, strict=True):
-            self.link.release(server, chain, ((held.start, held.end),))
+            ranges = ((held.start, held.end),)
+            self.link.release(server, chain, ranges, taken_at=record.at, after=record.releases)
 
     def _check_open(self) -> None:
         with self._lock:

@@ -13,14 +13,16 @@ guards share the connection's state and its lock.)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from attrs import frozen
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey, RegisterEngineDrivenContextPayload
@@ -40,7 +42,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+_Release = tuple[tuple[IPCCacheServerKey, ...], str | None, tuple[MessagingFuture[Any], ...]]
 _MIN_CHUNK_TOKENS = 8  # a key is rendered as eight token ids
+LOCK_TRUST_S = 270.0
+"""How long a read lock is released rather than left to lapse: under the server's default read-lock TTL
+(``--l1-read-ttl-seconds`` 300), with room for a request timeout."""
 _SHM_DIR = "/dev/shm"
 
 
@@ -192,9 +198,7 @@ class ServerLink:
         self.segment: Segment | None = None
         self.segment_lock = threading.Lock()
         self._stop = threading.Event()
-        self._releases: queue.SimpleQueue[tuple[tuple[IPCCacheServerKey, ...], str | None] | None] = (
-            queue.SimpleQueue()
-        )
+        self._releases: queue.SimpleQueue[_Release | None] = queue.SimpleQueue()
         self._releaser = threading.Thread(
             target=self._release_in_order, name="kvcore-lmcache-releases", daemon=True
         )
@@ -277,6 +281,8 @@ class ServerLink:
         ranges: Iterable[tuple[int, int]],
         *,
         end: bool = True,
+        taken_at: float | None = None,
+        after: Sequence[MessagingFuture[Any]] = (),
     ) -> None:
         """Release the lookup locks a server session holds on chunk ranges ``[start, end)`` of ``chain``
         (the server releases only chunks that hit), then end that session unless ``end`` is false.
@@ -284,18 +290,26 @@ class ServerLink:
         Returns at once: a clean-up thread sends the releases in order and ends the session only once
         they are answered, since the server may run one client's requests out of order and a release
         after its session's end finds nothing to release. A lost release leaves a lock to the server's
-        read-lock TTL.
+        read-lock TTL. Locks taken (``taken_at``, monotonic) more than ``LOCK_TRUST_S`` ago are not
+        released, only their session ended: they may have lapsed, and the server's counts are
+        anonymous, so their release could take the lock of a reader that locked the chunk since.
+        ``after``: requests of the same session sent outside the clean-up thread, waited for first.
         """
+        if taken_at is not None and time.monotonic() - taken_at > LOCK_TRUST_S:
+            ranges = ()
         keys = tuple(
             self.codec.ipc_key(server_session, chain, start, stop, None)
             for start, stop in ranges
             if start < stop
         )
-        self._releases.put((keys, server_session if end else None))
+        self._releases.put((keys, server_session if end else None, tuple(after)))
 
     def _release_in_order(self) -> None:
         while (task := self._releases.get()) is not None:
-            keys, session = task
+            keys, session, after = task
+            for earlier in after:
+                with contextlib.suppress(Exception):  # its outcome is its sender's to report
+                    earlier.result(timeout=self._timeout)
             if not self.connected:
                 continue  # a restarted server has no sessions; an unreachable one would only time out
             try:

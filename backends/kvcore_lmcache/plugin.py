@@ -16,9 +16,9 @@ __all__ = ["BACKEND", "LMCacheBackend"]
 
 
 class LMCacheBackend:
-    """The scheduler looks chunks up on the server without holding locks; each rank stores and retrieves
-    them through the server's shared-memory slots: from its host pool, or straight from the engine's
-    blocks when it has none."""
+    """The scheduler looks chunks up on the server, keeping the read locks of what a load will read for
+    the ranks (the lock hand-over); each rank stores and retrieves them through the server's
+    shared-memory slots: from its host pool, or straight from the engine's blocks when it has none."""
 
     kind = "lmcache_mp"
     config_class = LMCacheMPConfig

@@ -128,88 +128,95 @@ class SlotIO:
     def retrieve(
         self, job_id: JobId, session: RequestId, values: Values, chain: tuple[ChunkKey, ...]
     ) -> JobResult:
-        """Read the values; then release the adopted locks it did not read, whatever became of it."""
+        at, failed = self._placed(values.keys, chain)
+        # the session's locks on what this job reads are the job's alone from now on: it releases what
+        # it did not read (or could not) once its commits are answered, whatever becomes of it
+        holds = self._locks.take(session, chain, at)
         try:
-            return self._retrieve(job_id, session, values, chain)
+            return self._retrieve(job_id, session, values, chain, at, failed, holds)
         finally:
-            self._locks.release_adopted(session)
+            for hold in {id(hold): hold for hold in holds.values()}.values():
+                hold.release(self._link)
 
     def _retrieve(
-        self, job_id: JobId, session: RequestId, values: Values, chain: tuple[ChunkKey, ...]
+        self,
+        job_id: JobId,
+        session: RequestId,
+        values: Values,
+        chain: tuple[ChunkKey, ...],
+        at: dict[int, list[int]],
+        failed: list[int],
+        holds: dict[int, Hold],
     ) -> JobResult:
         pool = self._pool(values)
         if pool is None:
             return self._refused(job_id, values)
-        at, failed = self._placed(values.keys, chain)
         if not at:
             return JobResult(job_id, tuple(failed))
         codec, client, iid = self._link.codec, self._link.client, self._link.instance_id
-        holds = self._locks.held(session, chain, at)
         # what no earlier lookup of the session locked is locked now, by a lookup of this job
         locked_here, lookup = (
             (0, None) if len(holds) == len(at) else self._lock_now(session, chain[: max(at) + 1])
         )
+        leftover = set(range(locked_here))
         wanted = [pos for pos in at if pos in holds or pos < locked_here]
         failed.extend(i for pos in at if pos not in wanted for i in at[pos])
         # Reading under one lookup's locks only (the usual hand-over), the transfers name that lookup's
-        # server session, which then ends once, after the commits; otherwise a session of the job's own.
+        # server session, which then ends once, with the hold's release; otherwise a session of its own.
         sessions = {holds[pos].server if pos in holds else None for pos in wanted}
         shared = sessions.pop() if len(sessions) == 1 else None
         server = shared if shared is not None else self._link.server_session(session, f"r{job_id}")
         spans = runs(wanted)
         keys = [codec.ipc_key(server, chain, start, end, 0) for start, end in spans]
         prepared = [client.prepare_retrieve(key, iid) for key in keys]
-        leftover = set(range(locked_here))
-        emptied: dict[int, Hold] = {}  # holds whose last lock a prepare consumed
         commits: list[MessagingFuture[bool]] = []
+        settled = 0  # leading spans whose locks are accounted for
         try:
             for (start, end), key, future in zip(spans, keys, prepared, strict=True):
                 try:
-                    run = (start, end)
-                    failed.extend(
-                        self._read_run(session, values, pool, at, holds, leftover, emptied, run, future)
-                    )
+                    slots, consumed = self._prepared_slots(future)
+                    if consumed:  # a prepare consumed one lock per chunk of its run, whatever it found
+                        self._consumed(range(start, end), holds, leftover)
+                    settled += 1
+                    failed.extend(self._read_run(values, pool, at, (start, end), slots))
                 finally:
                     # Every prepare gets its commit, after the run's copies: the commit ends the server's
                     # read, and the slot may be reused from then on. A reply that came too late still
                     # leaves the read pending, and the commit, on the same server thread, ends it.
                     commits.append(client.commit_retrieve(key, iid))
         finally:
+            for start, end in spans[settled:]:  # prepared, never read (something raised): consumed
+                self._consumed(range(start, end), holds, leftover)
             commits.extend(client.commit_retrieve(key, iid) for key in keys[len(commits) :])
-        for commit in commits:
-            self._reply(commit, "commit_retrieve")
-        if lookup is not None:
-            self._link.release(lookup, chain, runs(leftover))
-        for hold in emptied.values():
-            self._link.release(hold.server, hold.chain, ())
-        if shared is None:
-            self._link.release(server, chain, ())
+            for commit in commits:
+                self._reply(commit, "commit_retrieve")
+            if lookup is not None:
+                self._link.release(lookup, chain, runs(leftover))
+            if shared is None:
+                self._link.release(server, chain, ())
         return JobResult(job_id, tuple(sorted(set(failed))))
+
+    @staticmethod
+    def _consumed(positions: range, holds: dict[int, Hold], leftover: set[int]) -> None:
+        """The locks at ``positions`` are gone: they leave their holds, or this job's own lookup's."""
+        for pos in positions:
+            hold = holds.get(pos)
+            if hold is None:
+                leftover.discard(pos)
+            else:
+                hold.positions.discard(pos)
 
     def _read_run(
         self,
-        session: RequestId,
         values: Values,
         pool: Segment,
         at: dict[int, list[int]],
-        holds: dict[int, Hold],
-        leftover: set[int],
-        emptied: dict[int, Hold],
         run: tuple[int, int],
-        future: MessagingFuture[Any],
+        slots: list[Any] | None,
     ) -> list[int]:
-        """Copy out the chain positions ``run`` (``[start, end)``) that ``future`` prepared; returns the
-        items that failed. The locks the prepare consumed leave ``holds`` (into ``emptied``, a hold
-        left with none) or ``leftover``."""
+        """Copy out the chain positions ``run`` (``[start, end)``) from the ``slots`` their prepare
+        mapped (``None``: nothing to read); returns the items that failed."""
         start, end = run
-        slots, consumed = self._prepared_slots(future)
-        if consumed:  # a prepare consumed one lock per chunk of its run, whatever it found
-            for pos in range(start, end):
-                hold = holds.get(pos)
-                if hold is None:
-                    leftover.discard(pos)
-                elif self._locks.consumed(session, hold, pos):
-                    emptied[id(hold)] = hold
         if slots is None or len(slots) != end - start:
             return [i for pos in range(start, end) for i in at[pos]]
         failed: list[int] = []

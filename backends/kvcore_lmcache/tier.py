@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from functools import partial
 
@@ -117,7 +118,9 @@ class LMCacheManagedTier:
                 "kvcore: locks on chunks [%d, %d) of a %d-key chain left to lapse", start, end, len(chain)
             )
             return
-        self._locks.adopt(session, holder, tuple(chain[:end]), range(start, end))
+        # taken by the scheduler's lookup up to ``lock_handover_s`` before its hand-over: as old as that
+        at = time.monotonic() - self.link.config.lock_handover_s
+        self._locks.adopt(session, holder, tuple(chain[:end]), range(start, end), at)
 
     def end_session(self, session: RequestId) -> None:
         self._lookups.cancel_session(session)

@@ -70,7 +70,7 @@ def test_a_second_save_of_held_chunks_sends_nothing(engines: EngineFactory) -> N
 
 
 def test_a_restarted_server_is_mapped_again_and_serves_new_saves(
-    engines: EngineFactory, server_factory: Callable[[int], LMCacheServer]
+    server_factory: Callable[[int], LMCacheServer], engines: EngineFactory
 ) -> None:
     server = server_factory(CHUNK_TOKENS)
     server.start()

@@ -10,13 +10,15 @@ load was not meant to read.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
 import pytest
+from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
 from kvcore.ids import ChunkKey, RequestId
 from kvcore.testing.support import SETTLE_S, settle
@@ -72,6 +74,47 @@ def _unlocked(server: LMCacheServer, left: int = 0) -> bool:
     return True
 
 
+def _tier(engine: Engine) -> LMCacheManagedTier:
+    tier = getattr(engine.workers[0].remote, "tier", None)
+    assert isinstance(tier, LMCacheManagedTier)
+    return tier
+
+
+@contextlib.contextmanager
+def _other_reader(server: LMCacheServer, engine: Engine) -> Iterator[int]:
+    """Another client's read lock on every chunk of each rank that ``engine``'s last save stored, as a
+    third engine's lookup would hold it, kept until the block ends; yields how many chunks that is.
+    The server counts locked chunks, not locks: a release of ours that took one of these shows as a
+    chunk no longer locked, and a lock of ours left behind as one still locked after the block."""
+    (op,) = engine.plans[-1].ops
+    chains = {tuple(keys[rank] for keys in op.chain) for rank in range(len(op.chain[0]))}
+    codec = _tier(engine).link.codec
+    client = RequestClientFactory.create(server.url)
+    sessions: list[tuple[str, tuple[ChunkKey, ...]]] = []
+    try:
+        for n, chain in enumerate(chains):
+            session = f"other-reader-{n}"
+            client.lookup(codec.ipc_key(session, chain, 0, len(chain), None), 1).result(timeout=SETTLE_S)
+            sessions.append((session, chain))
+            deadline = time.monotonic() + SETTLE_S
+            while client.query_prefetch_status(session).result(timeout=SETTLE_S) is None:
+                assert time.monotonic() < deadline, "the other reader's lookup never finished"
+        assert server.read_locked() == CHUNKS * len(chains)
+        yield CHUNKS * len(chains)
+    finally:
+        for session, chain in sessions:
+            key = codec.ipc_key(session, chain, 0, len(chain), None)
+            client.free_lookup_locks(key, 1).result(timeout=SETTLE_S)
+            client.end_session(session).result(timeout=SETTLE_S)
+        client.close()
+
+
+def _still_locked(server: LMCacheServer, locked: int) -> bool:
+    """Whether the other reader's locks all survived our releases, once those had time to arrive."""
+    time.sleep(0.3)
+    return server.read_locked() == locked
+
+
 @pytest.fixture
 def server(server_factory: ServerFactory) -> LMCacheServer:
     """A server of the test's own: its lock count is the test's alone."""
@@ -82,33 +125,35 @@ def server(server_factory: ServerFactory) -> LMCacheServer:
 
 @pytest.mark.parametrize(("tp", "kv_heads"), [(1, None), (2, None), (2, 1)], ids=["tp1", "tp2", "tp2-shared"])
 def test_a_load_reads_under_the_schedulers_locks_and_releases_them_all(
-    tp: int, kv_heads: int | None, engines: EngineFactory, server: LMCacheServer
+    tp: int, kv_heads: int | None, server: LMCacheServer, engines: EngineFactory
 ) -> None:
     spec = engine_spec(tp, kv_heads)
     a, b = engines(spec, seed=1, server=server), engines(spec, seed=2, server=server)
     tokens = prompt(21)
     save(a, "a", tokens)
+    assert server.read_locked() == 0
     counted = _count_worker_calls(b)
-    assert b.lookup("b", tokens) == CHUNKS * CHUNK_TOKENS
-    assert server.read_locked() == CHUNKS * (2 if tp == 2 and kv_heads is None else 1)  # objects, not counts
-    b.sched.start_load(RequestId("b"), list(INTO))
-    b.step()
-    (op,) = b.plans[-1].ops
-    assert op.held is not None
-    assert len(op.held.holders) == tp
-    assert b.sched.take_load_errors() == {}
-    for rank in range(tp):  # a shared shard is written by rank 0 alone, and read by every rank
-        assert b.blocks(rank, INTO) == a.blocks(rank if kv_heads is None else 0, range(BLOCKS))
-    assert [c.calls["lookup"] for c in counted] == [0] * tp  # no lookup of the workers' own
-    assert [c.calls["prepare_retrieve"] for c in counted] == [1] * tp
+    with _other_reader(server, a) as locked:
+        assert locked == CHUNKS * (2 if tp == 2 and kv_heads is None else 1)
+        assert b.lookup("b", tokens) == CHUNKS * CHUNK_TOKENS
+        b.sched.start_load(RequestId("b"), list(INTO))
+        b.step()
+        (op,) = b.plans[-1].ops
+        assert op.held is not None
+        assert len(op.held.holders) == tp
+        assert b.sched.take_load_errors() == {}
+        for rank in range(tp):  # a shared shard is written by rank 0 alone, and read by every rank
+            assert b.blocks(rank, INTO) == a.blocks(rank if kv_heads is None else 0, range(BLOCKS))
+        assert [c.calls["lookup"] for c in counted] == [0] * tp  # no lookup of the workers' own
+        assert [c.calls["prepare_retrieve"] for c in counted] == [1] * tp
+        b.sched.finish(RequestId("b"))
+        b.step()
+        assert _still_locked(server, locked)
     assert _unlocked(server)  # every rank's prepare consumed its own lock, nothing lingers
-    b.sched.finish(RequestId("b"))
-    b.step()
-    assert _unlocked(server)
 
 
 def test_without_the_hand_over_each_worker_locks_with_a_lookup_of_its_own(
-    engines: EngineFactory, server: LMCacheServer
+    server: LMCacheServer, engines: EngineFactory
 ) -> None:
     spec = engine_spec(1)
     a, b = engines(spec, seed=3, server=server), engines(spec, seed=4, server=server, lock_handover_s=0)
@@ -126,24 +171,26 @@ def test_without_the_hand_over_each_worker_locks_with_a_lookup_of_its_own(
 
 
 def test_locks_the_load_does_not_read_are_released_once_it_ran(
-    engines: EngineFactory, server: LMCacheServer
+    server: LMCacheServer, engines: EngineFactory
 ) -> None:
     spec = engine_spec(1)
     a, b = engines(spec, seed=5, server=server), engines(spec, seed=6, server=server)
     tokens = prompt(23)
     save(a, "a", tokens)
-    local = CHUNK_TOKENS  # the engine's own prefix cache holds the first chunk: the load reads two
-    assert b.lookup("b", tokens, local_tokens=local) == (CHUNKS - 1) * CHUNK_TOKENS
-    b.sched.start_load(RequestId("b"), list(INTO))
-    b.step()
-    assert b.sched.take_load_errors() == {}
-    assert b.blocks(0, INTO[PER_CHUNK:]) == a.blocks(0, range(PER_CHUNK, BLOCKS))
+    with _other_reader(server, a) as locked:
+        local = CHUNK_TOKENS  # the engine's own prefix cache holds the first chunk: the load reads two
+        assert b.lookup("b", tokens, local_tokens=local) == (CHUNKS - 1) * CHUNK_TOKENS
+        b.sched.start_load(RequestId("b"), list(INTO))
+        b.step()
+        assert b.sched.take_load_errors() == {}
+        assert b.blocks(0, INTO[PER_CHUNK:]) == a.blocks(0, range(PER_CHUNK, BLOCKS))
+        assert _still_locked(server, locked)
     assert _unlocked(server)  # the first chunk's lock too, while the request still runs
 
 
 @pytest.mark.parametrize("end", ["finish", "abort", "preempt", "no load"])
 def test_a_request_that_never_loads_releases_what_its_lookup_locked(
-    end: str, engines: EngineFactory, server: LMCacheServer
+    end: str, server: LMCacheServer, engines: EngineFactory
 ) -> None:
     spec = engine_spec(2)
     a, b = engines(spec, seed=7, server=server), engines(spec, seed=8, server=server)
@@ -151,22 +198,28 @@ def test_a_request_that_never_loads_releases_what_its_lookup_locked(
     save(a, "a", tokens)
     request = RequestId("b")
     if end == "no load":  # the engine holds the whole prompt itself: there is nothing to load
-        assert b.lookup("b", tokens, local_tokens=len(tokens) - 5) == 0
-    else:
-        assert b.lookup("b", tokens) == CHUNKS * CHUNK_TOKENS
-        assert server.read_locked()
+        with _other_reader(server, a) as locked:
+            assert b.lookup("b", tokens, local_tokens=len(tokens) - 5) == 0
+            b.step()
+            assert _still_locked(server, locked)
+        assert _unlocked(server)
+        return
+    assert b.lookup("b", tokens) == CHUNKS * CHUNK_TOKENS
+    assert server.read_locked() == 2 * CHUNKS  # two ranks, a shard each
+    with _other_reader(server, a) as locked:
         ending: Callable[[RequestId], object] = {
             "finish": b.sched.finish,
             "abort": b.sched.abort,
             "preempt": b.sched.preempt,
         }[end]
         ending(request)
-    b.step()
+        b.step()
+        assert _still_locked(server, locked)
     assert _unlocked(server)
 
 
 def test_a_lock_too_old_to_hand_over_is_released_and_the_worker_locks_afresh(
-    engines: EngineFactory, server: LMCacheServer
+    server: LMCacheServer, engines: EngineFactory
 ) -> None:
     spec = engine_spec(1)
     a, b = engines(spec, seed=9, server=server), engines(spec, seed=10, server=server, lock_handover_s=0.2)
@@ -185,14 +238,8 @@ def test_a_lock_too_old_to_hand_over_is_released_and_the_worker_locks_afresh(
     assert _unlocked(server)
 
 
-def _tier(engine: Engine) -> LMCacheManagedTier:
-    tier = getattr(engine.workers[0].remote, "tier", None)
-    assert isinstance(tier, LMCacheManagedTier)
-    return tier
-
-
 def test_a_server_restart_between_lookup_and_load_is_a_miss_not_the_new_servers_bytes(
-    engines: EngineFactory, server: LMCacheServer
+    server: LMCacheServer, engines: EngineFactory
 ) -> None:
     spec = engine_spec(1)
     a, b, c = (engines(spec, seed=seed, server=server) for seed in (11, 12, 13))
@@ -223,7 +270,7 @@ def test_a_server_restart_between_lookup_and_load_is_a_miss_not_the_new_servers_
 
 
 def test_a_lock_that_lapsed_before_the_load_is_a_miss(
-    engines: EngineFactory, server_factory: ServerFactory
+    server_factory: ServerFactory, engines: EngineFactory
 ) -> None:
     server = server_factory(options=["--l1-read-ttl-seconds", "1"])
     server.start()

@@ -205,7 +205,7 @@ class Connector:
         }
         index = self._ports.index
         if index is not None:
-            left["remote locks neither handed over nor released"] = len(index.open)
+            left["remote locks neither handed over nor released"] = len(index.open) + index.untaken
             left["remote locks ended twice"] = len(index.ended_twice)
         leaks = {k: v for k, v in left.items() if v}
         if leaks:

@@ -295,6 +295,11 @@ class _FaultyIndex:
     def release_held(self, held: HeldChunks) -> None:
         self._end(held)
 
+    @property
+    def untaken(self) -> int:
+        """Held lookups answered whose locks the scheduler never took."""
+        return len(self._answered)
+
     def _end(self, held: HeldChunks) -> None:
         if held in self.open:
             self.open.remove(held)
