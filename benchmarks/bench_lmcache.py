@@ -49,8 +49,9 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
+from kvcore.testing.counting import CallCounter
 from kvcore.testing.support import start_owned
 
 with warnings.catch_warnings():  # lmcache's OpenTelemetry handler warns of its own deprecation
@@ -285,25 +286,6 @@ class KVCoreSide:
         self.tier.close()
 
 
-class CountedClient:
-    """A request client whose calls are counted, by method name."""
-
-    def __init__(self, client: RequestClient) -> None:
-        self._client = client
-        self.calls: Counter[str] = Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._client, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
-            return attr(*args, **kwargs)
-
-        return call
-
-
 def count_calls(url: str, size: int, chunks: int) -> tuple[Counter[str], Counter[str]]:
     """Server requests of one load of ``chunks`` stored chunks: kvcore's, LMCache's connector's."""
     rng = random.Random(size)
@@ -314,7 +296,7 @@ def count_calls(url: str, size: int, chunks: int) -> tuple[Counter[str], Counter
         tokens = tuple(rng.randrange(1, 1 << 30) for _ in range(chunks * CHUNK_TOKENS))
         if kv.store(keys) != chunks or raw.store(tokens) != chunks:
             raise RuntimeError("the chunks to load were not stored")
-        counted = [CountedClient(kv.index.link.client), CountedClient(kv.tier.link.client)]
+        counted = [CallCounter(kv.index.link.client), CallCounter(kv.tier.link.client)]
         kv.index.link.client = cast(RequestClient, counted[0])
         kv.tier.link.client = cast(RequestClient, counted[1])
         session = RequestId(f"calls-{next(_ids)}")
@@ -329,7 +311,7 @@ def count_calls(url: str, size: int, chunks: int) -> tuple[Counter[str], Counter
         blocks = kv.blocks(keys, chunks * BLOCKS_PER_CHUNK)
         (result,) = kv.tier.wait([kv.tier.submit_retrieve_blocks(session, blocks, keys)], TIMEOUT_S)
         kv.tier.end_session(session)
-        lmcache = CountedClient(raw.client)
+        lmcache = CallCounter(raw.client)
         raw.client = cast(RequestClient, lmcache)
         if result.failed or raw.load(tokens) != chunks:
             raise RuntimeError("a load missed")

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
 
 import pytest
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
 from kvcore.ids import ChunkKey, RequestId
+from kvcore.testing.counting import CallCounter
 from kvcore.testing.support import SETTLE_S, settle
 from kvcore_lmcache import LMCacheChunkIndex
 from kvcore_lmcache.config import LMCacheMPConfig
@@ -33,31 +32,12 @@ BLOCKS = CHUNKS * PER_CHUNK
 INTO = range(20, 20 + BLOCKS)  # where engine B loads
 
 
-class CountingClient:
-    """A request client that counts its calls by name."""
-
-    def __init__(self, client: Any) -> None:
-        self._client = client
-        self.calls: Counter[str] = Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._client, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
-            return attr(*args, **kwargs)
-
-        return call
-
-
-def _count_worker_calls(engine: Engine) -> list[CountingClient]:
+def _count_worker_calls(engine: Engine) -> list[CallCounter]:
     counted = []
     for worker in engine.workers:
         tier = getattr(worker.remote, "tier", None)
         assert isinstance(tier, LMCacheManagedTier)
-        client = CountingClient(tier.link.client)
+        client = CallCounter(tier.link.client)
         tier.link.client = client  # counts, then forwards every call
         counted.append(client)
     return counted
