@@ -45,12 +45,11 @@ class _Held:
     """A held lookup's kept locks: answered, then (once the locks it does not keep are released)
     taken by the scheduler, then handed over or released."""
 
-    __slots__ = ("answer", "at", "chains", "held", "releases")
+    __slots__ = ("at", "chains", "held", "releases")
 
     def __init__(self, state: LookupState, answer: int, releases: list[MessagingFuture[Any]]) -> None:
         self.held = HeldChunks(state.servers, state.first, state.first + answer)
         self.chains = state.chains
-        self.answer = answer
         self.releases = releases
         self.at = time.monotonic()  # the locks are as old as this, or a little older
 
@@ -183,7 +182,7 @@ class LMCacheChunkIndex:
             self._asked.pop(lookup_id, None)
             self._settling.pop(lookup_id, None)
             self._answered[lookup_id] = record
-        return record.answer
+        return record.held.end - record.held.start
 
     def take_held(self, lookup_id: LookupId) -> HeldChunks | None:
         with self._lock:

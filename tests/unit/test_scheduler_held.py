@@ -18,6 +18,7 @@ from kvcore.plan import BlockOp, StepPlan
 from kvcore.ports import Direction, HeldChunks, SupportsHeldLookups
 from kvcore.remote import StoreRemote
 from kvcore.scheduler import CacheScheduler
+from kvcore.testing.memory import InMemoryChunkStore
 from kvcore.worker import BlockWorker
 from tests.unit.test_scheduler_remote import CONFIG, ENGINE, OTHER, TOKENS, Rig, StoreIndex
 
@@ -25,8 +26,8 @@ from tests.unit.test_scheduler_remote import CONFIG, ENGINE, OTHER, TOKENS, Rig,
 class HoldingIndex(StoreIndex):
     """A store's index whose held lookups keep their answer, under one holder name per rank."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # StoreIndex's own arguments
+    def __init__(self, store: InMemoryChunkStore) -> None:
+        super().__init__(store)
         self.lookups = 0
         self.fresh = True  # whether a hand-over is accepted
         self._answered: dict[LookupId, HeldChunks] = {}
