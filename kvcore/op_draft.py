@@ -50,14 +50,17 @@ class OpDraft:
         num_blocks: int | None = None,
         shard_keys: tuple[ChunkKey | None, ...] | None = None,
         fetched: bool = False,
+        value_blocks: int | None = None,
     ) -> None:
         """Add blocks ``first_block`` on of request chunk ``chunk`` (``num_blocks`` of them, default to
         the chunk's end), from the request's ``block_ids``, to host ``slot`` (``None``: no host slot).
-        ``shard_keys``: the chunk also crosses the remote tier, under each rank's key."""
+        ``shard_keys``: the chunk also crosses the remote tier, under each rank's key; ``value_blocks``:
+        it is a tail of that many blocks (``RemoteChunk.value_blocks``)."""
         per = self.blocks_per_chunk
         count = per - first_block if num_blocks is None else num_blocks
         if shard_keys is not None:
-            self.remote.append(RemoteChunk(slot, shard_keys, len(self.engine_blocks), count, first_block))
+            first = len(self.engine_blocks)
+            self.remote.append(RemoteChunk(slot, shard_keys, first, count, first_block, value_blocks))
             self.through = chunk + 1
         if fetched:
             self.fetched.add(key)

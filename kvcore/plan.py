@@ -28,6 +28,9 @@ class RemoteChunk:
     partly holds). ``slot`` is ``None`` when the chunk has no host slot: the remote tier copies its engine
     blocks straight into or out of its own memory (``SupportsBlockTransfer``). An op's chunks either all
     have a slot or none has.
+
+    ``value_blocks``: the chunk is a *tail* (its leading whole blocks, ``Keyer.tail_key``), whose value in
+    the remote tier is that many blocks, the leading ones of its slot; ``None``: a whole chunk.
     """
 
     slot: int | None = field(validator=optional(ge(0)))
@@ -35,6 +38,7 @@ class RemoteChunk:
     first: int = field(validator=ge(0))
     count: int = field(validator=ge(1))
     from_block: int = field(default=0, validator=ge(0))
+    value_blocks: int | None = field(default=None, validator=optional(ge(1)))
 
 
 @frozen

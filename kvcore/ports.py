@@ -25,7 +25,7 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from attrs import Attribute, field, frozen
-from attrs.validators import ge
+from attrs.validators import ge, optional
 
 from kvcore.checks import block_id, instance
 from kvcore.errors import InvalidSpecError
@@ -160,13 +160,15 @@ class HeldChunks:
 class BlockItem:
     """One chunk that a tier moves straight between its own memory and engine blocks.
 
-    ``engine_blocks[i]`` holds block ``first + i`` of the chunk (a store moves whole chunks: ``first`` is
-    0 and every block of the chunk is given).
+    ``engine_blocks[i]`` holds block ``first + i`` of the chunk (a store moves whole values: ``first`` is
+    0 and every block of the value is given). ``value_blocks``: the key names a *tail*, a value of that
+    many blocks (the leading whole blocks of a chunk, fewer than a chunk's); ``None``: a whole chunk.
     """
 
     key: ChunkKey
     engine_blocks: tuple[int, ...] = field(converter=int_tuple, validator=int_ids)
     first: int = field(default=0, validator=ge(0))
+    value_blocks: int | None = field(default=None, validator=optional(ge(1)))
 
 
 @frozen

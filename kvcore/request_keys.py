@@ -183,6 +183,21 @@ class Keyer:
         """The pool's key of the first ``blocks`` engine blocks of chunk ``chunk`` (a tail: fewer blocks
         than a chunk), or ``None`` where ``chain`` does not know their tokens yet (or the engine's hash
         blocks do not end where the tail does). ``chunk`` is at most the chain's count of full chunks."""
+        tail = self._tail_hash(chain, chunk, blocks)
+        return None if tail is None else self.keyspace.keys((tail,))[0]
+
+    def tail_keys(
+        self, chain: ChunkChain, chunk: int, blocks: int
+    ) -> tuple[ChunkKey, tuple[ChunkKey, ...]] | None:
+        """``tail_key`` and, with a shared tier, each rank's shard key of the same tail (as
+        ``ChunkChain.rank_keys`` for a chunk; empty without one)."""
+        tail = self._tail_hash(chain, chunk, blocks)
+        if tail is None:
+            return None
+        ranked = self._ranked((tail,))
+        return self.keyspace.keys((tail,))[0], ranked[0] if ranked else ()
+
+    def _tail_hash(self, chain: ChunkChain, chunk: int, blocks: int) -> bytes | None:
         start = chunk * self.chunk_tokens
         count = blocks * self._block_tokens
         end = start + count
@@ -200,7 +215,7 @@ class Keyer:
             parent = chain.hashes[chunk - 1] if chunk else None
             tokens = cast(Sequence[int], chain.source[start:end])
             hashes = self._tail_hasher.hash_tokens(tokens, chain.extra, parent, start=start)
-        return self.keyspace.keys(hashes)[0]
+        return hashes[0]
 
     def refresh(self, chain: ChunkChain) -> None:
         """Render ``chain``'s keys from its hashes under the current namespace."""

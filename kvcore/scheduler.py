@@ -88,6 +88,7 @@ class _Request:
         "lost_blocks",
         "pending",
         "prompt_tokens",
+        "remote_tail",
         "saved_chunks",
         "tail",
         "tails_saved",
@@ -108,7 +109,9 @@ class _Request:
         self.lost_blocks: list[int] = []  # the part the scheduler itself decided (chunk gone before the copy)
         self.saved_chunks = 0
         self.chain_sent = 0  # leading chain positions (``chain.rank_keys``) already sent to the workers
-        self.tail: _Tail | None = None  # the pool's tail of the chunk after the answer's chunks
+        self.tail: _Tail | None = None  # the tail of the chunk after the answer's chunks that a tier holds
+        # the prompt's tail, asked of the remote tier after the chain (while pending), or found there
+        self.remote_tail: _Tail | None = None
         self.tails_saved: set[tuple[int, int]] | None = set()  # (chunk, blocks); None: save no more
         # (plan, block): this plan's load gave up its blocks from ``block`` on before any copy
         self.unloaded: tuple[int, int] | None = None
@@ -124,11 +127,15 @@ class _Request:
 
 @frozen
 class _Tail:
-    """The first ``blocks`` blocks of request chunk ``chunk``, kept in the pool under ``key``."""
+    """The first ``blocks`` blocks of request chunk ``chunk``, under ``key`` in the pool and under
+    ``rank_keys`` (one per rank) in a remote tier, where it is the chain's next position after its full
+    chunks. ``remote``: found in the remote tier, not in the pool."""
 
     chunk: int
     key: ChunkKey
     blocks: int
+    rank_keys: tuple[ChunkKey, ...] = ()
+    remote: bool = False
 
 
 class CacheScheduler:
@@ -258,6 +265,9 @@ class CacheScheduler:
             if req.answer is None:
                 return None  # a remote lookup is pending: ask again next step
             req.tail = self._tail_hit(req, req.answer)
+            found = req.remote_tail
+            if found is not None and (req.tail is None or req.tail.blocks < found.blocks):
+                req.tail = attrs.evolve(found, remote=True)
         external = hit_tokens(req.answer, req.chain.counts)
         if req.tail is not None:
             external += req.tail.blocks * self.block_tokens
@@ -315,13 +325,14 @@ class CacheScheduler:
             key = tail.key if tail is not None else req.chain.keys[piece.chunk]
             if self.pool.lookup((key,)):
                 sources.append((piece, key, True))
-            elif self._remote is not None and piece.chunk < (req.answer or 0):
+            elif self._remote is not None and (piece.chunk < (req.answer or 0) or (tail and tail.remote)):
                 sources.append((piece, key, False))
             else:
                 break  # the chunk left the pool since the lookup
         pinned = [key for _, key, local in sources if local]
         self.pool.pin(pinned)
         for n, (piece, key, local) in enumerate(sources):
+            tail = req.tail if req.tail is not None and req.tail.key == key else None
             slot: int | None = None
             if local:
                 slot = self.pool.slots_of((key,))[0]
@@ -338,8 +349,9 @@ class CacheScheduler:
                 slot,
                 first_block=piece.first_block,
                 num_blocks=piece.num_blocks,
-                shard_keys=None if local else req.chain.rank_keys[piece.chunk],
+                shard_keys=None if local else tail.rank_keys if tail else req.chain.rank_keys[piece.chunk],
                 fetched=not local,
+                value_blocks=tail.blocks if tail else None,
             )
         loaded = len(draft.engine_blocks)
         lost = spec.num_blocks - loaded
@@ -362,7 +374,7 @@ class CacheScheduler:
                 held = None
         if not loaded:
             return 0
-        self._submit(request_id, Direction.LOAD, draft, held)
+        self._submit(request_id, Direction.LOAD, draft, held, req.remote_tail)
         queued = spec.tokens_in(loaded)
         self._counters["hit_tokens"] += queued
         self._counters["async_loads"] += is_async
@@ -378,7 +390,8 @@ class CacheScheduler:
             return False
         chunk = self.config.chunk_tokens
         first = max(req.load.start // chunk, req.local_hits)
-        last = min((req.load.stop - 1) // chunk, (req.answer or 0) - 1)  # a tail is local
+        remote_tail = req.tail is not None and req.tail.remote
+        last = min((req.load.stop - 1) // chunk, (req.answer or 0) - 1 + remote_tail)
         return self._direct or last >= first
 
     def take_lost_blocks(self) -> tuple[int, ...]:
@@ -427,11 +440,12 @@ class CacheScheduler:
         already holds are skipped; chunks that do not fit are dropped (no room is not an error). Bad
         input (block ids out of range, repeated or not integers) raises ``InvalidSpecError``.
 
-        With ``partial_chunks: keep`` and a local pool, the whole blocks of the chunk a request stops in
-        are kept too (a *tail*, counted as a chunk): once when its prompt is computed, and once more when
-        ``final`` says it computes nothing more (call ``save`` with ``final=True`` before ``finish``).
-        Not at every decode block: a tail takes a slot, and one is worth it where the next request may
-        diverge. A tail never crosses to a remote tier (it is a miss there).
+        With ``partial_chunks: keep``, the whole blocks of the chunk a request stops in are kept too (a
+        *tail*, counted as a chunk): once when its prompt is computed, and once more when ``final`` says
+        it computes nothing more (call ``save`` with ``final=True`` before ``finish``). Not at every
+        decode block: a tail takes a slot, and one is worth it where the next request may diverge. A
+        tail also crosses to a remote tier, as the chain's position after its full chunks (one whose
+        chunk is already keyed whole stays in the local pool).
 
         Blocks that this plan's load of the request gave up (their chunk left the pool first) are not
         read, nor any after them: they hold no KV of the request until the engine recomputes them, which
@@ -475,11 +489,12 @@ class CacheScheduler:
         whole = [i for i in range(start, full) if None not in table[i * per : (i + 1) * per]]
         ids = cast(tuple[int, ...], table)  # only whole chunks and tails (no hole) are read below
         wanted = list(self._sightings.admitted([chain.keys[i] for i in whole]))
-        chunk_of: dict[ChunkKey, tuple[int, int | None]] = {chain.keys[i]: (i, None) for i in whole}
         tail = self._tail_to_save(req, table, num_tokens, final, tokens, block_hashes, hash_block_tokens)
-        if tail is not None and self._sightings.admitted([tail.key]):
+        crosses = tail is not None and self._remote is not None and tail.chunk == len(chain.keys)
+        if tail is not None and (crosses or not self._direct) and self._sightings.admitted([tail.key]):
             wanted.append(tail.key)
-            chunk_of[tail.key] = (tail.chunk, tail.blocks)
+        else:
+            tail = None
         if full > start:
             req.saved_chunks = full
         if not wanted:
@@ -491,13 +506,17 @@ class CacheScheduler:
             return 0
         draft = OpDraft(self.blocks_per_chunk)
         writers = self.keyer.writers
+        position = {chain.keys[i]: i for i in whole}
         for key, slot in slots:
-            chunk, blocks = chunk_of[key]
+            this = tail if tail is not None and key == tail.key else None
+            chunk = this.chunk if this is not None else position[key]
             owned = None  # a shared tier is written by one rank of each group of replicas
-            if self._remote is not None and blocks is None:
-                owned = tuple(k if w else None for k, w in zip(chain.rank_keys[chunk], writers, strict=True))
-            draft.add(key, chunk, ids, slot, num_blocks=blocks, shard_keys=owned)
-        self._submit(request_id, Direction.SAVE, draft)
+            if self._remote is not None and (this is None or crosses):
+                shards = this.rank_keys if this is not None else chain.rank_keys[chunk]
+                owned = tuple(k if w else None for k, w in zip(shards, writers, strict=True))
+            blocks = this.blocks if this is not None else None
+            draft.add(key, chunk, ids, slot, num_blocks=blocks, shard_keys=owned, value_blocks=blocks)
+        self._submit(request_id, Direction.SAVE, draft, tail=tail if crosses else None)
         return len(draft.keys)
 
     # -- steps, completions and request ends -------------------------------------------------------------
@@ -607,17 +626,22 @@ class CacheScheduler:
 
     def _answer(self, req: _Request) -> int | None:
         """Leading chunks the tiers hold, or ``None`` while the remote lookup is pending."""
+        keys = req.chain.keys
         if req.pending is None:
-            keys = req.chain.keys
             req.local_hits = self._index.lookup([(k,) for k in keys])
-            if self._remote is None or req.local_hits == len(keys):
+            req.remote_tail = None
+            if self._remote is None:
                 return req.local_hits
+            # the prompt's tail is the chain's next position, asked after its chunks in the same lookup
+            tail = self._tail_at(req, req.prompt_tokens)
+            if tail is not None and (tail.chunk != len(keys) or self._tail_hit(req, tail.chunk) is not None):
+                tail = None
+            if req.local_hits == len(keys) and tail is None:
+                return req.local_hits
+            req.remote_tail = tail
             held = self._remote.holds  # every rank's key: each rank that reads a chunk holds its lock
-            chunks = (
-                list(req.chain.rank_keys)
-                if held
-                else [tuple(dict.fromkeys(shards)) for shards in req.chain.rank_keys]
-            )
+            ranked = [*req.chain.rank_keys, *((tail.rank_keys,) if tail is not None else ())]
+            chunks = ranked if held else [tuple(dict.fromkeys(shards)) for shards in ranked]
             begun: int | PendingLookup | None = self._remote.begin(
                 chunks[req.local_hits :], chunks[: req.local_hits], held=held
             )
@@ -634,7 +658,9 @@ class CacheScheduler:
             if not begun:
                 self._release_held(req)
         req.pending = None
-        return req.local_hits + begun
+        if req.local_hits + begun <= len(keys):
+            req.remote_tail = None  # not found
+        return min(req.local_hits + begun, len(keys))
 
     def _tail_span(self, num_tokens: int) -> tuple[int, int]:
         """``(chunk, blocks)``: the whole blocks of the chunk that ``num_tokens`` tokens end in."""
@@ -643,15 +669,16 @@ class CacheScheduler:
 
     def _tail_at(self, req: _Request, num_tokens: int) -> _Tail | None:
         """The tail that ends at the last whole block of the request's first ``num_tokens`` tokens, if it
-        has one (``partial_chunks: keep``) and its key is known; ``None`` too without a local pool."""
-        if not self.keyer.tails or self._direct:
+        has one (``partial_chunks: keep``) and its key is known."""
+        if not self.keyer.tails:
             return None
         chunk, blocks = self._tail_span(num_tokens)
-        key = self.keyer.tail_key(req.chain, chunk, blocks) if blocks else None
-        return None if key is None else _Tail(chunk, key, blocks)
+        keys = self.keyer.tail_keys(req.chain, chunk, blocks) if blocks else None
+        return None if keys is None else _Tail(chunk, keys[0], blocks, keys[1])
 
     def _tail_hit(self, req: _Request, chunk: int) -> _Tail | None:
-        """The longest tail of request chunk ``chunk`` (the first one no tier holds) in the local pool."""
+        """The longest tail of request chunk ``chunk`` (the first one no tier holds) in the local pool;
+        the remote tier is asked for the prompt's tail alone, in the lookup (``_answer``)."""
         if not self.keyer.tails or self._direct:
             return None
         for blocks in range(self.blocks_per_chunk - 1, 0, -1):
@@ -679,6 +706,8 @@ class CacheScheduler:
         first = chunk * self.blocks_per_chunk
         if not blocks or (chunk, blocks) in req.tails_saved or len(table) < first + blocks:
             return None
+        if self._direct and req.tail is not None and (req.tail.chunk, req.tail.blocks) == (chunk, blocks):
+            return None  # the remote tier holds it: its lookup found it
         if None in table[first : first + blocks]:
             return None
         if tokens is not None or block_hashes is not None:
@@ -698,18 +727,30 @@ class CacheScheduler:
             self._remote.release_held(held)
 
     def _submit(
-        self, request_id: RequestId, direction: Direction, draft: OpDraft, held: HeldChunks | None = None
+        self,
+        request_id: RequestId,
+        direction: Direction,
+        draft: OpDraft,
+        held: HeldChunks | None = None,
+        tail: _Tail | None = None,
     ) -> None:
         """Queue the drafted op. One with remote chunks carries the request's chain positions up to
         ``draft.through`` (one past its last remote chunk; with ``held``, at least its end) that no
-        earlier op carried."""
+        earlier op carried. Where that reaches ``tail`` (its chunk is the chain's position after its full
+        chunks), the chain ends with the tail's keys, and the next op carries that position again."""
         chain: tuple[tuple[ChunkKey, ...], ...] = ()
         chain_from = 0
         if draft.remote:
             req = self._requests[request_id]
+            ranked = req.chain.rank_keys
             through = max(draft.through, held.end if held is not None else 0)
-            chain_from, chain = req.chain_sent, req.chain.rank_keys[req.chain_sent : through]
-            req.chain_sent = max(req.chain_sent, through)
+            if tail is not None and through > tail.chunk:
+                chain_from = min(req.chain_sent, tail.chunk)
+                chain = (*ranked[chain_from : tail.chunk], tail.rank_keys)
+                req.chain_sent = tail.chunk
+            else:
+                chain_from, chain = req.chain_sent, ranked[req.chain_sent : through]
+                req.chain_sent = max(req.chain_sent, through)
         op = BlockOp(
             self._ops.next_id(),
             direction,

@@ -48,10 +48,12 @@ class _Stage(enum.Enum):
 class _Run:
     """One op on its way through its stages."""
 
-    __slots__ = ("abandoned", "copied", "error", "failed", "op", "refused", "stage", "staged")
+    __slots__ = ("abandoned", "chain", "copied", "error", "failed", "op", "refused", "stage", "staged")
 
-    def __init__(self, op: BlockOp) -> None:
+    def __init__(self, op: BlockOp, chain: tuple[ChunkKey, ...]) -> None:
         self.op = op
+        # its request's chain as the op was started: a later op may replace the tail at its end
+        self.chain = chain
         self.abandoned = False  # fenced: its engine blocks are no longer the request's
         self.refused = False  # refused before any byte moved (bad input, not bad chunks)
         self.stage = _Stage.COPY
@@ -86,8 +88,9 @@ class _Repeats:
 class BlockWorker:
     """One rank's executor of ``StepPlan``s.
 
-    ``remote`` attaches a remote tier whose values are one host slot (``slot_bytes``) of this rank each;
-    ops without remote chunks never touch it. With it, the worker keeps each request's chain (this rank's
+    ``remote`` attaches a remote tier whose values are one host slot (``slot_bytes``, ``slot_blocks``
+    host blocks) of this rank each, or a tail's leading blocks of one; ops without remote chunks never
+    touch it. With it, the worker keeps each request's chain (this rank's
     keys from the request's first chunk on, pieced together from the ops' ``chain`` deltas) until the
     request's session ends, and names it in every fetch and publish, as a chained tier needs. ``mover``
     is ``None`` for a worker with no host slots: the remote tier moves every op's blocks itself.
@@ -100,12 +103,16 @@ class BlockWorker:
         remote: RemoteTier | None = None,
         slot_bytes: int = 0,
         *,
+        slot_blocks: int = 0,
         fence_timeout: float = 30.0,
     ) -> None:
         if mover is None and remote is None:
             raise UsageError("a worker needs a mover, a remote tier or both")
-        if mover is not None and remote is not None and slot_bytes <= 0:
-            raise UsageError("a remote tier needs the host slot size (slot_bytes > 0)")
+        if mover is not None and remote is not None:
+            if slot_bytes <= 0:
+                raise UsageError("a remote tier needs the host slot size (slot_bytes > 0)")
+            if slot_blocks < 1 or slot_bytes % slot_blocks:
+                raise UsageError(f"slot_blocks: got {slot_blocks!r}, expected a divisor of {slot_bytes}")
         if not 0 < fence_timeout < float("inf"):
             raise UsageError(f"fence_timeout: got {fence_timeout!r}, expected a finite number of seconds > 0")
         self._fence_timeout = fence_timeout
@@ -116,6 +123,7 @@ class BlockWorker:
         self._rank = rank
         self._remote = remote
         self._slot_bytes = slot_bytes
+        self._slot_blocks = slot_blocks
         self._runs: dict[int, _Run] = {}  # op id -> run, until reported
         self._jobs: dict[tuple[int, JobId], int] = {}  # (queue, job) -> op id
         self._current: dict[int, tuple[int, JobId]] = {}  # op id -> its job in flight
@@ -134,7 +142,7 @@ class BlockWorker:
                 self._extend_chain(op)
             if op.held is not None:
                 self._adopt(op, op.held)
-            run = _Run(op)
+            run = _Run(op, tuple(self._chains.get(op.request_id, ())) if op.remote else ())
             self._runs[op.op_id] = run
             if op.op_id in fenced:  # its blocks were freed before it could start: it moves nothing
                 run.abandoned = True
@@ -333,7 +341,7 @@ class BlockWorker:
         if not run.staged:
             self._next(run)
             return
-        chain = tuple(self._chains.get(run.op.request_id, ()))
+        chain = run.chain
         fetch = stage is _Stage.FETCH
         try:
             if remote is None:
@@ -356,16 +364,20 @@ class BlockWorker:
         self._track(run, self._REMOTE, job)
 
     def _store_item(self, chunk: RemoteChunk) -> StoreItem:
-        key, slot = chunk.keys[self._rank], chunk.slot
+        key, slot, blocks = chunk.keys[self._rank], chunk.slot, chunk.value_blocks
         if key is None or slot is None:
             raise UsageError(f"chunk {chunk} has no key for rank {self._rank} or no host slot")
-        return StoreItem(key, slot * self._slot_bytes, self._slot_bytes)
+        if blocks is not None and blocks >= self._slot_blocks:
+            raise UsageError(f"chunk {chunk}: a tail of {blocks} blocks, slots hold {self._slot_blocks}")
+        length = self._slot_bytes if blocks is None else self._slot_bytes // self._slot_blocks * blocks
+        return StoreItem(key, slot * self._slot_bytes, length)
 
     def _block_item(self, op: BlockOp, chunk: RemoteChunk) -> BlockItem:
         key = chunk.keys[self._rank]
         if key is None:
             raise UsageError(f"chunk {chunk} has no key for rank {self._rank}")
-        return BlockItem(key, op.engine_blocks[chunk.first : chunk.first + chunk.count], chunk.from_block)
+        blocks = op.engine_blocks[chunk.first : chunk.first + chunk.count]
+        return BlockItem(key, blocks, chunk.from_block, chunk.value_blocks)
 
     def _extend_chain(self, op: BlockOp) -> None:
         """Put the op's chain delta at ``chain_from`` of its request's chain (dropping what followed)."""

@@ -123,9 +123,17 @@ class CPUWorker(BlockWorker):
         remote: RemoteTier | None = None,
         slot_bytes: int = 0,
         fence_timeout: float = 30.0,
+        slot_blocks: int = 0,
     ) -> None:
         self.checksums = ChecksummedMover(mover, self.host_block_bytes) if checksums and mover else None
-        super().__init__(self.checksums or mover, rank, remote, slot_bytes, fence_timeout=fence_timeout)
+        super().__init__(
+            self.checksums or mover,
+            rank,
+            remote,
+            slot_bytes,
+            slot_blocks=slot_blocks,
+            fence_timeout=fence_timeout,
+        )
         self.remote = remote
         self.mover = mover
         self.engine_kv = engine_kv
@@ -204,6 +212,7 @@ def open_worker(
         tier,
         slot_bytes(config, engine) if tier is not None else 0,
         config.transfer_timeout_s,
+        blocks_per_chunk,
     )
 
 

@@ -52,9 +52,9 @@ class LMCacheManagedTier:
     ``host`` is the worker's host buffer for the ``ManagedTier`` calls (a writable buffer: ``bytearray``,
     a NumPy array's memory, a pinned tensor's storage). With ``block_movers``, the tier also moves whole
     chunks of ``value_bytes`` straight between the engine's blocks (``block_bytes`` each, every layer of
-    the shard) and its slots (``SupportsBlockTransfer``). Construction never fails because the server is
-    absent (see ``ServerLink``); it raises ``ConfigError`` when the server's chunk size is not
-    ``chunk_tokens``.
+    the shard) and its slots (``SupportsBlockTransfer``), and tails of fewer blocks. Construction never
+    fails because the server is absent (see ``ServerLink``); it raises ``ConfigError`` when the server's
+    chunk size is not ``chunk_tokens``.
     """
 
     def __init__(
@@ -210,10 +210,13 @@ class LMCacheManagedTier:
         size = self.blocks_per_value
         for i, item in enumerate(items):
             count = len(item.engine_blocks)
-            if (whole and (item.first or count != size)) or count < 1 or item.first + count > size:
+            blocks = size if item.value_blocks is None else item.value_blocks
+            if blocks > size:
+                raise InvalidSpecError(f"item {i} ({item.key}): value_blocks {blocks}, slots hold {size}")
+            if (whole and (item.first or count != blocks)) or count < 1 or item.first + count > blocks:
                 raise InvalidSpecError(
-                    f"item {i} ({item.key}): blocks [{item.first}, {item.first + count}) of a chunk of {size}"
-                    + (" (a store moves whole chunks)" if whole else "")
+                    f"item {i} ({item.key}): blocks [{item.first}, {item.first + count}) of a value of "
+                    f"{blocks}" + (" (a store moves whole values)" if whole else "")
                 )
         patience = self.link.config.request_timeout_s
         return BlockValues(movers.mark(), tuple(items), self.link.layout, self._mover_over, patience)

@@ -132,7 +132,11 @@ class BlockValues(Values):
         mover_over: Callable[[Segment], OrderedMover | None],
         patience: float,
     ) -> None:
-        super().__init__([item.key for item in items], [layout.value_bytes] * len(items))
+        whole = layout.value_bytes
+        super().__init__(
+            [item.key for item in items],
+            [whole if item.value_blocks is None else item.value_blocks * layout.align for item in items],
+        )
         self._mark = mark
         self._items = items
         self._layout = layout

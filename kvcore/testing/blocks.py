@@ -152,6 +152,29 @@ class BlockTransferTests(HarnessFixture[BlockTransferHarness[TierT]], Generic[Ti
         engine[0] = value[last * size :]
         assert _engine(harness) == engine
 
+    def test_a_tail_round_trips_after_its_chain_and_is_never_read_as_a_whole_chunk(
+        self, harness: BlockTransferHarness[TierT]
+    ) -> None:
+        # chain [chunk, tail]: chunk 0's blocks, then the leading blocks of chunk 1 as a value of its own
+        size = harness.blocks_per_chunk
+        if size < 2:
+            pytest.skip("a chunk of one block has no tail")
+        engine = _fill(harness, "tail")
+        chunk, tail = fresh_keys(2)
+        lead = _chunk(harness, 1)[: size - 1]
+        items = [BlockItem(chunk, _chunk(harness, 0)), BlockItem(tail, lead, value_blocks=size - 1)]
+        job = harness.backend.submit_store_blocks(new_session("tail"), items, [chunk, tail])
+        assert wait_one(harness.backend, job).ok
+        assert harness.peek(tail, [chunk]) == _joined(engine, lead)
+        first = 1 if size > 2 else 0  # from the tail's block 1 on where it has two: a load that starts in it
+        into = _chunk(harness, 2)[: size - 1 - first]
+        assert self._retrieve_chunks(harness, [BlockItem(tail, into, first, size - 1)], [chunk, tail]).ok
+        for n, block in enumerate(into):
+            engine[block] = engine[lead[first + n]]
+        assert _engine(harness) == engine
+        whole = BlockItem(tail, _chunk(harness, 3))  # the same key read as a whole chunk: a failed item
+        assert self._retrieve_chunks(harness, [whole], [chunk, tail]).failed == (0,)
+
     def test_block_retrieve_of_a_missing_key_is_a_failed_item(
         self, harness: BlockTransferHarness[TierT]
     ) -> None:

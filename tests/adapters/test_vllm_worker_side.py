@@ -138,7 +138,9 @@ def test_an_async_fetch_past_its_deadline_is_named_at_once_and_never_copied() ->
     config = load_config(
         {"backend": {"kind": "cpu", "size": "8MiB"}, "chunk_tokens": 128, "transfer_timeout_s": 0.2}
     )
-    side = WorkerSide(config, ENGINE, ["layer0"], 0, lambda _: BlockWorker(mover, 0, tier, BLOCK_BYTES))
+    side = WorkerSide(
+        config, ENGINE, ["layer0"], 0, lambda _: BlockWorker(mover, 0, tier, BLOCK_BYTES, slot_blocks=1)
+    )
     side.register_kv_caches({"layer0": torch.zeros(1)})
     before = mover.read_engine_block(7)
     chunk = RemoteChunk(slot=3, keys=(ChunkKey("k"),), first=0, count=1)
@@ -165,7 +167,11 @@ def _fetching_side(timeout_s: float) -> tuple[WorkerSide, InMemoryBlockMover, In
         {"backend": {"kind": "cpu", "size": "8MiB"}, "chunk_tokens": 128, "transfer_timeout_s": timeout_s}
     )
     side = WorkerSide(
-        config, ENGINE, ["layer0"], 0, lambda _: BlockWorker(mover, 0, StoreRemote(store), BLOCK_BYTES)
+        config,
+        ENGINE,
+        ["layer0"],
+        0,
+        lambda _: BlockWorker(mover, 0, StoreRemote(store), BLOCK_BYTES, slot_blocks=1),
     )
     side.register_kv_caches({"layer0": torch.zeros(1)})
     return side, mover, store

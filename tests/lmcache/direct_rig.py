@@ -111,14 +111,17 @@ def engine_factory(default: LMCacheServer) -> Iterator[EngineFactory]:
             engine.close()
 
 
-def prompt(seed: int) -> list[int]:
-    """A prompt of ``CHUNKS`` chunks and a few tokens."""
-    return [(seed * 7919 + 31 * i) % 30000 for i in range(CHUNKS * CHUNK_TOKENS + 5)]
+def prompt(seed: int, tail_blocks: int = 0) -> list[int]:
+    """A prompt of ``CHUNKS`` chunks, ``tail_blocks`` whole blocks (a tail) and a few tokens."""
+    return [(seed * 7919 + 31 * i) % 30000 for i in range(CHUNKS * CHUNK_TOKENS + tail_blocks * BLOCK + 5)]
 
 
 def save(engine: Engine, request: str, tokens: list[int]) -> None:
-    """Compute-and-save ``tokens`` as request ``request`` of ``engine``, from its blocks 0 on."""
+    """Compute-and-save ``tokens`` as request ``request`` of ``engine``, from its blocks 0 on: its whole
+    chunks and its tail (the whole blocks after them), if it has one."""
     assert engine.lookup(request, tokens) == 0
-    assert engine.sched.save(RequestId(request), list(range(CHUNKS * PER_CHUNK)), len(tokens)) == CHUNKS
+    chunks, rest = divmod(len(tokens), CHUNK_TOKENS)
+    blocks = list(range(-(-len(tokens) // BLOCK)))
+    assert engine.sched.save(RequestId(request), blocks, len(tokens)) == chunks + (rest >= BLOCK)
     engine.step()
     assert engine.sched.stats().failed_save_chunks == 0

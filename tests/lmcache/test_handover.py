@@ -25,7 +25,16 @@ from kvcore_lmcache import LMCacheChunkIndex
 from kvcore_lmcache.config import LMCacheMPConfig
 from kvcore_lmcache.tier import LMCacheManagedTier
 from tests.lmcache.conftest import CHUNK_TOKENS, LMCacheServer, ServerFactory
-from tests.lmcache.direct_rig import CHUNKS, PER_CHUNK, Engine, EngineFactory, engine_spec, prompt, save
+from tests.lmcache.direct_rig import (
+    BLOCK,
+    CHUNKS,
+    PER_CHUNK,
+    Engine,
+    EngineFactory,
+    engine_spec,
+    prompt,
+    save,
+)
 from tests.lmcache.raw import RawClient
 
 BLOCKS = CHUNKS * PER_CHUNK
@@ -130,6 +139,40 @@ def test_a_load_reads_under_the_schedulers_locks_and_releases_them_all(
         b.step()
         assert _still_locked(server, locked)
     assert _unlocked(server)  # every rank's prepare consumed its own lock, nothing lingers
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_prompts_tail_travels_through_the_server_under_the_handed_over_locks(
+    tp: int, server: LMCacheServer, engines: EngineFactory
+) -> None:
+    spec = engine_spec(tp)
+    a, b = engines(spec, seed=7, server=server), engines(spec, seed=8, server=server)
+    tokens = prompt(24, tail_blocks=PER_CHUNK - 1)  # the tail: all but one block of a chunk
+    save(a, "a", tokens)
+    (stored,) = a.plans[-1].ops
+    assert [c.value_blocks for c in stored.remote] == [None] * CHUNKS + [PER_CHUNK - 1]
+    assert len(stored.chain) == CHUNKS + 1  # the tail is the chain's position after the chunks
+    counted = _count_worker_calls(b)
+    cached = CHUNKS * CHUNK_TOKENS + (PER_CHUNK - 1) * BLOCK
+    assert b.lookup("b", tokens) == cached  # LMCache's own connector: CHUNKS * CHUNK_TOKENS
+    into = list(range(20, 20 + BLOCKS + PER_CHUNK))
+    assert b.sched.start_load(RequestId("b"), into) == cached
+    b.step()
+    (op,) = b.plans[-1].ops
+    assert op.held is not None
+    assert op.held.end == CHUNKS + 1
+    assert b.sched.take_load_errors() == {}
+    loaded = BLOCKS + PER_CHUNK - 1
+    for rank in range(tp):
+        assert b.blocks(rank, range(20, 20 + loaded)) == a.blocks(rank, range(loaded))
+    assert [(c.calls["lookup"], c.calls["prepare_retrieve"]) for c in counted] == [(0, 1)] * tp
+    assert _unlocked(server)
+    # a prompt that ends one block earlier has another tail: the chunks are found, its tail is not
+    assert b.lookup("c", tokens[:-BLOCK]) == CHUNKS * CHUNK_TOKENS
+    b.sched.finish(RequestId("b"))
+    b.sched.finish(RequestId("c"))
+    b.step()
+    assert _unlocked(server)
 
 
 def test_without_the_hand_over_each_worker_locks_with_a_lookup_of_its_own(

@@ -7,7 +7,8 @@ Engine A serves two prompts and publishes their KV to the server; vLLM's own pre
 reference tokens; A stops. Engine B, a separate engine with empty local caches, serves both prompts with
 external hits from the server, loaded asynchronously: tokens equal to the reference, the extra cached
 tokens answered under kvcore's key and under LMCache's drop-in key, and the loaded KV bytes equal to what
-A saved.
+A saved. With chunks of two blocks, a prompt that ends past a whole block of its last chunk is served
+that block too, from the server (LMCache's own connector stops at the last whole chunk).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     vllm_env,
 )
 from tests.integration.probes import engine_digests, external_hits, kvcore_metric, loaded_digests, rank_worker
-from tests.lmcache.conftest import LMCacheServer
+from tests.lmcache.conftest import LMCacheServer, ServerFactory
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
 
@@ -46,6 +47,16 @@ def _engine(model: Path, server: LMCacheServer) -> Any:
     return start_engine(model, kvcore_transfer_config(backend=backend, chunk_tokens=server.chunk_tokens))
 
 
+def _reference(llm: Any, tokens: list[int], cached: int) -> tuple[list[int], set[str]]:
+    """Serve ``tokens`` twice on ``llm``: the second's greedy tokens, from vLLM's own prefix hit of
+    ``cached`` tokens, and the digests of every engine block (what ``llm`` can have published)."""
+    first = generate(llm, tokens)
+    local = generate(llm, tokens)
+    assert (first.num_cached_tokens, local.num_cached_tokens) == (0, cached)
+    (saved,) = llm.collective_rpc(engine_digests)
+    return list(local.outputs[0].token_ids), saved
+
+
 def test_a_second_engine_loads_what_the_first_published(
     tiny_model: Path, lmcache_server: LMCacheServer
 ) -> None:
@@ -53,12 +64,7 @@ def test_a_second_engine_loads_what_the_first_published(
     prompts = [prompt(seed, CHUNKS * BLOCK + 60) for seed in (6161, 6262)]
     a = _engine(tiny_model, lmcache_server)
     try:
-        reference = []
-        for tokens in prompts:
-            first = generate(a, tokens)
-            local = generate(a, tokens)  # vLLM's own prefix hit of CHUNKS blocks: the reference tokens
-            assert (first.num_cached_tokens, local.num_cached_tokens) == (0, CHUNKS * BLOCK)
-            reference.append(list(local.outputs[0].token_ids))
+        reference = [_reference(a, tokens, CHUNKS * BLOCK)[0] for tokens in prompts]
         (saved,) = a.collective_rpc(engine_digests)  # what A can have published: its own blocks
         assert a.collective_rpc(has_host_pool) == [False]  # nothing of kvcore's between them and the server
     finally:
@@ -80,5 +86,30 @@ def test_a_second_engine_loads_what_the_first_published(
             assert len(digests) == CHUNKS
             assert set(digests) <= saved  # byte for byte what engine A saved
             assert len(set(digests)) == CHUNKS  # distinct blocks, none left blank
+    finally:
+        stop_engine(b)
+
+
+def test_a_prompts_last_whole_block_inside_a_chunk_comes_from_the_server_too(
+    tiny_model: Path, server_factory: ServerFactory
+) -> None:
+    server = server_factory(2 * BLOCK)  # chunks of two blocks
+    server.start()
+    tokens = prompt(6363, 5 * BLOCK + 60)  # two chunks, one whole block of the third, 60 tokens
+    a = _engine(tiny_model, server)
+    try:
+        reference, saved = _reference(a, tokens, 5 * BLOCK)
+    finally:
+        stop_engine(a)
+    b = _engine(tiny_model, server)
+    try:
+        out = generate(b, tokens, kv_transfer_params={"num_extra_cached_tokens": True})
+        assert out.num_cached_tokens == 5 * BLOCK  # LMCache's own connector: 4 blocks, the whole chunks
+        assert out.kv_transfer_params == {"num_extra_cached_tokens": 5 * BLOCK}
+        assert list(out.outputs[0].token_ids) == reference
+        ((digests, same),) = b.collective_rpc(loaded_digests)
+        assert same
+        assert len(set(digests)) == 5
+        assert set(digests) <= saved
     finally:
         stop_engine(b)

@@ -9,7 +9,7 @@ from collections.abc import Collection, Sequence
 
 import pytest
 
-from kvcore.config import load_config
+from kvcore.config import KVCoreConfig, load_config
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
@@ -26,13 +26,14 @@ LAYOUT = KVLayout(
     kind=LayoutKind.VLLM_CPU, num_blocks=64, block_tokens=4, num_kv_heads=2, head_size=2, dtype_size=1
 )
 ENGINE = EngineSpec(model_id="tiny", kv_dtype="int8", num_layers=2, total_kv_heads=2, layout=LAYOUT)
-CONFIG = load_config({"backend": {"kind": "lmcache_mp"}, "chunk_tokens": 8})
+CONFIG = load_config({"backend": {"kind": "lmcache_mp"}, "chunk_tokens": 8, "partial_chunks": "drop"})
+TAILS = load_config({"backend": {"kind": "lmcache_mp"}, "chunk_tokens": 8})  # the default: tails kept
 TOKENS = list(range(100, 130))  # 30 tokens: 3 full chunks of 8 (2 blocks each), then 6 tokens
 PER_CHUNK = 2
 
 
 class DirectTier:
-    """A remote tier keeping whole chunk values, moving them to and from an engine's blocks itself."""
+    """A remote tier keeping chunk and tail values, moving them to and from an engine's blocks itself."""
 
     def __init__(self, values: dict[ChunkKey, bytes], engine: InMemoryBlockMover) -> None:
         self.values = values
@@ -51,7 +52,8 @@ class DirectTier:
         failed = []
         for i, item in enumerate(items):
             value = self.values.get(item.key)
-            if value is None or i == self.fail:
+            size_ok = value is not None and len(value) == (item.value_blocks or PER_CHUNK) * size
+            if value is None or not size_ok or i == self.fail:
                 failed.append(i)
                 continue
             for n, block in enumerate(item.engine_blocks):
@@ -63,7 +65,10 @@ class DirectTier:
         self, session: str, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
         for item in items:
-            assert (item.first, len(item.engine_blocks)) == (0, PER_CHUNK)  # whole chunks only
+            assert (item.first, len(item.engine_blocks)) == (
+                0,
+                item.value_blocks or PER_CHUNK,
+            )  # whole values
             self.values.setdefault(
                 item.key, b"".join(self.engine.read_engine_block(b) for b in item.engine_blocks)
             )
@@ -132,12 +137,12 @@ class ValueIndex:
 class Engine:
     """A scheduler with no pool and its worker with no mover, over a shared value store."""
 
-    def __init__(self, values: dict[ChunkKey, bytes]) -> None:
+    def __init__(self, values: dict[ChunkKey, bytes], config: KVCoreConfig = CONFIG) -> None:
         self.kv = InMemoryBlockMover(
             num_engine_blocks=64, num_host_blocks=1, layer_block_bytes=LAYOUT.block_bytes, num_layers=2
         )
         self.tier = DirectTier(values, self.kv)
-        self.sched = CacheScheduler(CONFIG, ENGINE, 0, remote=ValueIndex(values))
+        self.sched = CacheScheduler(config, ENGINE, 0, remote=ValueIndex(values))
         self.worker = BlockWorker(None, remote=self.tier)
 
     def step(self) -> None:
@@ -194,6 +199,30 @@ def test_blocks_go_from_one_engine_to_another_through_the_remote_tier_alone() ->
     assert (b.sched.stats().requests, b.sched.in_flight(), a.sched.in_flight()) == (0, 0, 0)
 
 
+def test_without_a_pool_the_prompts_tail_goes_to_the_remote_tier_and_serves_another_engine() -> None:
+    values: dict[ChunkKey, bytes] = {}
+    a, rid = Engine(values, TAILS), RequestId("a")
+    assert a.lookup("a") == 0
+    data = a.fill(range(7))
+    assert a.sched.save(rid, range(8), num_tokens=30) == 4  # three chunks and the tail (block 6)
+    a.step()
+    a.sched.finish(rid)
+    assert (
+        sorted(len(v) for v in values.values()) == [a.kv.host_block_bytes] + [2 * a.kv.host_block_bytes] * 3
+    )
+    b, other = Engine(values, TAILS), RequestId("b")
+    assert b.lookup("b") == 28  # the tail's block too: the engine computes 2 tokens, not 6
+    assert b.sched.load_reads_remote(other)
+    assert b.sched.start_load(other, range(30, 38)) == 28
+    b.step()
+    assert b.read(range(30, 37)) == data
+    assert b.sched.take_load_errors() == {}
+    assert b.sched.save(other, range(30, 38), num_tokens=30) == 0  # the lookup found all of it
+    b.sched.finish(other)
+    # a prompt that diverges inside the tail's block finds the chunks only
+    assert Engine(values, TAILS).lookup("c", tokens=[*TOKENS[:25], 7, 7, 7, 7, 7]) == 24
+
+
 def test_a_load_starting_inside_a_chunk_moves_the_rest_of_it() -> None:
     values: dict[ChunkKey, bytes] = {}
     _, data = _saved(values)
@@ -223,7 +252,7 @@ def test_sightings_are_counted_without_a_pool() -> None:
             if sched.lookup(RequestId(rid), tokens=TOKENS) is not None:
                 break
         saved.append(sched.save(RequestId(rid), range(7), num_tokens=30))
-    assert saved == [0, 3]  # saved once a second request asked for the chunks
+    assert saved == [0, 4]  # saved once a second request asked for the chunks (and the prompt's tail)
 
 
 def _loading() -> tuple[Engine, RequestId]:

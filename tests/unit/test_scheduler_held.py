@@ -85,7 +85,9 @@ def _rig(slots: int = 3) -> tuple[Rig, HoldingIndex, Adopting]:
     rig.sched = CacheScheduler(CONFIG, ENGINE, slots, remote=index)
     remote = Adopting(rig.store)
     remote.adopted = []
-    rig.worker = BlockWorker(rig.mover, remote=remote, slot_bytes=2 * rig.mover.host_block_bytes)
+    rig.worker = BlockWorker(
+        rig.mover, remote=remote, slot_bytes=2 * rig.mover.host_block_bytes, slot_blocks=2
+    )
     return rig, index, remote
 
 

@@ -81,7 +81,9 @@ class Rig:
         self.index = StoreIndex(self.store)
         self.sched = CacheScheduler(CONFIG, ENGINE, slots, remote=self.index)
         slot_bytes = 2 * self.mover.host_block_bytes
-        self.worker = BlockWorker(self.mover, remote=StoreRemote(self.store), slot_bytes=slot_bytes)
+        self.worker = BlockWorker(
+            self.mover, remote=StoreRemote(self.store), slot_bytes=slot_bytes, slot_blocks=2
+        )
 
     def step(self) -> StepPlan:
         plan = self.sched.take_plan()
@@ -254,7 +256,9 @@ class Sessions(StoreRemote):
 def test_a_session_ends_after_the_last_op_of_its_request() -> None:
     rig = Rig(slots=3)
     remote = Sessions(rig.store)
-    rig.worker = BlockWorker(rig.mover, remote=remote, slot_bytes=2 * rig.mover.host_block_bytes)
+    rig.worker = BlockWorker(
+        rig.mover, remote=remote, slot_bytes=2 * rig.mover.host_block_bytes, slot_blocks=2
+    )
     a = RequestId("a")
     assert rig.lookup("a", TOKENS) == 0
     rig.sched.save(a, range(8), num_tokens=30)
@@ -323,7 +327,9 @@ class Chains(StoreRemote):
 def test_ops_carry_the_chain_once_and_the_remote_lookup_its_local_prefix() -> None:
     rig = Rig(slots=5)
     remote = Chains(rig.store)
-    rig.worker = BlockWorker(rig.mover, remote=remote, slot_bytes=2 * rig.mover.host_block_bytes)
+    rig.worker = BlockWorker(
+        rig.mover, remote=remote, slot_bytes=2 * rig.mover.host_block_bytes, slot_blocks=2
+    )
     rig.serve_and_save("a", TOKENS, range(8))  # a0 a1 a2 in the store
     rig.serve_and_save("b", list(range(1000, 1042)), range(8, 19))  # 5 chunks evict a's from the pool
     x = RequestId("x")
@@ -375,7 +381,7 @@ def test_the_worker_keeps_its_ranks_chain_per_request(caplog: pytest.LogCaptureF
         num_engine_blocks=8, num_host_blocks=8, layer_block_bytes=LAYOUT.block_bytes, num_layers=2
     )
     remote = Chains(InMemoryChunkStore(mover.host))
-    worker = BlockWorker(mover, rank=1, remote=remote, slot_bytes=2 * mover.host_block_bytes)
+    worker = BlockWorker(mover, rank=1, remote=remote, slot_bytes=2 * mover.host_block_bytes, slot_blocks=2)
     a = [(ChunkKey(f"a{i}/r0"), ChunkKey(f"a{i}/r1")) for i in range(3)]
     other = (ChunkKey("o/r0"), ChunkKey("o/r1"))
 
@@ -416,7 +422,9 @@ class DownStore(InMemoryChunkStore):
 def test_a_tier_that_fails_every_op_is_warned_about_once_not_per_op(caplog: pytest.LogCaptureFixture) -> None:
     rig = Rig(slots=8)
     down = DownStore(rig.mover.host)
-    rig.worker = BlockWorker(rig.mover, remote=StoreRemote(down), slot_bytes=2 * rig.mover.host_block_bytes)
+    rig.worker = BlockWorker(
+        rig.mover, remote=StoreRemote(down), slot_bytes=2 * rig.mover.host_block_bytes, slot_blocks=2
+    )
     with caplog.at_level(logging.WARNING, logger="kvcore.worker"):
         for n in range(4):
             tokens = list(range(2000 + 100 * n, 2030 + 100 * n))

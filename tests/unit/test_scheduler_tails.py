@@ -12,7 +12,7 @@ import pytest
 from kvcore.config import load_config
 from kvcore.engine import EngineSpec
 from kvcore.hashing import ExtraKeys
-from kvcore.ids import RequestId
+from kvcore.ids import ChunkKey, RequestId
 from kvcore.layout import KVLayout, LayoutKind
 from kvcore.request_keys import Keyer
 from kvcore.scheduler import CacheScheduler
@@ -100,13 +100,70 @@ def test_a_tail_gone_before_the_load_is_reported_for_recompute() -> None:
     assert eng.sched.lookup(RequestId("c"), tokens=TOKENS) == 24
 
 
-def test_tails_stay_in_the_local_pool_never_in_the_remote_tier() -> None:
+def _keys(eng: Engine, tokens: list[int]) -> tuple[list[ChunkKey], ChunkKey, tuple[ChunkKey, ...]]:
+    """The pool's chunk keys of ``tokens``, its prompt tail's pool key and its rank keys."""
+    chain = eng.sched.keyer.chain(ExtraKeys(), tokens, None, None)
+    tail = eng.sched.keyer.tail_keys(chain, len(tokens) // 8, len(tokens) % 8 // 4)
+    assert tail is not None
+    return list(chain.keys), tail[0], tail[1]
+
+
+def test_a_tail_crosses_to_the_remote_tier_and_comes_back_from_it_byte_exact() -> None:
+    eng = _keep(remote=True)
+    saved = eng.serve_and_save("a", TOKENS, range(8))
+    assert eng.store is not None
+    assert len(eng.store) == 4  # the three chunks and the tail (one block)
+    keys, tail, (ranked,) = _keys(eng, TOKENS)
+    assert eng.store.peek(ranked) is not None
+    assert len(eng.store.peek(ranked) or b"") == eng.mover.host_block_bytes  # its block, not a slot
+    assert eng.sched.pool.remove([*keys, tail]) == 4  # gone from the pool: only the remote tier has it
+    b = RequestId("b")
+    assert answer(eng.sched, "b", TOKENS) == 28
+    assert eng.sched.load_reads_remote(b)
+    assert eng.sched.start_load(b, range(20, 28)) == 28
+    eng.step()
+    assert eng.sched.take_load_errors() == {}
+    assert [eng.mover.read_engine_block(20 + i) for i in range(7)] == [saved[i] for i in range(7)]
+    assert eng.sched.pool.lookup((tail,))  # fetched into the pool, which serves the next reuse
+    eng.sched.finish(b)
+    eng.quiet()
+
+
+def test_the_remote_lookup_asks_for_the_prompts_tail_after_its_chunks_and_ops_carry_it_last() -> None:
     eng = _keep(remote=True)
     eng.serve_and_save("a", TOKENS, range(8))
-    assert eng.sched.stats().saved_blocks == 7
+    keys, tail, (ranked,) = _keys(eng, TOKENS)
+    eng.sched.pool.remove([keys[2], tail])
+    assert answer(eng.sched, "b", TOKENS) == 28  # chunk 2 and the tail from the remote tier
+    assert eng.sched.start_load(RequestId("b"), range(20, 28)) == 28
+    plan = eng.sched.take_plan()
+    (op,) = plan.ops
+    chain = eng.sched.keyer.chain(ExtraKeys(), TOKENS, None, None)
+    assert (op.chain_from, op.chain) == (0, (*chain.rank_keys, (ranked,)))
+    assert [c.value_blocks for c in op.remote] == [None, 1]
+    eng.worker.execute(plan)
+    eng.settle(plan)
+    assert eng.sched.take_load_errors() == {}
+    # the request grows: its next op carries chain position 3 again, now the whole chunk's key
+    grown = [*TOKENS, 1, 2]
+    eng.fill(range(20, 28), "b")
+    assert eng.sched.save(RequestId("b"), range(20, 28), num_tokens=32, tokens=grown) == 1
+    (save,) = eng.sched.take_plan().ops
+    whole = eng.sched.keyer.chain(ExtraKeys(), grown, None, None).rank_keys[3]
+    assert (save.chain_from, save.chain) == (3, (whole,))
+
+
+def test_a_tail_whose_chunk_is_keyed_whole_stays_in_the_pool() -> None:
+    eng = _keep(remote=True)
+    a = RequestId("a")
+    assert answer(eng.sched, "a", TOKENS) == 0
+    eng.fill(range(8), "a")
+    grown = [*TOKENS, 1, 2]  # the first save already sees chunk 3 whole (32 tokens)
+    assert eng.sched.save(a, range(8), num_tokens=32, tokens=grown) == 5  # four chunks and the tail
+    eng.step()
     assert eng.store is not None
-    assert len(eng.store) == 3  # the full chunks only
-    assert answer(eng.sched, "b", TOKENS) == 28
+    assert len(eng.store) == 4  # the chunks only: position 3 is the whole chunk's in the remote chain
+    eng.sched.finish(a)
 
 
 def test_with_two_sightings_needed_the_prompts_tail_waits_for_its_second_sighting() -> None:
@@ -131,13 +188,15 @@ def test_a_request_live_at_a_reset_saves_no_tail() -> None:
     assert eng.sched.save(a, range(8), num_tokens=len(TOKENS), final=True) == 0
 
 
-def test_no_tail_without_a_local_pool() -> None:
+def test_without_a_local_pool_the_tail_is_saved_to_the_remote_tier_alone() -> None:
     config = load_config(
         {"backend": {"kind": "cpu", "size": 1 << 20}, "chunk_tokens": 8, "partial_chunks": "keep"}
     )
     sched = CacheScheduler(config, ENGINE, 0, remote=StoreIndex(InMemoryChunkStore(bytearray(64))))
     assert answer(sched, "a", TOKENS) == 0
-    assert sched.save(RequestId("a"), range(8), num_tokens=len(TOKENS), final=True) == 3
+    assert sched.save(RequestId("a"), range(8), num_tokens=len(TOKENS), final=True) == 4
+    (op,) = sched.take_plan().ops
+    assert [(c.slot, c.count, c.value_blocks) for c in op.remote] == [(None, 2, None)] * 3 + [(None, 1, 1)]
 
 
 def _block_hashes(tokens: list[int], per: int) -> list[bytes]:

@@ -53,7 +53,9 @@ class Engine:
         index = StoreIndex(self.store) if self.store is not None else None
         self.sched = CacheScheduler(self.config, ENGINE, slots, remote=index)
         tier = StoreRemote(self.store) if self.store is not None else None
-        self.worker = BlockWorker(self.mover, remote=tier, slot_bytes=2 * self.mover.host_block_bytes)
+        self.worker = BlockWorker(
+            self.mover, remote=tier, slot_bytes=2 * self.mover.host_block_bytes, slot_blocks=2
+        )
 
     def execute(self) -> StepPlan:
         """Start the step's plan without waiting for it."""

@@ -86,7 +86,7 @@ def test_a_load_the_remote_tier_moves_itself_holds_the_resume() -> None:
     engine = InMemoryBlockMover(num_engine_blocks=8, num_host_blocks=8, layer_block_bytes=BLOCK)
     tier = DirectTier({ChunkKey("k"): b"\x07" * 2 * BLOCK}, engine)
     tier.hold = True
-    worker = BlockWorker(engine, 0, tier, 2 * BLOCK)
+    worker = BlockWorker(engine, 0, tier, 2 * BLOCK, slot_blocks=2)
     chunk = RemoteChunk(slot=None, keys=(ChunkKey("k"),), first=0, count=2)
     op = BlockOp(1, Direction.LOAD, (5, 6), (), "r", (chunk,), 0, ((ChunkKey("k"),),))
     worker.execute(StepPlan((op,)))

@@ -66,7 +66,12 @@ def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzS
     sched = CacheScheduler(
         config, spec, pool_slots(config, spec), hash_identity=HASH_IDENTITY, remote=ports.index
     )
-    worker = BlockWorker(ports.mover, remote=ports.remote, slot_bytes=slot_bytes if ports.remote else 0)
+    worker = BlockWorker(
+        ports.mover,
+        remote=ports.remote,
+        slot_bytes=slot_bytes if ports.remote else 0,
+        slot_blocks=CHUNK_TOKENS // BLOCK_TOKENS,
+    )
     memory = EngineMemory(kv, oracle)
     book = RequestBook()
     checks = KVChecks(memory, oracle, book, host_kv, trace)

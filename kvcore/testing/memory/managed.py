@@ -231,9 +231,10 @@ class InMemoryBlockTransferTier(InMemoryManagedTier):
         with self._cond:
             for i, item in enumerate(items):
                 value = self._value(outside, item.key)
-                if self._take_failure() or value is None or len(value) != size * self.blocks_per_chunk:
+                length = size * (item.value_blocks or self.blocks_per_chunk)
+                if self._take_failure() or value is None or len(value) != length:
                     failed.append(i)
-                    value = bytes([POISON]) * size * self.blocks_per_chunk
+                    value = bytes([POISON]) * length
                 for n, block in enumerate(item.engine_blocks, start=item.first):
                     self._engine.write_engine_block(block, value[n * size : (n + 1) * size])
             self._release(session, [item.key for item in items])
@@ -246,15 +247,20 @@ class InMemoryBlockTransferTier(InMemoryManagedTier):
         return False  # a job runs whole under the lock taken here: none is copying now
 
     def _check_blocks(self, items: Sequence[BlockItem], *, whole: bool) -> None:
-        """Refuse, before anything is queued, items that are no whole chunk (a store) or no part of one,
-        or that name engine blocks out of range."""
-        size, bound = self.blocks_per_chunk, self._engine.num_engine_blocks
+        """Refuse, before anything is queued, items that are no whole value (a store) or no part of one
+        (a chunk, or a tail of ``value_blocks``), or that name engine blocks out of range."""
+        bound = self._engine.num_engine_blocks
         for i, item in enumerate(items):
             count = len(item.engine_blocks)
+            size = item.value_blocks or self.blocks_per_chunk
+            if size > self.blocks_per_chunk:
+                raise InvalidSpecError(
+                    f"items[{i}] ({item.key}): value_blocks {size}, chunks have {self.blocks_per_chunk}"
+                )
             if (whole and (item.first or count != size)) or count < 1 or item.first + count > size:
                 raise InvalidSpecError(
-                    f"items[{i}] ({item.key}): blocks [{item.first}, {item.first + count}) of a chunk of "
-                    f"{size}" + (" (a store moves whole chunks)" if whole else "")
+                    f"items[{i}] ({item.key}): blocks [{item.first}, {item.first + count}) of a value of "
+                    f"{size}" + (" (a store moves whole values)" if whole else "")
                 )
             bad = [b for b in item.engine_blocks if not 0 <= b < bound]
             if bad:
