@@ -634,7 +634,10 @@ class CacheScheduler:
                 return req.local_hits
             # the prompt's tail is the chain's next position, asked after its chunks in the same lookup
             tail = self._tail_at(req, req.prompt_tokens)
-            if tail is not None and (tail.chunk != len(keys) or self._tail_hit(req, tail.chunk) is not None):
+            if tail is not None and tail.chunk == len(keys):
+                local = self._tail_hit(req, tail.chunk)
+                tail = tail if local is None or local.blocks < tail.blocks else None
+            else:
                 tail = None
             if req.local_hits == len(keys) and tail is None:
                 return req.local_hits

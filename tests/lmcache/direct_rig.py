@@ -1,90 +1,28 @@
-"""Engines for the LMCache tests that step a scheduler and its ranks' workers by hand: each as the vLLM
-adapter composes them (``kvcore.compose``), over random KV in CPU engine blocks, with no host pool (the
+"""The LMCache tests' engines stepped by hand (``tests.hand_engine``) on a server, with no host pool (the
 blocks move straight between the engines and the server's slots)."""
 
 from __future__ import annotations
 
 import contextlib
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-
-from kvcore.compose import open_scheduler, open_worker
-from kvcore.config import KVCoreConfig, load_config
+from kvcore.config import load_config
 from kvcore.engine import EngineSpec
-from kvcore.ids import RequestId
-from kvcore.layout import KVLayout, LayoutKind
-from kvcore.plan import StepPlan
-from kvcore.scheduler import CacheScheduler
-from kvcore.testing.support import SETTLE_S
-from kvcore_cpu.tier import CPUWorker
-from tests.lmcache.conftest import CHUNK_TOKENS, LMCacheServer
+from tests.hand_engine import BLOCK, CHUNK_TOKENS, CHUNKS, PER_CHUNK, Engine, engine_spec, prompt, save
+from tests.lmcache.conftest import LMCacheServer
 
-BLOCK = 32  # tokens per engine block: a chunk of the server's is CHUNK_TOKENS // BLOCK blocks
-PER_CHUNK = CHUNK_TOKENS // BLOCK
-CHUNKS = 3
-ENGINE_BLOCKS = 64
-
-
-def engine_spec(tp: int, kv_heads: int | None = None) -> EngineSpec:
-    """A model of ``kv_heads`` KV heads (two per rank by default; fewer than ``tp``: ranks share them) at
-    TP ``tp``, under a model name of its own."""
-    total = 2 * tp if kv_heads is None else kv_heads
-    layout = KVLayout(
-        LayoutKind.VLLM_CPU,
-        num_blocks=ENGINE_BLOCKS,
-        block_tokens=BLOCK,
-        num_kv_heads=max(total // tp, 1),
-        head_size=16,
-        dtype_size=2,
-    )
-    model = f"org/direct-{uuid.uuid4().hex[:8]}"
-    return EngineSpec(model, "bfloat16", num_layers=2, total_kv_heads=total, layout=layout, tp_size=tp)
-
-
-class Engine:
-    """A scheduler and one worker per rank over random KV, stepped by hand."""
-
-    def __init__(self, config: KVCoreConfig, spec: EngineSpec, seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.sched: CacheScheduler = open_scheduler(config, spec, hash_identity="test-hashes")
-        self.plans: list[StepPlan] = []
-        self.workers: list[CPUWorker] = []
-        for rank in range(spec.tp_size):
-            bits = torch.randint(-(2**15), 2**15, spec.layout.shape, dtype=torch.int16, generator=generator)
-            kv = [bits.view(torch.bfloat16).clone() for _ in range(spec.num_layers)]
-            worker = open_worker(config, spec, kv, rank=rank)
-            assert isinstance(worker, CPUWorker)
-            self.workers.append(worker)
-
-    def step(self) -> None:
-        plan = self.sched.take_plan()
-        self.plans.append(plan)
-        for worker in self.workers:
-            worker.execute(plan)
-        for worker in self.workers:
-            self.sched.complete(worker.wait(plan.op_ids(), 2 * SETTLE_S))
-        assert self.sched.in_flight() == 0
-
-    def lookup(self, request: str, tokens: list[int], local_tokens: int = 0) -> int:
-        deadline = time.monotonic() + SETTLE_S
-        while (
-            hits := self.sched.lookup(RequestId(request), tokens=tokens, local_tokens=local_tokens)
-        ) is None:
-            assert time.monotonic() < deadline, "the lookup never answered"
-            time.sleep(0.005)
-        return hits
-
-    def blocks(self, rank: int, ids: range) -> list[bytes]:
-        return [self.workers[rank].engine_block_bytes(b) for b in ids]
-
-    def close(self) -> None:
-        for worker in self.workers:
-            worker.close()
-        self.sched.close()
+__all__ = [
+    "BLOCK",
+    "CHUNKS",
+    "PER_CHUNK",
+    "Engine",
+    "EngineFactory",
+    "engine_factory",
+    "engine_spec",
+    "prompt",
+    "save",
+]
 
 
 EngineFactory = Callable[..., Engine]
@@ -109,19 +47,3 @@ def engine_factory(default: LMCacheServer) -> Iterator[EngineFactory]:
     finally:
         for engine in made:
             engine.close()
-
-
-def prompt(seed: int, tail_blocks: int = 0) -> list[int]:
-    """A prompt of ``CHUNKS`` chunks, ``tail_blocks`` whole blocks (a tail) and a few tokens."""
-    return [(seed * 7919 + 31 * i) % 30000 for i in range(CHUNKS * CHUNK_TOKENS + tail_blocks * BLOCK + 5)]
-
-
-def save(engine: Engine, request: str, tokens: list[int]) -> None:
-    """Compute-and-save ``tokens`` as request ``request`` of ``engine``, from its blocks 0 on: its whole
-    chunks and its tail (the whole blocks after them), if it has one."""
-    assert engine.lookup(request, tokens) == 0
-    chunks, rest = divmod(len(tokens), CHUNK_TOKENS)
-    blocks = list(range(-(-len(tokens) // BLOCK)))
-    assert engine.sched.save(RequestId(request), blocks, len(tokens)) == chunks + (rest >= BLOCK)
-    engine.step()
-    assert engine.sched.stats().failed_save_chunks == 0
