@@ -53,6 +53,8 @@ class BlockOp:
     ``chain`` carries the request's keys (per rank, as in ``RemoteChunk.keys`` but never ``None``) at
     positions ``chain_from`` on that earlier ops of the request did not carry: a worker keeps each
     request's chain, which a chained remote tier needs (``ManagedTier``), without every op resending it.
+    Its last position may hold a tail (``RemoteChunk.value_blocks``); the request's next op then carries
+    that position again, and the worker drops what it had from ``chain_from`` on.
 
     ``held``: a load's chunks that the scheduler's lookup keeps read-locked for each rank
     (``SupportsHeldLookups``); the op's chain reaches ``held.end``, and each rank's tier adopts its

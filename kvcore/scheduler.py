@@ -443,9 +443,10 @@ class CacheScheduler:
         With ``partial_chunks: keep``, the whole blocks of the chunk a request stops in are kept too (a
         *tail*, counted as a chunk): once when its prompt is computed, and once more when ``final`` says
         it computes nothing more (call ``save`` with ``final=True`` before ``finish``). Not at every
-        decode block: a tail takes a slot, and one is worth it where the next request may diverge. A
-        tail also crosses to a remote tier, as the chain's position after its full chunks (one whose
-        chunk is already keyed whole stays in the local pool).
+        decode block: a tail takes a slot, and one is worth it where the next request may diverge. The
+        prompt's tail also crosses to a remote tier, as the chain's position after its full chunks,
+        unless a whole chunk is keyed there; a tail that does not cross stays in the local pool (with
+        none, it is not kept).
 
         Blocks that this plan's load of the request gave up (their chunk left the pool first) are not
         read, nor any after them: they hold no KV of the request until the engine recomputes them, which
@@ -490,7 +491,13 @@ class CacheScheduler:
         ids = cast(tuple[int, ...], table)  # only whole chunks and tails (no hole) are read below
         wanted = list(self._sightings.admitted([chain.keys[i] for i in whole]))
         tail = self._tail_to_save(req, table, num_tokens, final, tokens, block_hashes, hash_block_tokens)
-        crosses = tail is not None and self._remote is not None and tail.chunk == len(chain.keys)
+        # only the prompt's tail crosses: a remote lookup asks for no other
+        crosses = (
+            tail is not None
+            and self._remote is not None
+            and tail.chunk == len(chain.keys)
+            and (tail.chunk, tail.blocks) == self._tail_span(req.prompt_tokens)
+        )
         if tail is not None and (crosses or not self._direct) and self._sightings.admitted([tail.key]):
             wanted.append(tail.key)
         else:
@@ -596,7 +603,7 @@ class CacheScheduler:
         self._sightings.clear()
         for req in self._requests.values():
             self._abandon(req)
-            req.pending = req.answer = None
+            req.pending = req.answer = req.tail = req.remote_tail = None
             self.keyer.refresh(req.chain)
             req.saved_chunks = len(req.chain.keys)  # chunks computed before the reset are not saved again
             req.tails_saved = None  # nor the tails of the chunk after them
@@ -630,17 +637,12 @@ class CacheScheduler:
         if req.pending is None:
             req.local_hits = self._index.lookup([(k,) for k in keys])
             req.remote_tail = None
-            if self._remote is None:
-                return req.local_hits
+            if self._remote is None or req.local_hits == len(keys):
+                return req.local_hits  # at once: the pool's tails only, no wait on the remote tier
             # the prompt's tail is the chain's next position, asked after its chunks in the same lookup
             tail = self._tail_at(req, req.prompt_tokens)
-            if tail is not None and tail.chunk == len(keys):
-                local = self._tail_hit(req, tail.chunk)
-                tail = tail if local is None or local.blocks < tail.blocks else None
-            else:
+            if tail is not None and tail.chunk != len(keys):
                 tail = None
-            if req.local_hits == len(keys) and tail is None:
-                return req.local_hits
             req.remote_tail = tail
             held = self._remote.holds  # every rank's key: each rank that reads a chunk holds its lock
             ranked = [*req.chain.rank_keys, *((tail.rank_keys,) if tail is not None else ())]

@@ -152,7 +152,7 @@ class BlockTransferTests(HarnessFixture[BlockTransferHarness[TierT]], Generic[Ti
         engine[0] = value[last * size :]
         assert _engine(harness) == engine
 
-    def test_a_tail_round_trips_after_its_chain_and_is_never_read_as_a_whole_chunk(
+    def test_a_tail_round_trips_after_its_chain_and_a_value_is_read_at_its_own_size_only(
         self, harness: BlockTransferHarness[TierT]
     ) -> None:
         # chain [chunk, tail]: chunk 0's blocks, then the leading blocks of chunk 1 as a value of its own
@@ -172,8 +172,11 @@ class BlockTransferTests(HarnessFixture[BlockTransferHarness[TierT]], Generic[Ti
         for n, block in enumerate(into):
             engine[block] = engine[lead[first + n]]
         assert _engine(harness) == engine
-        whole = BlockItem(tail, _chunk(harness, 3))  # the same key read as a whole chunk: a failed item
+        # the tail's key read as a whole chunk, and the chunk's as a tail: failed items, never bytes
+        whole = BlockItem(tail, _chunk(harness, 3))
         assert self._retrieve_chunks(harness, [whole], [chunk, tail]).failed == (0,)
+        short = BlockItem(chunk, _chunk(harness, 3)[: size - 1], value_blocks=size - 1)
+        assert self._retrieve_chunks(harness, [short], [chunk]).failed == (0,)
 
     def test_block_retrieve_of_a_missing_key_is_a_failed_item(
         self, harness: BlockTransferHarness[TierT]

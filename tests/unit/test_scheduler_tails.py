@@ -153,6 +153,45 @@ def test_the_remote_lookup_asks_for_the_prompts_tail_after_its_chunks_and_ops_ca
     assert (save.chain_from, save.chain) == (3, (whole,))
 
 
+def test_a_full_local_hit_answers_at_once_from_the_pools_tails_without_the_remote_tier() -> None:
+    eng = _keep(remote=True)
+    eng.serve_and_save("a", TOKENS, range(8))
+    assert eng.store is not None
+    _, tail, _ = _keys(eng, TOKENS)
+    assert eng.sched.pool.remove([tail]) == 1  # the chunks are local, the tail only remote
+    assert eng.index is not None
+    asked = len(eng.index.preceding)
+    assert eng.sched.lookup(RequestId("b"), tokens=TOKENS) == 24  # no step lost waiting for the tail
+    assert len(eng.index.preceding) == asked
+
+
+def test_a_load_decided_before_a_reset_fetches_no_tail_of_the_old_namespace() -> None:
+    eng = _keep(remote=True)
+    eng.serve_and_save("a", TOKENS, range(8))
+    keys, tail, _ = _keys(eng, TOKENS)
+    eng.sched.pool.remove([keys[2], tail])
+    b = RequestId("b")
+    assert answer(eng.sched, "b", TOKENS) == 28
+    eng.sched.reset()
+    eng.sched.start_load(b, range(20, 28))
+    assert all(not op.remote for op in eng.sched.take_plan().ops)
+
+
+def test_a_requests_last_tail_stays_in_the_pool() -> None:
+    eng = _keep(remote=True)
+    a = RequestId("a")
+    prompt = TOKENS[:16]  # two whole chunks: no tail at the prompt's end
+    assert answer(eng.sched, "a", prompt) == 0
+    eng.fill(range(6), "a")
+    grown = [*prompt, 1, 2, 3, 4, 5]
+    assert eng.sched.save(a, range(6), num_tokens=len(grown), tokens=grown) == 2
+    assert eng.sched.save(a, range(6), num_tokens=len(grown), tokens=grown, final=True) == 1
+    eng.step()
+    assert eng.store is not None
+    assert len(eng.store) == 2  # a next turn's lookup never asks the remote tier for it
+    assert eng.sched.stats().pool.used == 3
+
+
 def test_a_tail_whose_chunk_is_keyed_whole_stays_in_the_pool() -> None:
     eng = _keep(remote=True)
     a = RequestId("a")

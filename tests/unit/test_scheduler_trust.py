@@ -50,8 +50,8 @@ class Engine:
             num_layers=2,
         )
         self.store = InMemoryChunkStore(self.mover.host) if remote else None
-        index = StoreIndex(self.store) if self.store is not None else None
-        self.sched = CacheScheduler(self.config, ENGINE, slots, remote=index)
+        self.index = StoreIndex(self.store) if self.store is not None else None
+        self.sched = CacheScheduler(self.config, ENGINE, slots, remote=self.index)
         tier = StoreRemote(self.store) if self.store is not None else None
         self.worker = BlockWorker(
             self.mover, remote=tier, slot_bytes=2 * self.mover.host_block_bytes, slot_blocks=2
