@@ -141,11 +141,11 @@ def test_a_load_reads_under_the_schedulers_locks_and_releases_them_all(
     assert _unlocked(server)  # every rank's prepare consumed its own lock, nothing lingers
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(("tp", "kv_heads"), [(1, None), (2, None), (2, 1)], ids=["tp1", "tp2", "tp2-shared"])
 def test_a_prompts_tail_travels_through_the_server_under_the_handed_over_locks(
-    tp: int, server: LMCacheServer, engines: EngineFactory
+    tp: int, kv_heads: int | None, server: LMCacheServer, engines: EngineFactory
 ) -> None:
-    spec = engine_spec(tp)
+    spec = engine_spec(tp, kv_heads)
     a, b = engines(spec, seed=7, server=server), engines(spec, seed=8, server=server)
     tokens = prompt(24, tail_blocks=PER_CHUNK - 1)  # the tail: all but one block of a chunk
     save(a, "a", tokens)
@@ -163,8 +163,10 @@ def test_a_prompts_tail_travels_through_the_server_under_the_handed_over_locks(
     assert op.held.end == CHUNKS + 1
     assert b.sched.take_load_errors() == {}
     loaded = BLOCKS + PER_CHUNK - 1
-    for rank in range(tp):
-        assert b.blocks(rank, range(20, 20 + loaded)) == a.blocks(rank, range(loaded))
+    for rank in range(tp):  # a shared shard, the tail's too, is written by rank 0 alone
+        assert b.blocks(rank, range(20, 20 + loaded)) == a.blocks(
+            rank if kv_heads is None else 0, range(loaded)
+        )
     assert [(c.calls["lookup"], c.calls["prepare_retrieve"]) for c in counted] == [(0, 1)] * tp
     assert _unlocked(server)
     # a prompt that ends one block earlier has another tail: the chunks are found, its tail is not
