@@ -24,6 +24,7 @@ from kvcore.sizing import staging_shortfall
 from kvcore_vllm.compat import check_vllm
 from kvcore_vllm.engine_spec import engine_spec, hash_identity, layer_names
 from kvcore_vllm.metadata import KVCoreMetadata
+from kvcore_vllm.rank_agreement import RankAgreement, alone, over_group
 from kvcore_vllm.roles import require_side
 from kvcore_vllm.scheduler_side import SchedulerSide
 from kvcore_vllm.settings import read_extra_config
@@ -91,11 +92,16 @@ class KVCoreConnector(KVConnectorBase_V1):
                 asdict(config, filter=lambda a, _: a.name != "secret"),
             )
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
 
-            rank = get_tensor_model_parallel_rank() if engine.tp_size > 1 else 0
+            rank = 0
+            agree: RankAgreement = alone
+            if engine.tp_size > 1:
+                rank = get_tensor_model_parallel_rank()
+                # each rank reaches the collective after its own wait of at most transfer_timeout_s
+                agree = over_group(get_tp_group().cpu_group, 2 * config.transfer_timeout_s + 5.0)
             layers = layer_names(kv_cache_config)
-            self._worker = WorkerSide(config, engine, layers, rank, faults=settings.faults)
+            self._worker = WorkerSide(config, engine, layers, rank, faults=settings.faults, agree=agree)
 
     @property
     def requires_kv_delivery(self) -> bool:

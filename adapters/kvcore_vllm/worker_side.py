@@ -36,6 +36,7 @@ from kvcore.plan import BlockOp, OpReport, StepPlan
 from kvcore.ports import Direction
 from kvcore.worker import BlockWorker
 from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata
+from kvcore_vllm.rank_agreement import RankAgreement, alone
 
 __all__ = ["WorkerSide"]
 
@@ -44,7 +45,9 @@ log = logging.getLogger(__name__)
 
 class WorkerSide:
     """``opener`` opens the rank's worker over its KV tensors (default: ``kvcore.compose.open_worker``
-    with this side's config, engine, rank and ``faults``); a test gives a worker over memory it controls."""
+    with this side's config, engine, rank and ``faults``); a test gives a worker over memory it controls.
+    ``agree`` tells which of a step's synchronous loads failed on any rank (``rank_agreement``; one
+    rank: its own), so that no rank saves what a step computed over another rank's failed load."""
 
     def __init__(
         self,
@@ -55,7 +58,9 @@ class WorkerSide:
         opener: Callable[[Sequence[torch.Tensor]], BlockWorker] | None = None,
         *,
         faults: FaultHooks | None = None,
+        agree: RankAgreement = alone,
     ) -> None:
+        self._agree = agree
         self._opener = opener or (
             lambda tensors: open_worker(config, engine, tensors, rank=rank, faults=faults)
         )
@@ -106,7 +111,8 @@ class WorkerSide:
         done = {r.op_id for r in reports}
         late = [op for op in loads if op.op_id not in done]
         failed = {r.op_id for r in reports if r.failed}
-        self._unloaded = {op.request_id for op in loads if op.op_id in failed or op.op_id not in done}
+        unloaded = {op.request_id for op in loads if op.op_id in failed or op.op_id not in done}
+        self._unloaded = self._agree(list(dict.fromkeys(op.request_id for op in loads)), unloaded)
         if late:
             # vLLM recomputes these blocks in this very step: no copy may write them from now on. A
             # fetch still running is not copied; a copy into them still running is waited for and,

@@ -6,9 +6,10 @@ and servers in ``tests/lmcache/test_vllm_lmcache.py`` and ``tests/mooncake/test_
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence, Set
 
 import pytest
 
@@ -264,3 +265,63 @@ def test_no_save_runs_for_a_request_whose_load_failed_in_the_same_step() -> None
     side.wait_for_save(again)
     assert side.worker.wait([4], 5.0)[0].failed == ()
     assert mover.read_host_block(4) == mover.read_engine_block(3)
+
+
+def _opening(worker: BlockWorker) -> Callable[[Sequence[torch.Tensor]], BlockWorker]:
+    return lambda _: worker
+
+
+class _Ranks:
+    """The ranks' agreement (``rank_agreement``) between sides in threads of one process: what any rank
+    reports failed, every rank learns, once all have asked (as the all-reduce over vLLM's TP group)."""
+
+    def __init__(self, ranks: int) -> None:
+        self._barrier = threading.Barrier(ranks)
+        self._lock = threading.Lock()
+        self._failed: set[str] = set()
+
+    def agree(self, requests: Sequence[str], failed: Set[str]) -> set[str]:
+        with self._lock:
+            self._failed |= failed
+        self._barrier.wait(5.0)
+        return {r for r in requests if r in self._failed}
+
+
+def test_no_rank_saves_what_a_step_computed_over_another_ranks_failed_load() -> None:
+    # TP 2: rank 0's load of request a fails, rank 1's succeeds; the forward pass mixed rank 0's wrong
+    # heads into both ranks' KV, so neither rank saves a's blocks of the step; b's saves run on both
+    ranks = _Ranks(2)
+    config = load_config({"backend": {"kind": "cpu", "size": "8MiB"}, "chunk_tokens": 128})
+    movers = [
+        InMemoryBlockMover(num_engine_blocks=16, num_host_blocks=16, layer_block_bytes=BLOCK_BYTES)
+        for _ in range(2)
+    ]
+    sides = []
+    for rank, mover in enumerate(movers):
+        side = WorkerSide(config, ENGINE, ["layer0"], rank, _opening(BlockWorker(mover)), agree=ranks.agree)
+        side.register_kv_caches({"layer0": torch.zeros(1)})
+        mover.write_engine_block(3, bytes([rank + 1]) * BLOCK_BYTES)
+        sides.append(side)
+    movers[0].fail_next(1)
+    plan = StepPlan(
+        (
+            _load(1, "a", (2,), (1,)),
+            BlockOp(2, Direction.SAVE, (3,), (4,), "a"),
+            BlockOp(3, Direction.SAVE, (3,), (5,), "b"),
+        )
+    )
+    meta = KVCoreMetadata(plan)
+    threads = [threading.Thread(target=side.start_load_kv, args=(meta,)) for side in sides]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10.0)
+    assert [side.take_load_errors() for side in sides] == [{2}, set()]  # vLLM unions them across ranks
+    for side, mover in zip(sides, movers, strict=True):
+        side.wait_for_save(meta)
+        assert side.worker.wait([3], 5.0)[0].failed == ()
+        assert mover.read_host_block(5) == mover.read_engine_block(3)  # b's save ran
+        assert mover.read_host_block(4) != mover.read_engine_block(3)  # a's was never copied
+    reports = sides[1].build_worker_meta()
+    assert reports is not None
+    assert {(r.op_id, r.failed, r.chunks_intact) for r in reports.reports} >= {(2, (0,), True)}
