@@ -25,7 +25,8 @@ $(PY):
 # torch first, pinned to the CPU build on local disk: anything that asks for an unpinned torch would
 # otherwise pull a multi-GB CUDA build. vLLM's CPU build drags in torchvision/torchaudio/torchcodec that
 # do not load with this torch (and triton, useless on CPU): they go, so every install ends the same.
-$(STAMP): pyproject.toml constraints.txt | $(PY) system-deps
+# hatch_build.py compiles the CPU backend's row copier (backends/kvcore_cpu/_rowcopy.c) into the tree.
+$(STAMP): pyproject.toml constraints.txt hatch_build.py backends/kvcore_cpu/_rowcopy.c | $(PY) system-deps
 	@$(TIMED) install sh -c '\
 	  $(PIP) install -q --upgrade pip && \
 	  $(PIP) install -q -c constraints.txt torch && \
@@ -83,4 +84,4 @@ bench: install
 	$(VENV)/bin/kvcore bench
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .hypothesis build dist
+	rm -rf $(VENV) .mypy_cache .ruff_cache .hypothesis build dist backends/kvcore_cpu/_rowcopy*.so

@@ -32,8 +32,7 @@ from kvcore_cpu.rows import IntArray, routes
 __all__ = ["MAX_COPY_THREADS", "TorchBlockMover"]
 
 MAX_COPY_THREADS = 64
-"""Most threads one CPU copy may use: each holds a staging buffer, and more than the memory channels of
-a socket can feed only contend."""
+"""Most threads one CPU copy may use: more than the memory channels of a socket can feed only contend."""
 
 
 class _Lane(Protocol):

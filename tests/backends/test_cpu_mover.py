@@ -26,7 +26,8 @@ from kvcore.ports import BlockTransfer, Direction, SupportsReopen
 from kvcore.sizing import pool_slots
 from kvcore.testing.faults import TransferGate
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
-from kvcore_cpu.cpu_copy import BlockCopier, ByteRows, RowTask, copy_rows
+from kvcore_cpu._rowcopy import copy_rows
+from kvcore_cpu.cpu_copy import BlockCopier, ByteRows
 from kvcore_cpu.cpu_lane import CpuLane
 from kvcore_cpu.rows import IntArray, routes
 from kvcore_cpu.tier import MappedMover
@@ -208,51 +209,92 @@ def test_large_jobs_split_across_threads_stay_exact(pattern: str) -> None:
 
 @st.composite
 def row_copies(draw: st.DrawFn) -> tuple[ByteRows, ByteRows, IntArray, IntArray]:
-    """Random source and destination rows (the destination sometimes strided), pairs with distinct
-    destinations, sorted half of the time so that runs appear."""
+    """Random source and destination rows (either sometimes strided, the source sometimes reversed),
+    pairs with distinct destinations, sorted half of the time so that runs appear on both sides."""
     rows = draw(st.integers(1, 40))
-    width = draw(st.sampled_from([1, 24, 4096]))
-    count = draw(st.integers(1, rows))
+    width = draw(st.sampled_from([1, 7, 24, 100, 4096]))
+    count = draw(st.integers(0, rows))
     s = np.asarray(draw(st.lists(st.integers(0, rows - 1), min_size=count, max_size=count)), np.int64)
     d = np.asarray(draw(st.permutations(range(rows))), np.int64)[:count]
     if draw(st.booleans()):
         s, d = np.sort(s), np.sort(d)
     rng = np.random.default_rng(count)
-    src = rng.integers(0, 256, (rows, width), dtype=np.uint8)
-    strided = draw(st.booleans())
-    dst = rng.integers(0, 256, (rows, 2 * width if strided else width), dtype=np.uint8)
-    return src, (dst[:, width:] if strided else dst), s, d
+    layout = draw(st.sampled_from(["contiguous", "strided", "reversed"]))
+    src = rng.integers(0, 256, (rows, 2 * width if layout == "strided" else width), dtype=np.uint8)
+    src = src[:, width:] if layout == "strided" else src[::-1] if layout == "reversed" else src
+    offset = draw(st.integers(0, 15))  # destination rows at any alignment
+    dst = rng.integers(0, 256, rows * 2 * width + offset, dtype=np.uint8)[offset:].reshape(rows, 2 * width)
+    return src, (dst[:, width:] if draw(st.booleans()) else dst[:, :width]), s, d
 
 
-@settings(max_examples=60, deadline=None)
-@given(copies=row_copies(), batch=st.integers(1, 4))
+@settings(max_examples=120, deadline=None)
+@given(copies=row_copies(), stream=st.booleans())
 def test_copy_rows_matches_numpy_fancy_indexing(
-    copies: tuple[ByteRows, ByteRows, IntArray, IntArray], batch: int
+    copies: tuple[ByteRows, ByteRows, IntArray, IntArray], stream: bool
 ) -> None:
-    # any pairs with distinct destinations, contiguous or strided arrays -> dst[d] = src[s]
+    # any pairs with distinct destinations, any row strides and alignments, cached or streaming stores
+    # -> dst[d] = src[s], and nothing else in dst changes
     src, dst, s, d = copies
     expected = dst.copy()
     expected[d] = src[s]
-    copy_rows(src, dst, s, d, np.empty((batch, src.shape[1]), dtype=np.uint8))
+    copy_rows(src, dst, s, d, stream=stream)
     assert np.array_equal(dst, expected)
 
 
-@settings(max_examples=60, deadline=None)
-@given(copies=row_copies(), rows=st.integers(1, 9))
-def test_pieces_cover_every_pair_once(
-    copies: tuple[ByteRows, ByteRows, IntArray, IntArray], rows: int
-) -> None:
-    # a task cut into pieces of about `rows` pairs, copied piece by piece in reverse -> same bytes
-    src, dst, s, d = copies
-    expected = dst.copy()
-    expected[d] = src[s]
-    task = RowTask(src, dst, s, d, batch=2)
-    pieces = task.pieces(rows)
-    assert [lo for lo, _ in pieces[1:]] == [hi for _, hi in pieces[:-1]]
-    assert all(int(task.stops[k] - task.starts[k]) <= rows for k in range(len(task.starts)))
-    for lo, hi in reversed(pieces):
-        task.copy(lo, hi, np.empty((2, src.shape[1]), dtype=np.uint8))
-    assert np.array_equal(dst, expected)
+def test_copy_rows_refuses_bad_buffers_before_copying() -> None:
+    # every bad argument -> an error naming it and the value; dst untouched
+    src = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    dst = np.zeros((3, 4), dtype=np.uint8)
+    rows = np.array([0, 1], dtype=np.int64)
+    cases: list[tuple[tuple[object, ...], type[Exception], str]] = [
+        ((src, dst, np.array([0, 3]), rows), IndexError, r"src_rows\[1\]: row 3 is outside \[0, 3\)"),
+        ((src, dst, rows, np.array([-1, 0])), IndexError, r"dst_rows\[0\]: row -1 is outside \[0, 3\)"),
+        ((src, dst, rows, rows[:1]), ValueError, r"dst_rows: got 1 rows, expected 2"),
+        ((src, dst[:, :3], rows, rows), ValueError, r"dst: got rows of 3 bytes, expected 4"),
+        ((src, dst[:, ::2], rows, rows), ValueError, r"dst: got a byte stride of 2 within a row"),
+        ((src.view(np.int16), dst, rows, rows), ValueError, r"src: got a 2-D buffer of format 'h'"),
+        ((src.ravel(), dst, rows, rows), ValueError, r"src: got a 1-D buffer"),
+        ((src, dst, rows.astype(np.int32), rows), ValueError, r"src_rows: got a 1-D buffer of format 'i'"),
+        ((src, dst, np.array([0, 0, 1, 1])[::2], rows), TypeError, r"src_rows: got numpy.ndarray, expected"),
+        ((src, dst, [0, 1], rows), TypeError, r"src_rows: got list"),
+        ((src, b"\0" * 12, rows, rows), TypeError, r"dst: got bytes, expected a writable 2-D buffer"),
+    ]
+    for args, error, message in cases:
+        with pytest.raises(error, match=message):
+            copy_rows(*args)  # type: ignore[arg-type]  # wrong types on purpose
+    assert not dst.any()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("blocks", [8, 600])
+def test_copier_pieces_cover_every_pair_once(threads: int, blocks: int, shared: bool) -> None:
+    # a job large enough to be split into pieces over helper threads and streamed, or small enough to
+    # stay whole on the caller's thread; one route over every plane or one per plane -> every block pair
+    # copied, both directions, nothing else touched
+    layout = make_layout(LayoutKind.VLLM_CPU, blocks=2 * blocks, tokens=64)
+    engine = EngineKV.register(random_kv(layout, shared=shared, seed=blocks), layout)
+    rng = np.random.default_rng(blocks)
+    with HostMemory.allocate(2 * blocks, engine.host_block_bytes, torch.device("cpu")) as host:
+        host.buffer.fill_(7)
+        copier = BlockCopier(routes(engine), host, threads)
+        engine_ids = rng.choice(2 * blocks, blocks, replace=False).astype(np.int64)
+        host_ids = rng.choice(2 * blocks, blocks, replace=False).astype(np.int64)
+        copier.copy(Direction.SAVE, engine_ids, host_ids)
+        planes = [tensor.numpy() for tensor in engine.planes]
+        saved = host.blocks.numpy().reshape(2 * blocks, len(planes), -1)
+        for q, plane in enumerate(planes):
+            assert np.array_equal(saved[host_ids, q], plane[engine_ids])
+        untouched = np.setdiff1d(np.arange(2 * blocks), host_ids)
+        assert (saved[untouched] == 7).all()
+        before = [plane.copy() for plane in planes]
+        for tensor in engine.planes:
+            tensor.zero_()
+        copier.copy(Direction.LOAD, engine_ids, host_ids)
+        for q, plane in enumerate(planes):
+            assert np.array_equal(plane[engine_ids], before[q][engine_ids])
+            assert not plane[np.setdiff1d(np.arange(2 * blocks), engine_ids)].any()
+        copier.close()
 
 
 def test_empty_transfer_finishes_at_once(rig: Rig) -> None:
