@@ -5,16 +5,22 @@ guessed from strides alone. Offsets are in bytes from the start of the layer's t
 tensor's base address.
 
 Every layout splits a block into one or two *segments* (K then V, or a single KV / latent segment) that sit
-at the same offset in every block, ``block_stride`` bytes apart. Heads are sliced inside a segment: one run
-per segment when heads are the outer axis (HND, vLLM CPU), one run per token when tokens are (NHD).
+at the same offset in every block, ``block_stride`` bytes apart (more than a block's bytes where the engine
+pads its pages). Heads are sliced inside a segment: one run per segment when heads are the outer axis (HND,
+vLLM CPU), one run per token when tokens are (NHD).
+
+Each distinct byte order has a distinct ``name``: it is part of every key and of the P/D handshake, so
+KV written in one order is never read as another.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TypeVar
+import re
+from typing import Any, TypeVar
 
-from attrs import field, frozen
+from attrs import Attribute, field, frozen
+from attrs.validators import optional
 
 from kvcore.checks import SIZE_LIMIT, int_in, is_int_in, positive_count
 from kvcore.errors import InvalidSpecError
@@ -27,17 +33,18 @@ _non_negative = int_in(0)
 class LayoutKind(enum.Enum):
     """Where K and V sit relative to the block axis."""
 
-    VLLM_CPU = "vllm_cpu"  # [blocks, heads, block_tokens, 2*head]; K transposed inside: whole heads only
-    FLASH_ATTN = "flash_attn"  # [2, blocks, ...]: a K plane and a V plane
-    FLASH_INFER = "flash_infer"  # [blocks, 2, ...]: K then V inside each block
+    VLLM_CPU = "vllm_cpu"  # [blocks, heads, block_tokens, 2*head]; a head's K, then its V: whole heads only
+    PAGED = "paged"  # vLLM >= 0.32 on GPUs: [blocks, heads, block_tokens, 2*head], K|V per head and token
+    FLASH_ATTN = "flash_attn"  # [2, blocks, ...]: a K plane and a V plane (vLLM < 0.32, SGLang-style)
+    FLASH_INFER = "flash_infer"  # [blocks, 2, ...]: K then V inside each block (vLLM < 0.32)
     MLA = "mla"  # [blocks, block_tokens, latent]: one latent segment, no head axis
 
 
 class HeadOrder(enum.Enum):
     """Order of the token and head axes inside one K or V segment."""
 
-    NHD = "nhd"  # [block_tokens, heads, head]: a head range is one small run per token
-    HND = "hnd"  # [heads, block_tokens, head]: a head range is one contiguous run
+    NHD = "nhd"  # [block_tokens, heads, head]: a head range is one small run per token (vLLM's LBNHC)
+    HND = "hnd"  # [heads, block_tokens, head]: a head range is one contiguous run (vLLM's LBHNC)
 
 
 _E = TypeVar("_E", bound=enum.Enum)
@@ -63,6 +70,16 @@ def _head_order(value: HeadOrder | str) -> HeadOrder:
     return _member(HeadOrder, "head_order", value)
 
 
+def _packing(instance: object, attribute: Attribute[Any], value: object) -> None:
+    if not (isinstance(value, str) and _PACKING.fullmatch(value)):
+        raise InvalidSpecError(
+            f"KVLayout.packing: got {value!r}, expected '' or up to 32 of a-z, 0-9, '_', '-', '.'"
+        )
+
+
+_PACKING = re.compile(r"[a-z0-9_.-]{0,32}")
+
+
 @frozen
 class ByteRange:
     """``length`` bytes starting ``offset`` bytes into a layer's tensor."""
@@ -81,8 +98,15 @@ class KVLayout:
     """The KV tensor of one layer on one rank.
 
     ``num_kv_heads`` counts the heads this rank holds (for MLA: 1, and ``head_size`` is the latent
-    width). ``dtype_size`` is bytes per element. ``head_order`` only matters for FlashAttention and
+    width). ``dtype_size`` is bytes per element. ``head_order`` only matters for paged, FlashAttention and
     FlashInfer (vLLM CPU is always heads-major; MLA has a single head, so both orders are the same bytes).
+
+    ``packing`` names how the engine orders the bytes inside the unit kvcore moves whole, where that
+    order is the engine's business (vLLM CPU: its attention ISA, ``"amx"`` or ``"vec"``, orders each
+    head's K and V differently); kvcore never reads those bytes, but two packings must never share keys
+    or exchange KV, so it is part of ``name``. ``page_bytes`` is the distance between two blocks where the
+    engine pads its pages (vLLM's ``page_size_padded``); ``None`` when blocks are dense. Padding is not
+    part of ``name``: the bytes kvcore copies are the same.
 
     ``kind`` and ``head_order`` take their enum or the enum's value (``"flash_infer"``, ``"nhd"``: what a
     configuration file or a peer's handshake carries); anything else is refused, never read as another
@@ -97,8 +121,18 @@ class KVLayout:
     head_size: int = field(validator=positive_count)
     dtype_size: int = field(validator=positive_count)
     head_order: HeadOrder = field(default=HeadOrder.HND, converter=_head_order)
+    packing: str = field(default="", validator=_packing)
+    page_bytes: int | None = field(default=None, validator=optional(positive_count))
 
     def __attrs_post_init__(self) -> None:
+        if self.page_bytes is not None:
+            if self.kind is LayoutKind.FLASH_ATTN:
+                raise InvalidSpecError("KVLayout.page_bytes: flash_attn has K and V planes, not pages")
+            if self.page_bytes < self.block_bytes or self.page_bytes % self.dtype_size:
+                raise InvalidSpecError(
+                    f"KVLayout.page_bytes: got {self.page_bytes}, expected a multiple of dtype_size "
+                    f"{self.dtype_size} of at least block_bytes {self.block_bytes}"
+                )
         if self.nbytes > SIZE_LIMIT:
             raise InvalidSpecError(
                 f"KVLayout: num_blocks {self.num_blocks} x block_bytes {self.block_bytes} = {self.nbytes} "
@@ -117,7 +151,7 @@ class KVLayout:
     def shape(self) -> tuple[int, ...]:
         """The tensor's logical shape in elements, as the engine (vLLM) reports it."""
         n, t, h, s = self.num_blocks, self.block_tokens, self.num_kv_heads, self.head_size
-        if self.kind is LayoutKind.VLLM_CPU:
+        if self.kind in (LayoutKind.VLLM_CPU, LayoutKind.PAGED):
             return (n, h, t, 2 * s)
         if self.kind is LayoutKind.FLASH_ATTN:
             return (2, n, t, h, s)
@@ -127,66 +161,81 @@ class KVLayout:
 
     @property
     def physical_shape(self) -> tuple[int, ...]:
-        """The shape in memory order: a contiguous tensor of this shape has exactly this layout.
+        """The shape in memory order: a contiguous tensor of this shape has exactly this layout (less any
+        page padding).
 
-        It differs from ``shape`` only for HND FlashAttention / FlashInfer, whose engine shape keeps the
-        NHD axis order and permutes the strides instead.
+        It differs from ``shape`` where the engine's shape keeps one axis order and permutes the strides:
+        HND FlashAttention / FlashInfer (engine shape NHD) and NHD paged (engine shape HND).
         """
         shape = self.shape
-        if self._permuted:
-            return (*shape[:2], shape[3], shape[2], shape[4])
-        return shape
+        return tuple(shape[axis] for axis in self._memory_order)
 
     @property
-    def _permuted(self) -> bool:
-        """Whether memory order swaps the engine shape's token and head axes (2 and 3)."""
-        return self.head_order is HeadOrder.HND and self.kind in _PLANE_KINDS
+    def _memory_order(self) -> tuple[int, ...]:
+        """The axes of ``shape`` from outermost to innermost in memory."""
+        if self.kind is LayoutKind.PAGED and self.head_order is HeadOrder.NHD:
+            return (0, 2, 1, 3)
+        if self.kind in _PLANE_KINDS and self.head_order is HeadOrder.HND:
+            return (0, 1, 3, 2, 4)
+        return tuple(range(len(self.shape)))
 
     @property
     def strides(self) -> tuple[int, ...]:
         """Element strides of ``shape`` (what ``torch.Tensor.stride()`` reports for the engine's tensor)."""
         physical = self.physical_shape
-        contiguous = [1] * len(physical)
+        dense = [1] * len(physical)
         for axis in range(len(physical) - 2, -1, -1):
-            contiguous[axis] = contiguous[axis + 1] * physical[axis + 1]
-        if self._permuted:
-            contiguous[2], contiguous[3] = contiguous[3], contiguous[2]
-        return tuple(contiguous)
+            dense[axis] = dense[axis + 1] * physical[axis + 1]
+        block_axis = 1 if self.kind is LayoutKind.FLASH_ATTN else 0
+        dense[block_axis] = self.block_stride // self.dtype_size
+        strides = [0] * len(physical)
+        for position, axis in enumerate(self._memory_order):
+            strides[axis] = dense[position]
+        return tuple(strides)
+
+    @property
+    def name(self) -> str:
+        """The byte order's name: equal for two layouts exactly when their blocks hold the same bytes in
+        the same order (what keys and the P/D handshake carry)."""
+        order = "" if self.kind in (LayoutKind.VLLM_CPU, LayoutKind.MLA) else f"/{self.head_order.value}"
+        return self.kind.value + order + (f"/{self.packing}" if self.packing else "")
 
     # -- sizes and strides, in bytes ----------------------------------------------------------------------
 
     @property
     def segments_per_block(self) -> int:
-        """2 (K and V) for FlashAttention / FlashInfer; 1 for vLLM CPU (one KV run) and MLA (latent)."""
+        """2 (K and V) for FlashAttention / FlashInfer; 1 for vLLM CPU and paged (K and V inside) and MLA."""
         return 2 if self.kind in _PLANE_KINDS else 1
 
     @property
     def segment_bytes(self) -> int:
         """Bytes of one segment of one block."""
-        heads = 2 * self.num_kv_heads if self.kind is LayoutKind.VLLM_CPU else self.num_kv_heads
+        heads = 2 * self.num_kv_heads if self.kind in _KV_INSIDE else self.num_kv_heads
         return self.block_tokens * heads * self.head_size * self.dtype_size
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block over all of its segments."""
+        """Bytes of one block over all of its segments (what a host block holds of it)."""
         return self.segments_per_block * self.segment_bytes
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the whole tensor."""
-        return self.num_blocks * self.block_bytes
+        """Bytes of the whole tensor, padding included."""
+        if self.kind is LayoutKind.FLASH_ATTN:
+            return self.num_blocks * self.block_bytes
+        return self.num_blocks * self.block_stride
 
     @property
     def block_stride(self) -> int:
         """Bytes from a segment of block ``b`` to the same segment of block ``b + 1``."""
-        return self.segment_bytes if self.kind is LayoutKind.FLASH_ATTN else self.block_bytes
+        if self.kind is LayoutKind.FLASH_ATTN:
+            return self.segment_bytes
+        return self.block_bytes if self.page_bytes is None else self.page_bytes
 
     @property
     def head_stride(self) -> int:
         """Bytes from head ``h`` to head ``h + 1`` inside a segment."""
-        head_bytes = self.head_size * self.dtype_size
-        if self.kind is LayoutKind.VLLM_CPU:
-            return 2 * self.block_tokens * head_bytes
+        head_bytes = self.head_size * self.dtype_size * (2 if self.kind in _KV_INSIDE else 1)
         if self.head_order is HeadOrder.NHD and self.kind is not LayoutKind.MLA:
             return head_bytes
         return self.block_tokens * head_bytes
@@ -239,3 +288,5 @@ class KVLayout:
 
 
 _PLANE_KINDS = frozenset({LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER})
+_KV_INSIDE = frozenset({LayoutKind.VLLM_CPU, LayoutKind.PAGED})
+"""Kinds whose one segment holds each head's K and V together (a head's unit is ``2 * head_size``)."""

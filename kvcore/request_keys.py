@@ -92,7 +92,7 @@ class Keyer:
                 num_layers=engine.num_layers,
                 num_kv_heads=engine.total_kv_heads,
                 head_size=layout.head_size,
-                layout=f"{layout.kind.value}/{layout.head_order.value}",
+                layout=layout.name,
                 block_tokens=layout.block_tokens,
                 chunk_tokens=config.chunk_tokens,
                 hash_algorithm=config.hash_algorithm,

@@ -240,7 +240,7 @@ def _check_compatible(producer: TPSide, consumer: TPSide) -> None:
         problems.append(
             f"head order differs: producer {src.head_order.value}, consumer {dst.head_order.value}"
         )
-    for name in ("block_tokens", "head_size", "dtype_size"):
+    for name in ("packing", "block_tokens", "head_size", "dtype_size"):
         if getattr(src, name) != getattr(dst, name):
             problems.append(f"{name} differs: producer {getattr(src, name)}, consumer {getattr(dst, name)}")
     for name in ("total_kv_heads", "num_layers"):

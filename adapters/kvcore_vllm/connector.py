@@ -23,6 +23,7 @@ from kvcore.errors import InvalidSpecError
 from kvcore.sizing import staging_shortfall
 from kvcore_vllm.compat import check_vllm
 from kvcore_vllm.engine_spec import engine_spec, hash_identity, layer_names
+from kvcore_vllm.kv_layout import requested_order
 from kvcore_vllm.metadata import KVCoreMetadata
 from kvcore_vllm.rank_agreement import RankAgreement, alone, over_group
 from kvcore_vllm.roles import require_side
@@ -102,6 +103,10 @@ class KVCoreConnector(KVConnectorBase_V1):
                 agree = over_group(get_tp_group().cpu_group, 2 * config.transfer_timeout_s + 5.0)
             layers = layer_names(kv_cache_config)
             self._worker = WorkerSide(config, engine, layers, rank, faults=settings.faults, agree=agree)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return requested_order(vllm_config.model_config.use_mla)
 
     @property
     def requires_kv_delivery(self) -> bool:

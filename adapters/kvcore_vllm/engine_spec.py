@@ -1,9 +1,8 @@
 """What kvcore needs to know of a vLLM engine, read from its config, and the scope it refuses.
 
 Unsupported configurations are refused at start-up with a message that names them, never silently
-mis-keyed: pipeline or context parallelism, several KV-cache groups (hybrid models), MLA, and KV caches
-that are not vLLM's CPU layout (the CUDA layouts exist in kvcore's core but the adapter has only been
-run on vLLM's CPU build).
+mis-keyed: pipeline or context parallelism, several KV-cache groups (hybrid models), MLA, and caches
+whose bytes kvcore does not describe (``kv_layout``: attention backends, memory orders, cache dtypes).
 """
 
 from __future__ import annotations
@@ -15,13 +14,13 @@ import torch
 
 from kvcore.engine import EngineSpec
 from kvcore.errors import UnsupportedConfiguration
-from kvcore.layout import KVLayout, LayoutKind
+from kvcore_vllm.kv_layout import CPU_BACKEND, cpu_packing, kv_dtype, kv_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["engine_spec", "hash_identity", "layer_names"]
+__all__ = ["attention_backend", "engine_spec", "hash_identity", "layer_names"]
 
 _FIXED_SEED = "vllm-none-hash"
 
@@ -50,28 +49,43 @@ def engine_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Engi
         raise UnsupportedConfiguration(
             f"kvcore's vLLM adapter supports full attention, not {type(spec).__name__}"
         )
-    if not vllm_config.device_config.device_type == "cpu":
+    cache = vllm_config.cache_config
+    if cache.kv_cache_dtype_skip_layers:
         raise UnsupportedConfiguration(
-            "kvcore's vLLM adapter has been run on vLLM's CPU build only; CUDA layouts are not wired yet"
+            f"kv_cache_dtype_skip_layers={cache.kv_cache_dtype_skip_layers}: kvcore needs one cache dtype "
+            "for every layer"
         )
     model = vllm_config.model_config
-    dtype_size = torch.empty((), dtype=spec.dtype).element_size()
-    layout = KVLayout(
-        kind=LayoutKind.VLLM_CPU,
-        num_blocks=kv_cache_config.num_blocks,
-        block_tokens=spec.block_size,
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_size,
-        dtype_size=dtype_size,
-    )
+    if not isinstance(model.dtype, torch.dtype):  # resolved from "auto" when vLLM builds its config
+        raise UnsupportedConfiguration(f"model dtype: got {model.dtype!r}, expected a resolved torch.dtype")
+    backend = attention_backend(vllm_config, list(groups[0].layer_names))
+    packing = ""
+    if backend == CPU_BACKEND:
+        packing = cpu_packing(model.dtype, spec.block_size, spec.head_size, cache.cache_dtype)
+    try:
+        memory_order = cache.get_resolved_kv_cache_layout().name
+    except ValueError as exc:  # vLLM resolves it in the engine core before connectors are built
+        raise UnsupportedConfiguration(f"vLLM's KV cache layout is not resolved: {exc}") from None
+    layout = kv_layout(backend, memory_order, spec, kv_cache_config.num_blocks, packing=packing)
     return EngineSpec(
         model_id=f"{model.model}@{model.revision or 'default'}",
-        kv_dtype=str(spec.dtype).removeprefix("torch."),
+        kv_dtype=kv_dtype(cache.cache_dtype, model.dtype),
         num_layers=len(groups[0].layer_names),
         total_kv_heads=model.get_total_num_kv_heads(),
         layout=layout,
         tp_size=parallel.tensor_parallel_size,
     )
+
+
+def attention_backend(vllm_config: VllmConfig, layer_names: list[str]) -> str:
+    """The one attention backend of the layers, by vLLM's name for it (``FLASH_ATTN``, ``CPU_ATTN``, ...);
+    where the model is not built in this process (the scheduler's), the one vLLM's selector picks."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    names = sorted({backend.get_name() for backend in get_current_attn_backends(vllm_config, layer_names)})
+    if len(names) != 1:
+        raise UnsupportedConfiguration(f"the layers use several attention backends: {names}")
+    return names[0]
 
 
 def hash_identity(vllm_config: VllmConfig) -> tuple[str, bool]:

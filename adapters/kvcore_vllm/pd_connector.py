@@ -23,6 +23,7 @@ from kvcore.config import load_pd_config
 from kvcore.errors import ConfigError, InvalidSpecError
 from kvcore_vllm.compat import check_vllm
 from kvcore_vllm.engine_spec import engine_spec, layer_names
+from kvcore_vllm.kv_layout import requested_order
 from kvcore_vllm.pd_metadata import PDMetadata
 from kvcore_vllm.pd_scheduler import PDRole, PDScheduler
 from kvcore_vllm.pd_worker import PDWorker
@@ -73,10 +74,7 @@ class KVCorePDConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        """HND (heads outside tokens): a head slice is then one run per block, so TP sizes may differ."""
-        if vllm_config.model_config.use_mla:
-            return None  # one latent head: every layout moves whole blocks
-        return "HND"
+        return requested_order(vllm_config.model_config.use_mla)
 
     @property
     def scheduler_side(self) -> PDScheduler:

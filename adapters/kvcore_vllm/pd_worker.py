@@ -23,6 +23,7 @@ from kvcore.ports import PeerTransport
 from kvcore_cpu.amx import claim_amx
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_mooncake.pd import MooncakePeerTransport, PDConsumer, PDProducer, RankSpec
+from kvcore_vllm.kv_layout import connector_views
 from kvcore_vllm.pd_metadata import Offer, PDMetadata, Receive
 from kvcore_vllm.pd_scheduler import PDRole
 
@@ -62,10 +63,7 @@ class PDWorker:
         Raises ``InvalidSpecError`` for tensors that do not match the layout, ``BackendError`` when a
         transfer engine or side channel does not start (what was started is closed again).
         """
-        missing = [name for name in self._layers if name not in kv_caches]
-        if missing:
-            raise InvalidSpecError(f"KV caches missing for layers {missing}")
-        tensors = [kv_caches[name] for name in self._layers]
+        tensors = connector_views(kv_caches, self._layers, self._engine)
         EngineKV.register(
             tensors, self._engine.layout, kv_dtype=self._engine.kv_dtype
         )  # refuses tensors that differ from the layout

@@ -35,6 +35,7 @@ from kvcore.faults import FaultHooks
 from kvcore.plan import BlockOp, OpReport, StepPlan
 from kvcore.ports import Direction
 from kvcore.worker import BlockWorker
+from kvcore_vllm.kv_layout import connector_views
 from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata
 from kvcore_vllm.rank_agreement import RankAgreement, alone
 
@@ -65,6 +66,7 @@ class WorkerSide:
             lambda tensors: open_worker(config, engine, tensors, rank=rank, faults=faults)
         )
         self._rank = rank
+        self._engine = engine
         self._halt_told = False  # the scheduler side knows this rank's copies were halted
         self._layers = layers
         self._timeout = config.transfer_timeout_s
@@ -87,10 +89,7 @@ class WorkerSide:
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        missing = [name for name in self._layers if name not in kv_caches]
-        if missing:
-            raise InvalidSpecError(f"KV caches missing for layers {missing}")
-        self._worker = self._opener([kv_caches[name] for name in self._layers])
+        self._worker = self._opener(connector_views(kv_caches, self._layers, self._engine))
 
     def start_load_kv(self, meta: KVCoreMetadata) -> None:
         self._load_errors.update(meta.failed_blocks)

@@ -28,6 +28,7 @@ _DEVICES = frozenset({"cpu", "cuda"})
 
 _SHAPE_NAMES = {
     LayoutKind.VLLM_CPU: "[blocks, heads, block_tokens, 2*head]",
+    LayoutKind.PAGED: "[blocks, heads, block_tokens, 2*head]",
     LayoutKind.FLASH_ATTN: "[2, blocks, block_tokens, heads, head]",
     LayoutKind.FLASH_INFER: "[blocks, 2, block_tokens, heads, head]",
     LayoutKind.MLA: "[blocks, block_tokens, latent]",
@@ -81,7 +82,7 @@ class EngineKV:
         first = tensors[0]
         for layer, tensor in enumerate(tensors):
             _check_layer(layer, tensor, first, layout, kv_dtype)
-        _check_disjoint(tensors)
+        _check_disjoint(tensors, layout)
         layers = tuple(_planes(layer, t, layout) for layer, t in enumerate(tensors))
         return cls(layout, layers, _shared_rows(first, [p for planes in layers for p in planes]))
 
@@ -139,11 +140,13 @@ def _check_layer(layer: int, tensor: object, first: object, layout: KVLayout, kv
         raise _fail(layer, "device", tensor.device, f"{first.device} (layer 0's)")
     # Either form is taken when the shapes coincide (HND with as many tokens a block as heads).
     engine_form = got == layout.shape and _strides_match(tensor, layout.strides)
-    if not engine_form and not (got == layout.physical_shape and tensor.is_contiguous()):
+    dense = layout.page_bytes is None and got == layout.physical_shape and tensor.is_contiguous()
+    if not engine_form and not dense:
+        padding = "" if layout.page_bytes is None else f", pages of {layout.page_bytes} bytes"
         accepted = (
-            [f"{layout.strides} (dense, {layout.head_order.value.upper()})"] if got == layout.shape else []
+            [f"{layout.strides} ({layout.head_order.value.upper()}{padding})"] if got == layout.shape else []
         )
-        if got == layout.physical_shape:
+        if got == layout.physical_shape and layout.page_bytes is None:
             accepted.append("a contiguous tensor")
         raise _fail(layer, "contiguity", f"strides {tensor.stride()}", " or ".join(accepted))
 
@@ -163,11 +166,11 @@ def _strides_match(tensor: torch.Tensor, strides: tuple[int, ...]) -> bool:
     )
 
 
-def _check_disjoint(tensors: Sequence[torch.Tensor]) -> None:
+def _check_disjoint(tensors: Sequence[torch.Tensor], layout: KVLayout) -> None:
     """Two layers sharing bytes would overwrite each other's blocks: refuse them."""
-    spans = sorted(
-        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), layer) for layer, t in enumerate(tensors)
-    )
+    padding = 0 if layout.page_bytes is None else layout.page_bytes - layout.block_bytes
+    span = layout.nbytes - padding  # the last page's padding may lie outside the tensor
+    spans = sorted((t.data_ptr(), t.data_ptr() + span, layer) for layer, t in enumerate(tensors))
     for (_, end, before), (start, _, layer) in itertools.pairwise(spans):
         if start < end:
             raise _fail(
@@ -176,18 +179,19 @@ def _check_disjoint(tensors: Sequence[torch.Tensor]) -> None:
 
 
 def _planes(layer: int, tensor: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, ...]:
-    # A checked tensor is contiguous in memory order, or the engine's HND form, which swaps the token and
-    # head axes in memory: its transpose is contiguous.
-    in_memory_order = tensor if tensor.is_contiguous() else tensor.transpose(2, 3)
+    """The layer's blocks as ``[num_blocks, plane_bytes]`` byte rows over the tensor's own memory (its
+    strides were checked against the layout, so the rows are where the layout says)."""
     try:
-        data = in_memory_order.view(torch.uint8)
+        data = tensor.view(torch.uint8)
     # torch refuses byte views of some tensors of a valid dtype size (a lazily conjugated complex view).
     except RuntimeError as exc:
         raise _fail(layer, "dtype", tensor.dtype, f"a tensor whose bytes can be viewed ({exc})") from None
+    offset = data.storage_offset()
     if layout.kind is LayoutKind.FLASH_ATTN:
-        k_and_v = data.view(2, layout.num_blocks, -1)
-        return (k_and_v[0], k_and_v[1])
-    return (data.view(layout.num_blocks, -1),)
+        rows, plane = (layout.num_blocks, layout.segment_bytes), layout.num_blocks * layout.segment_bytes
+        return tuple(torch.as_strided(data, rows, (rows[1], 1), offset + kv * plane) for kv in (0, 1))
+    rows = (layout.num_blocks, layout.block_bytes)
+    return (torch.as_strided(data, rows, (layout.block_stride, 1), offset),)
 
 
 def _shared_rows(first: torch.Tensor, planes: Sequence[torch.Tensor]) -> SharedRows | None:
@@ -196,7 +200,8 @@ def _shared_rows(first: torch.Tensor, planes: Sequence[torch.Tensor]) -> SharedR
     row_bytes = int(planes[0].shape[1])
     offsets = [p.data_ptr() - base for p in planes]
     same_storage = all(p.untyped_storage().data_ptr() == base for p in planes)
-    if not same_storage or any(offset % row_bytes for offset in offsets):
+    dense = all(p.stride(0) == row_bytes for p in planes)
+    if not (same_storage and dense) or any(offset % row_bytes for offset in offsets):
         return None
     count = storage.nbytes() // row_bytes
     rows = torch.as_strided(planes[0], (count, row_bytes), (row_bytes, 1), 0)

@@ -12,6 +12,7 @@ from kvcore.errors import InvalidSpecError
 from kvcore.layout import ByteRange, HeadOrder, KVLayout, LayoutKind
 
 CPU, FA, FI, MLA = LayoutKind.VLLM_CPU, LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER, LayoutKind.MLA
+PG = LayoutKind.PAGED
 NHD, HND = HeadOrder.NHD, HeadOrder.HND
 
 
@@ -74,6 +75,62 @@ def test_flash_infer_hnd_strides_and_head_runs() -> None:
     assert fi.head_runs(1, 3, 4) == (ByteRange(2816, 256), ByteRange(3840, 256))
 
 
+def test_paged_nhd_is_vllm_lbnhc_with_k_then_v_per_head_and_token() -> None:
+    # logical [4 blocks, 4 heads, 16 tokens, 2*8]; memory [blocks, tokens, heads, K|V]: one head of one
+    # token is 32 bytes, K then V
+    pg = layout(PG, NHD)
+    assert pg.shape == (4, 4, 16, 16)
+    assert pg.physical_shape == (4, 16, 4, 16)
+    assert pg.strides == (1024, 16, 64, 1)
+    assert (pg.segments_per_block, pg.block_bytes, pg.head_stride) == (1, 2048, 32)
+    # heads [1, 3) of block 1: per token t, 64 bytes at 2048 + t * 128 + 32
+    runs = pg.head_runs(1, 1, 3)
+    assert len(runs) == 16
+    assert runs[:2] == (ByteRange(2080, 64), ByteRange(2208, 64))
+
+
+def test_paged_hnd_is_vllm_lbhnc_with_one_run_per_head_range() -> None:
+    pg = layout(PG, HND)
+    assert pg.shape == pg.physical_shape == (4, 4, 16, 16)
+    assert pg.strides == (1024, 256, 16, 1)
+    assert pg.head_runs(1, 1, 3) == (ByteRange(2560, 1024),)
+
+
+def test_padded_pages_put_blocks_apart_without_changing_their_bytes_or_name() -> None:
+    pg = KVLayout(PG, 4, 16, 4, 8, 2, HND, page_bytes=2560)
+    assert (pg.block_bytes, pg.block_stride, pg.nbytes) == (2048, 2560, 4 * 2560)
+    assert pg.strides == (1280, 256, 16, 1)
+    assert pg.segments(1) == (ByteRange(2560, 2048),)
+    assert pg.head_runs(1, 1, 3) == (ByteRange(3072, 1024),)
+    assert pg.name == layout(PG, HND).name
+    for bad, message in ((2046, "got 2046, expected a multiple of dtype_size 2 of at least"), (2049, "2049")):
+        with pytest.raises(InvalidSpecError, match=message):
+            KVLayout(PG, 4, 16, 4, 8, 2, HND, page_bytes=bad)
+    with pytest.raises(InvalidSpecError, match="flash_attn has K and V planes, not pages"):
+        KVLayout(FA, 4, 16, 4, 8, 2, HND, page_bytes=4096)
+
+
+def test_each_byte_order_has_its_own_name() -> None:
+    # names go into keys and the P/D handshake: equal only for the same bytes in the same order
+    layouts = [
+        layout(CPU),
+        KVLayout(CPU, 4, 16, 4, 8, 2, packing="amx"),
+        KVLayout(CPU, 4, 16, 4, 8, 2, packing="vec"),
+        layout(PG, NHD),
+        layout(PG, HND),
+        layout(FA, NHD),
+        layout(FA, HND),
+        layout(FI, NHD),
+        layout(FI, HND),
+        KVLayout(MLA, 4, 16, 1, 8, 2),
+    ]
+    assert len({lay.name for lay in layouts}) == len(layouts)
+    assert KVLayout(CPU, 4, 16, 4, 8, 2, packing="amx").name == "vllm_cpu/amx"
+    for bad in ("AMX", "a/b", "x" * 33, 3):
+        with pytest.raises(InvalidSpecError, match=r"KVLayout\.packing: got"):
+            KVLayout(CPU, 4, 16, 4, 8, 2, packing=bad)  # type: ignore[arg-type]  # a wrong type on purpose
+
+
 def test_mla_is_one_latent_segment_without_head_slicing() -> None:
     # [4 blocks, 16 tokens, latent 576] in 2-byte elements: 18432 bytes a block
     mla = KVLayout(MLA, num_blocks=4, block_tokens=16, num_kv_heads=1, head_size=576, dtype_size=2)
@@ -122,7 +179,7 @@ def test_invalid_layouts_are_refused() -> None:
         KVLayout(FA, num_blocks=0, block_tokens=4, num_kv_heads=2, head_size=8, dtype_size=2)
 
 
-styles = st.sampled_from([(CPU, HND), (FA, NHD), (FA, HND), (FI, NHD), (FI, HND)])
+styles = st.sampled_from([(CPU, HND), (PG, NHD), (PG, HND), (FA, NHD), (FA, HND), (FI, NHD), (FI, HND)])
 layouts = st.builds(
     lambda style, blocks, tokens, heads, size, dtype: KVLayout(
         style[0], blocks, tokens, heads, size, dtype, head_order=style[1]
@@ -155,16 +212,21 @@ def test_head_runs_of_a_head_partition_tile_the_tensor(lay: KVLayout, data: st.D
 @settings(deadline=None)
 @given(layouts.filter(lambda lay: lay.kind is not CPU), st.data())
 def test_strides_locate_the_same_bytes_as_head_runs(lay: KVLayout, data: st.DataObject) -> None:
-    # the engine's strides put element (kv, block, token, head, 0) where the segment arithmetic does
+    # the engine's strides put K or V of (block, token, head) where the segment arithmetic does
     block = data.draw(st.integers(0, lay.num_blocks - 1))
     head = data.draw(st.integers(0, lay.num_kv_heads - 1))
     token = data.draw(st.integers(0, lay.block_tokens - 1))
     kv = data.draw(st.integers(0, 1))
-    index = (kv, block, token, head, 0) if lay.kind is FA else (block, kv, token, head, 0)
+    index: tuple[int, ...]
+    if lay.kind is PG:  # K and V side by side in one segment, per head and token
+        index, segment, unit = (block, head, token, kv * lay.head_size), lay.segments(block)[0], 2
+    else:
+        index = (kv, block, token, head, 0) if lay.kind is FA else (block, kv, token, head, 0)
+        segment, unit = lay.segments(block)[kv], 1
     offset = sum(i * s for i, s in zip(index, lay.strides, strict=True)) * lay.dtype_size
-    segment = lay.segments(block)[kv]
     in_segment = token * lay.num_kv_heads + head if lay.head_order is NHD else head * lay.block_tokens + token
-    assert offset == segment.offset + in_segment * lay.head_size * lay.dtype_size
+    head_bytes = lay.head_size * lay.dtype_size
+    assert offset == segment.offset + in_segment * unit * head_bytes + (kv * head_bytes if unit == 2 else 0)
 
 
 # -- refused input: every field named with its value ------------------------------------------------------

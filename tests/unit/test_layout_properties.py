@@ -24,7 +24,10 @@ LAYOUT_FIELDS = (
     "head_size",
     "dtype_size",
     "head_order",
+    "packing",
+    "page_bytes",
 )
+COUNT_FIELDS = ("num_blocks", "block_tokens", "num_kv_heads", "head_size", "dtype_size")
 SPEC_FIELDS = ("model_id", "kv_dtype", "num_layers", "total_kv_heads", "layout", "tp_size")
 
 anything = st.one_of(
@@ -42,7 +45,13 @@ anything = st.one_of(
 
 counts = st.integers(1, 8)
 
-AXES = {LayoutKind.VLLM_CPU: 4, LayoutKind.FLASH_ATTN: 5, LayoutKind.FLASH_INFER: 5, LayoutKind.MLA: 3}
+AXES = {
+    LayoutKind.VLLM_CPU: 4,
+    LayoutKind.PAGED: 4,
+    LayoutKind.FLASH_ATTN: 5,
+    LayoutKind.FLASH_INFER: 5,
+    LayoutKind.MLA: 3,
+}
 
 
 @st.composite
@@ -65,6 +74,8 @@ layout_args = st.fixed_dictionaries(
         "head_size": either(st.one_of(counts, st.integers(1, SIZE_LIMIT))),
         "dtype_size": either(st.sampled_from([1, 2, 4])),
         "head_order": either(st.sampled_from([*HeadOrder, *(o.value for o in HeadOrder)])),
+        "packing": either(st.sampled_from(["", "amx", "vec16", "AMX", "a/b"])),
+        "page_bytes": either(st.one_of(st.none(), st.integers(1, 1 << 12))),
     }
 )
 
@@ -76,10 +87,12 @@ def assert_names_one_of(exc: UsageError, names: tuple[str, ...]) -> None:
 def assert_well_typed(layout: KVLayout) -> None:
     assert isinstance(layout.kind, LayoutKind)
     assert isinstance(layout.head_order, HeadOrder)
-    for name in LAYOUT_FIELDS[1:-1]:
+    for name in COUNT_FIELDS:
         value = getattr(layout, name)
         assert type(value) is int
         assert 1 <= value <= SIZE_LIMIT
+    assert isinstance(layout.packing, str)
+    assert layout.page_bytes is None or layout.block_bytes <= layout.page_bytes == layout.block_stride
     assert layout.nbytes <= SIZE_LIMIT
 
 

@@ -34,6 +34,8 @@ def rank_info(spec: RankSpec, rpc_address: str, side_channel: str) -> RankInfo:
             head_size=layout.head_size,
             dtype_size=layout.dtype_size,
             head_order=layout.head_order.value,
+            packing=layout.packing,
+            page_bytes=layout.page_bytes,
         ),
         layer_bases=spec.layer_bases,
     )
@@ -51,6 +53,8 @@ def side_of(info: RankInfo) -> TPSide:
             raw.head_size,
             raw.dtype_size,
             HeadOrder(raw.head_order),
+            raw.packing,
+            raw.page_bytes,
         )
         if not 0 <= info.tp_rank < info.tp_size:
             raise InvalidSpecError(f"tp_rank {info.tp_rank} is outside [0, {info.tp_size})")

@@ -33,7 +33,7 @@ __all__ = [
     "encode",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -58,6 +58,8 @@ class LayoutInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     head_size: int
     dtype_size: int
     head_order: str
+    packing: str
+    page_bytes: int | None
 
 
 class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -11,7 +11,7 @@ from attrs import field, frozen
 from attrs.validators import ge, min_len
 
 from kvcore.errors import InvalidSpecError
-from kvcore.layout import KVLayout, LayoutKind
+from kvcore.layout import KVLayout
 from kvcore.ports import MemoryRegion, int_ids, int_tuple
 from kvcore.transfer_plan import TPSide
 from kvcore_mooncake.pd.messages import Fingerprint
@@ -55,11 +55,10 @@ class RankSpec:
     @property
     def fingerprint(self) -> Fingerprint:
         layout = self.layout
-        order = "" if layout.kind in (LayoutKind.VLLM_CPU, LayoutKind.MLA) else f"/{layout.head_order.value}"
         return Fingerprint(
             model=self.model,
             dtype=self.dtype,
-            layout=layout.kind.value + order,
+            layout=layout.name,
             block_tokens=layout.block_tokens,
             total_kv_heads=self.total_kv_heads,
             head_size=layout.head_size,

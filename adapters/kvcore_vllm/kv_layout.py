@@ -1,0 +1,168 @@
+"""vLLM 0.32's KV caches as kvcore layouts, for every attention backend whose bytes kvcore can describe.
+
+vLLM hands a connector one view per layer, logically ``[blocks, heads, block_tokens, C]``, whose memory
+order is the engine's resolved ``KVCacheLayout`` (one for the whole model) and whose ``C`` depends on the
+backend:
+
+- FlashAttention, FlashInfer, Triton and FlexAttention: ``C`` is a head's K then its V for one token
+  (``LayoutKind.PAGED``), in memory order LBNHC (NHD, vLLM's default) or LBHNC (HND);
+- CPU attention: LBHNC, and each head's ``block_tokens * C`` elements are its K then its V, packed in
+  an order set by the attention ISA (``LayoutKind.VLLM_CPU``, the ISA as ``packing``).
+
+Refused at start-up, with a message naming what and why: another backend, another memory order
+(the cross-layer BL* orders, LHBNC), K and V of different sizes, and cache dtypes that carry scales or
+packed values inside the page (per-token-head, NVFP4, TurboQuant, ...). fp8 caches are stored as bytes
+by vLLM; kvcore names them by their fp8 format, so that e4m3 and e5m2 never share keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvcore.engine import EngineSpec
+from kvcore.errors import InvalidSpecError, UnsupportedConfiguration
+from kvcore.layout import HeadOrder, KVLayout, LayoutKind
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+__all__ = [
+    "CPU_BACKEND",
+    "PAGED_BACKENDS",
+    "connector_views",
+    "cpu_packing",
+    "kv_dtype",
+    "kv_layout",
+    "requested_order",
+]
+
+PAGED_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
+"""GPU backends whose caches are ``LayoutKind.PAGED`` (K then V per head and token)."""
+
+CPU_BACKEND = "CPU_ATTN"
+
+_HEAD_ORDERS = {"LBNHC": HeadOrder.NHD, "LBHNC": HeadOrder.HND}
+"""The per-layer memory orders kvcore describes, by vLLM's ``KVCacheLayout`` name."""
+
+
+def requested_order(use_mla: bool) -> str | None:
+    """What kvcore's connectors ask vLLM for (``get_required_kvcache_layout``): LBHNC, where each head's
+    bytes of a block are one run, so heterogeneous TP moves one range per head group instead of one per
+    token (NHD is refused there), and one order on every backend that takes it lets engines with
+    different defaults share keys (the order is part of them). A whole block of one layer is one run in
+    either order, so same-TP copies cost the same. vLLM drops the request, with a warning, where a backend
+    does not take LBHNC (FlexAttention: LBNHC only); kvcore then describes what vLLM chose. MLA: nothing
+    (one latent head, every order the same bytes)."""
+    return None if use_mla else "LBHNC"
+
+
+_FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+_UNQUANTIZED = ("auto", "float16", "bfloat16", "float32", "half", "float")
+
+
+def kv_dtype(cache_dtype: str, model_dtype: torch.dtype) -> str:
+    """The name of what the cache holds (an ``EngineSpec.kv_dtype``): the model's dtype, or the fp8 format.
+
+    Raises ``UnsupportedConfiguration`` for a cache dtype whose pages hold more than plain values."""
+    if cache_dtype in _FP8:
+        return _FP8[cache_dtype]
+    if cache_dtype in _UNQUANTIZED:
+        return str(model_dtype).removeprefix("torch.")
+    raise UnsupportedConfiguration(
+        f"kv_cache_dtype={cache_dtype!r}: kvcore cannot describe its pages (scales or packed values inside "
+        f"them); supported: {', '.join((*_UNQUANTIZED, *_FP8))}"
+    )
+
+
+def kv_layout(
+    backend: str, memory_order: str, spec: AttentionSpec, num_blocks: int, *, packing: str = ""
+) -> KVLayout:
+    """The layout of one layer of ``spec`` under attention ``backend`` (``AttentionBackend.get_name()``)
+    and the resolved ``KVCacheLayout`` name ``memory_order``; ``packing`` is the CPU attention ISA.
+
+    Raises ``UnsupportedConfiguration`` naming the backend, order or spec field kvcore cannot describe."""
+    head_size_v = getattr(spec, "head_size_v", spec.head_size)
+    if head_size_v != spec.head_size:
+        raise UnsupportedConfiguration(
+            f"head_size_v={head_size_v} differs from head_size={spec.head_size}: kvcore describes K and V "
+            "of one size"
+        )
+    if spec.num_head_slots not in (None, spec.num_kv_heads) or spec.state_content_bytes is not None:
+        raise UnsupportedConfiguration(
+            f"{type(spec).__name__} with num_head_slots={spec.num_head_slots}, state_content_bytes="
+            f"{spec.state_content_bytes}: a page holding more than K and V values is not described by kvcore"
+        )
+    if backend == CPU_BACKEND:
+        if memory_order != "LBHNC":
+            raise UnsupportedConfiguration(f"{backend} with KV cache layout {memory_order}: expected LBHNC")
+        kind, order = LayoutKind.VLLM_CPU, HeadOrder.HND
+    elif backend in PAGED_BACKENDS:
+        if memory_order not in _HEAD_ORDERS:
+            raise UnsupportedConfiguration(
+                f"KV cache layout {memory_order}: kvcore describes {' and '.join(_HEAD_ORDERS)} (unset "
+                "VLLM_KV_CACHE_LAYOUT, or set it to one of these)"
+            )
+        kind, order = LayoutKind.PAGED, _HEAD_ORDERS[memory_order]
+    else:
+        raise UnsupportedConfiguration(
+            f"attention backend {backend}: kvcore describes the caches of "
+            f"{', '.join((*PAGED_BACKENDS, CPU_BACKEND))}"
+        )
+    return KVLayout(
+        kind,
+        num_blocks,
+        spec.block_size,
+        spec.num_kv_heads,
+        spec.head_size,
+        torch.empty((), dtype=spec.dtype).element_size(),
+        order,
+        packing,
+        spec.page_size_padded,
+    )
+
+
+def cpu_packing(model_dtype: torch.dtype, block_tokens: int, head_size: int, cache_dtype: str) -> str:
+    """The ISA vLLM's CPU attention packs each head's K and V for (``amx``, ``vec``, ``vec16``, ...): the
+    same choice vLLM makes, so that caches of two CPUs that pack differently never share keys."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(model_dtype, block_tokens, head_size, cache_dtype))
+
+
+def connector_views(
+    kv_caches: Mapping[str, torch.Tensor], layers: Sequence[str], engine: EngineSpec
+) -> list[torch.Tensor]:
+    """vLLM's views of ``layers`` (in that order) as tensors of the engine's layout: kernel blocks
+    regrouped into the manager's blocks (where the engine splits its blocks for the attention kernel)
+    and fp8 bytes seen as their dtype. ``kvcore_cpu.EngineKV.register`` then checks every one.
+
+    Raises ``InvalidSpecError`` for a layer missing from ``kv_caches``, or a split whose kernel blocks do
+    not continue each other's tokens (HND: a block's heads are then not contiguous)."""
+    missing = [name for name in layers if name not in kv_caches]
+    if missing:
+        raise InvalidSpecError(f"KV caches missing for layers {missing}")
+    layout, target = engine.layout, getattr(torch, engine.kv_dtype)
+    views = []
+    for layer, tensor in enumerate(kv_caches[name] for name in layers):
+        view = tensor
+        count = int(tensor.shape[0]) if tensor.dim() == 4 else layout.num_blocks
+        if count != layout.num_blocks and count % layout.num_blocks == 0:
+            ratio = count // layout.num_blocks
+            blocks, heads, tokens, width = (int(n) for n in tensor.shape)
+            s_block, s_head, s_token, s_elem = tensor.stride()
+            if s_block != tokens * s_token:
+                raise InvalidSpecError(
+                    f"layer {layer}: kernel blocks of {tokens} tokens in blocks of {tokens * ratio} "
+                    f"({layout.head_order.value.upper()}): a block's heads are not contiguous; use "
+                    f"--block-size {tokens} or the LBNHC layout"
+                )
+            view = tensor.as_strided(
+                (blocks // ratio, heads, tokens * ratio, width), (ratio * s_block, s_head, s_token, s_elem)
+            )
+        if view.dtype != target and view.element_size() == target.itemsize:
+            view = view.view(target)
+        views.append(view)
+    return views
