@@ -1,8 +1,8 @@
 """What kvcore needs to know of a vLLM engine, read from its config, and the scope it refuses.
 
 Unsupported configurations are refused at start-up with a message that names them, never silently
-mis-keyed: pipeline or context parallelism, several KV-cache groups (hybrid models), MLA, and caches
-whose bytes kvcore does not describe (``kv_layout``: attention backends, memory orders, cache dtypes).
+mis-keyed: pipeline or context parallelism, several KV-cache groups (hybrid models), and caches whose
+bytes kvcore does not describe (``kv_layout``: attention backends, memory orders, cache dtypes).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def engine_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Engi
             f"kvcore supports one KV-cache group; this model has {len(groups)} (hybrid attention)"
         )
     spec = groups[0].kv_cache_spec
-    if isinstance(spec, MLAAttentionSpec) or not isinstance(spec, FullAttentionSpec):
+    if not isinstance(spec, FullAttentionSpec):  # MLA's spec is one
         raise UnsupportedConfiguration(
-            f"kvcore's vLLM adapter supports full attention, not {type(spec).__name__}"
+            f"kvcore's vLLM adapter supports full attention and MLA, not {type(spec).__name__}"
         )
     cache = vllm_config.cache_config
     if cache.kv_cache_dtype_skip_layers:
@@ -71,7 +71,7 @@ def engine_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Engi
         model_id=f"{model.model}@{model.revision or 'default'}",
         kv_dtype=kv_dtype(cache.cache_dtype, model.dtype),
         num_layers=len(groups[0].layer_names),
-        total_kv_heads=model.get_total_num_kv_heads(),
+        total_kv_heads=1 if isinstance(spec, MLAAttentionSpec) else model.get_total_num_kv_heads(),
         layout=layout,
         tp_size=parallel.tensor_parallel_size,
     )

@@ -7,7 +7,8 @@ backend:
 - FlashAttention, FlashInfer, Triton and FlexAttention: ``C`` is a head's K then its V for one token
   (``LayoutKind.PAGED``), in memory order LBNHC (NHD, vLLM's default) or LBHNC (HND);
 - CPU attention: LBHNC, and each head's ``block_tokens * C`` elements are its K then its V, packed in
-  an order set by the attention ISA (``LayoutKind.VLLM_CPU``, the ISA as ``packing``).
+  an order set by the attention ISA (``LayoutKind.VLLM_CPU``, the ISA as ``packing``);
+- MLA: one latent per token, ``heads`` = 1 (``LayoutKind.MLA``; every rank holds the same bytes).
 
 Refused at start-up, with a message naming what and why: another backend, another memory order
 (the cross-layer BL* orders, LHBNC), K and V of different sizes, and cache dtypes that carry scales or
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CPU_BACKEND",
+    "MLA_BACKENDS",
     "PAGED_BACKENDS",
     "connector_views",
     "cpu_packing",
@@ -43,6 +45,18 @@ PAGED_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 """GPU backends whose caches are ``LayoutKind.PAGED`` (K then V per head and token)."""
 
 CPU_BACKEND = "CPU_ATTN"
+
+MLA_BACKENDS = (
+    "CPU_MLA",
+    "AMX_MLA",
+    "TRITON_MLA",
+    "FLASHMLA",
+    "FLASH_ATTN_MLA",
+    "CUTLASS_MLA",
+    "FLASHINFER_MLA",
+)
+"""Dense MLA backends: one latent per token, ``[blocks, 1, block_tokens, latent]`` (``LayoutKind.MLA``);
+AMX_MLA packs its weights, not the cache. The sparse (indexer) backends keep more than the latent."""
 
 _HEAD_ORDERS = {"LBNHC": HeadOrder.NHD, "LBHNC": HeadOrder.HND}
 """The per-layer memory orders kvcore describes, by vLLM's ``KVCacheLayout`` name."""
@@ -84,32 +98,39 @@ def kv_layout(
     and the resolved ``KVCacheLayout`` name ``memory_order``; ``packing`` is the CPU attention ISA.
 
     Raises ``UnsupportedConfiguration`` naming the backend, order or spec field kvcore cannot describe."""
-    head_size_v = getattr(spec, "head_size_v", spec.head_size)
-    if head_size_v != spec.head_size:
-        raise UnsupportedConfiguration(
-            f"head_size_v={head_size_v} differs from head_size={spec.head_size}: kvcore describes K and V "
-            "of one size"
-        )
     if spec.num_head_slots not in (None, spec.num_kv_heads) or spec.state_content_bytes is not None:
         raise UnsupportedConfiguration(
             f"{type(spec).__name__} with num_head_slots={spec.num_head_slots}, state_content_bytes="
             f"{spec.state_content_bytes}: a page holding more than K and V values is not described by kvcore"
         )
-    if backend == CPU_BACKEND:
+    if memory_order not in _HEAD_ORDERS:
+        raise UnsupportedConfiguration(
+            f"KV cache layout {memory_order}: kvcore describes {' and '.join(_HEAD_ORDERS)} (unset "
+            "VLLM_KV_CACHE_LAYOUT, or set it to one of these)"
+        )
+    head_size_v = getattr(spec, "head_size_v", spec.head_size)
+    if backend in MLA_BACKENDS:
+        if spec.num_kv_heads != 1 or head_size_v != 0:
+            raise UnsupportedConfiguration(
+                f"{backend} with num_kv_heads={spec.num_kv_heads}, head_size_v={head_size_v}: expected one "
+                "latent per token (1 and 0)"
+            )
+        kind, order = LayoutKind.MLA, HeadOrder.HND  # one head: both orders are the same bytes
+    elif head_size_v != spec.head_size:
+        raise UnsupportedConfiguration(
+            f"head_size_v={head_size_v} differs from head_size={spec.head_size}: kvcore describes K and V "
+            "of one size"
+        )
+    elif backend == CPU_BACKEND:
         if memory_order != "LBHNC":
             raise UnsupportedConfiguration(f"{backend} with KV cache layout {memory_order}: expected LBHNC")
         kind, order = LayoutKind.VLLM_CPU, HeadOrder.HND
     elif backend in PAGED_BACKENDS:
-        if memory_order not in _HEAD_ORDERS:
-            raise UnsupportedConfiguration(
-                f"KV cache layout {memory_order}: kvcore describes {' and '.join(_HEAD_ORDERS)} (unset "
-                "VLLM_KV_CACHE_LAYOUT, or set it to one of these)"
-            )
         kind, order = LayoutKind.PAGED, _HEAD_ORDERS[memory_order]
     else:
         raise UnsupportedConfiguration(
             f"attention backend {backend}: kvcore describes the caches of "
-            f"{', '.join((*PAGED_BACKENDS, CPU_BACKEND))}"
+            f"{', '.join((*PAGED_BACKENDS, CPU_BACKEND, *MLA_BACKENDS))}"
         )
     return KVLayout(
         kind,
@@ -136,8 +157,9 @@ def connector_views(
     kv_caches: Mapping[str, torch.Tensor], layers: Sequence[str], engine: EngineSpec
 ) -> list[torch.Tensor]:
     """vLLM's views of ``layers`` (in that order) as tensors of the engine's layout: kernel blocks
-    regrouped into the manager's blocks (where the engine splits its blocks for the attention kernel)
-    and fp8 bytes seen as their dtype. ``kvcore_cpu.EngineKV.register`` then checks every one.
+    regrouped into the manager's blocks (where the engine splits its blocks for the attention kernel),
+    MLA's single-head axis dropped and fp8 bytes seen as their dtype. ``kvcore_cpu.EngineKV.register``
+    then checks every one.
 
     Raises ``InvalidSpecError`` for a layer missing from ``kv_caches``, or a split whose kernel blocks do
     not continue each other's tokens (HND: a block's heads are then not contiguous)."""
@@ -162,6 +184,8 @@ def connector_views(
             view = tensor.as_strided(
                 (blocks // ratio, heads, tokens * ratio, width), (ratio * s_block, s_head, s_token, s_elem)
             )
+        if layout.kind is LayoutKind.MLA and view.dim() == 4 and view.shape[1] == 1:
+            view = view.squeeze(1)  # vLLM's [blocks, 1, block_tokens, latent]: one latent "head"
         if view.dtype != target and view.element_size() == target.itemsize:
             view = view.view(target)
         views.append(view)

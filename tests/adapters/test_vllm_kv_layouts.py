@@ -34,6 +34,7 @@ with warnings.catch_warnings():
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheTensor,
+        MLAAttentionSpec,
         compute_layout_strides,
         create_kv_cache_views,
         group_kernel_blocks,
@@ -297,6 +298,39 @@ def test_what_vllm_resolves_for_kvcores_request_is_described(backend: Any) -> No
     spec = customize_attention_spec(backend, base)
     assert kv_layout(backend.get_name(), resolved.name, spec, BLOCKS).num_kv_heads == HEADS
     assert requested_order(use_mla=True) is None
+
+
+def test_vllm_mla_views_are_the_mla_layout() -> None:
+    # vLLM's MLA views, [blocks, 1, tokens, latent] -> kvcore's MLA layout (one latent segment a block):
+    # a saved block holds each token's latent in order, and loads back into another block unchanged
+    spec = MLAAttentionSpec(block_size=TOKENS, num_kv_heads=1, head_size=HEAD, dtype=torch.bfloat16)
+    order = KVCacheLayout.LBHNC
+    strides = compute_layout_strides(spec, BLOCKS, LAYERS, order)
+    raw = torch.randint(-128, 128, (strides[0] * LAYERS,), dtype=torch.int8)
+    names = [f"mla.{i}" for i in range(LAYERS)]
+    tensor = KVCacheTensor(size=raw.numel(), layers=names, layer_stride=strides[0], block_stride=strides[1])
+    views = dict(zip(names, create_kv_cache_views(raw, spec, BLOCKS, order, tensor), strict=True))
+    assert tuple(views[names[0]].shape) == (BLOCKS, 1, TOKENS, HEAD)
+    layout = kv_layout("CPU_MLA", order.name, spec, BLOCKS)
+    assert layout == KVLayout(LayoutKind.MLA, BLOCKS, TOKENS, 1, HEAD, 2)
+    with pytest.raises(UnsupportedConfiguration, match="TRITON_MLA with num_kv_heads=4, head_size_v=16"):
+        kv_layout("TRITON_MLA", order.name, replace(spec, num_kv_heads=4, head_size_v=HEAD), BLOCKS)
+    engine = EngineSpec(
+        model_id="m", kv_dtype="bfloat16", num_layers=LAYERS, total_kv_heads=1, layout=layout, tp_size=1
+    )
+    kv = EngineKV.register(connector_views(views, names, engine), layout, kv_dtype="bfloat16")
+    latent = [views[name].view(torch.int16)[:, 0].clone() for name in names]
+    with HostMemory.allocate(2, kv.host_block_bytes, torch.device("cpu")) as host:
+        mover = TorchBlockMover(kv, host, copy_threads=1)
+        try:
+            _run(mover, Direction.SAVE, [4], [1])
+            saved = host.blocks.view(2, LAYERS, TOKENS, HEAD * 2).view(torch.int16)[1]
+            _run(mover, Direction.LOAD, [0], [1])
+        finally:
+            mover.close()
+    for layer, name in enumerate(names):
+        assert torch.equal(saved[layer], latent[layer][4])
+        assert torch.equal(views[name].view(torch.int16)[0, 0], latent[layer][4])
 
 
 def test_flashinfer_is_paged_like_the_other_gpu_backends() -> None:

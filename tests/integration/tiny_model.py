@@ -1,4 +1,5 @@
-"""Build a tiny random-weight Llama model (and its BPE tokenizer) on local disk.
+"""Build a tiny random-weight Llama model, or a DeepSeek-V2-style MLA one (and their BPE tokenizer), on
+local disk.
 
 The model is meant for tests: it loads in vLLM's CPU build in seconds and needs no
 download. Weights are random (bf16, normal(0, 0.2)), so generations are gibberish but
@@ -11,12 +12,19 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Final
+from typing import Any, Final, TypeVar
 
 import torch
 from attrs import frozen
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 CORPUS: Final[tuple[str, ...]] = (
     "The quick brown fox jumps over the lazy dog.",
@@ -31,6 +39,8 @@ SPECIAL_TOKENS: Final[tuple[str, ...]] = ("<unk>", "<s>", "</s>", "<pad>")
 VOCAB_TARGET: Final[int] = 512
 
 WEIGHT_STD: Final[float] = 0.2
+
+ModelT = TypeVar("ModelT", bound=PreTrainedModel)
 
 
 @frozen
@@ -84,7 +94,6 @@ def build_model(
 ) -> LlamaForCausalLM:
     """Create a Llama of ``shape`` with random bf16 weights sized to ``tokenizer``."""
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_layers,
@@ -92,30 +101,80 @@ def build_model(
         num_key_value_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
         max_position_embeddings=shape.max_positions,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        dtype="bfloat16",
+        **_shared_fields(tokenizer),
     )
     torch.manual_seed(seed)
     model: LlamaForCausalLM = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
+    return _randomized(model, WEIGHT_STD)
+
+
+def _shared_fields(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
+    """Config fields of every tiny model: the tokenizer's vocabulary and special ids, bf16, untied."""
+    return {
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+    }
+
+
+def _randomized(model: ModelT, std: float) -> ModelT:
+    """``model`` in bf16 with every weight drawn from normal(0, ``std``) (torch's seed set before)."""
     model = model.bfloat16()
     with torch.no_grad():
         for param in model.parameters():
-            param.normal_(0.0, WEIGHT_STD)
+            param.normal_(0.0, std)
     return model
+
+
+def _write(out_dir: str | Path, tokenizer: PreTrainedTokenizerFast, model: PreTrainedModel) -> Path:
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(path)
+    model.save_pretrained(path)
+    return path
 
 
 def make_tiny_model(out_dir: str | Path, seed: int = 0, shape: ModelShape = TINY) -> Path:
     """Write tokenizer and model to ``out_dir`` (created if needed); return the path."""
-    path = Path(out_dir)
-    path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, seed=seed, shape=shape)
-    tokenizer.save_pretrained(path)
-    model.save_pretrained(path)
-    return path
+    return _write(out_dir, tokenizer, build_model(tokenizer, seed=seed, shape=shape))
+
+
+MLA_WEIGHT_STD: Final[float] = 0.05
+"""Smaller than the Llama's: the MLA projections are wide (512), and 0.2 saturates the logits into one
+token repeated, which would hide a wrong KV."""
+
+
+def make_tiny_mla_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """A two-layer DeepSeek-V2-style model with MLA (one latent of 512 + 64 per token) and random bf16
+    weights, written to ``out_dir``. The latent sizes are the only ones vLLM's CPU MLA kernels take (head
+    576, value head 512); the rest is tiny, and dense (vLLM's CPU MoE router wants grouped top-k)."""
+    tokenizer = build_tokenizer()
+    config = DeepseekV2Config(
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_shared_experts=1,
+        n_routed_experts=2,
+        num_experts_per_tok=1,
+        first_k_dense_replace=2,  # every layer dense: the MoE fields only satisfy the config's checks
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=512,
+        max_position_embeddings=4096,
+        **_shared_fields(tokenizer),
+    )
+    torch.manual_seed(seed)
+    model: DeepseekV2ForCausalLM = DeepseekV2ForCausalLM(config)  # type: ignore[no-untyped-call]
+    return _write(out_dir, tokenizer, _randomized(model, MLA_WEIGHT_STD))
 
 
 def main() -> None:

@@ -149,7 +149,7 @@ def heads_of(rank: int, tp: int, total: int) -> range:
 
 def blocks_heads(tensor: torch.Tensor, kind: LayoutKind) -> torch.Tensor:
     """A view of one layer's tensor (physical HND shape) as ``[blocks, segments, heads, ...]``."""
-    if kind is LayoutKind.VLLM_CPU:  # [blocks, heads, tokens, 2*head]
+    if kind in (LayoutKind.VLLM_CPU, LayoutKind.PAGED):  # [blocks, heads, tokens, 2*head]
         return tensor.unsqueeze(1)
     if kind is LayoutKind.FLASH_ATTN:  # [2, blocks, heads, tokens, head]
         return tensor.movedim(1, 0)

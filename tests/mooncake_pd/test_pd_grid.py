@@ -28,7 +28,7 @@ from tests.mooncake_pd.conftest import (
 
 PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
 HEADS = [1, 2, 8]
-KINDS = [LayoutKind.VLLM_CPU, LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER]
+KINDS = [LayoutKind.VLLM_CPU, LayoutKind.PAGED, LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER]
 SRC_BLOCKS = (7, 2, 3, 4, 11)  # a run of three in the middle: merged copies and single ones
 DST_BLOCKS = (0, 5, 6, 7, 9)
 

@@ -26,10 +26,11 @@ def side(
     head_size: int = 8,
     dtype_size: int = 2,
     layers: int = 2,
+    packing: str = "",
 ) -> TPSide:
     # defaults: one head of one token is 16 bytes, one head of one block (HND) 64 bytes
     local = 1 if kind is MLA else max(1, heads // tp)
-    layout = KVLayout(kind, blocks, tokens, local, head_size, dtype_size, head_order=order)
+    layout = KVLayout(kind, blocks, tokens, local, head_size, dtype_size, head_order=order, packing=packing)
     return TPSide(tp, layout, heads, layers)
 
 
@@ -272,6 +273,18 @@ def test_an_mla_side_has_one_latent_head() -> None:
             side(1, 4, FA),
             "layout kind differs: producer vllm_cpu, consumer flash_attn",
             id="kind",
+        ),
+        pytest.param(
+            side(1, 4, LayoutKind.PAGED),
+            side(1, 4, CPU),
+            "layout kind differs: producer paged, consumer vllm_cpu",
+            id="paged-vs-cpu",
+        ),
+        pytest.param(
+            side(2, 8, CPU, packing="amx"),
+            side(2, 8, CPU, packing="vec"),
+            "packing differs: producer amx, consumer vec",
+            id="packing",
         ),
         pytest.param(
             side(1, 1, MLA),
