@@ -28,7 +28,11 @@ from tests.mooncake_pd.conftest import (
 
 PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
 HEADS = [1, 2, 8]
-KINDS = [LayoutKind.VLLM_CPU, LayoutKind.PAGED, LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER]
+KINDS = [LayoutKind.VLLM_CPU, LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER]
+GRID = [(kind, p, d) for kind in KINDS for p, d in PAIRS] + [
+    (LayoutKind.PAGED, p, d)
+    for p, d in [(1, 2), (4, 1)]  # vLLM CPU's runs, K|V per token: two pairs do
+]
 SRC_BLOCKS = (7, 2, 3, 4, 11)  # a run of three in the middle: merged copies and single ones
 DST_BLOCKS = (0, 5, 6, 7, 9)
 
@@ -55,8 +59,7 @@ def started(
             transport.close()
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
-@pytest.mark.parametrize(("p", "d"), PAIRS, ids=str)
+@pytest.mark.parametrize(("kind", "p", "d"), GRID, ids=lambda x: x.value if isinstance(x, LayoutKind) else x)
 def test_consumer_ranks_hold_their_head_slices(peers: Peers, kind: LayoutKind, p: int, d: int) -> None:
     for heads in HEADS:
         producers = [
