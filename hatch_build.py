@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sysconfig
 import tempfile
@@ -31,11 +32,18 @@ class CustomBuildHook(BuildHookInterface[BuilderConfig]):
         if version == "editable":
             _compile(Path(self.root) / SOURCE, Path(self.root) / SOURCE.parent / name)
             return
-        out = Path(tempfile.mkdtemp(prefix="kvcore-build-")) / name
+        self._scratch = tempfile.mkdtemp(prefix="kvcore-build-")
+        out = Path(self._scratch) / name
         _compile(Path(self.root) / SOURCE, out)
         build_data["force_include"][str(out)] = f"kvcore_cpu/{name}"
         build_data["pure_python"] = False
         build_data["infer_tag"] = True
+
+    def finalize(self, version: str, build_data: dict[str, Any], artifact_path: str) -> None:
+        """Remove the compiled module's scratch folder once the wheel holds it."""
+        scratch = getattr(self, "_scratch", None)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _compile(source: Path, out: Path) -> None:
