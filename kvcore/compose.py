@@ -2,24 +2,29 @@
 scheduler side and the rank workers out, whatever the backend.
 
 The backend comes from the registry by ``config.backend.kind`` (``kvcore.registry``), the engine memory
-by the tensors' library. vLLM's connector, the CLI's demo and any other engine build kvcore through
-these two calls (docs/engine-api.md).
+by the tensors' library. A stack of tiers (``kvcore.tiers``) opens each remote tier's backend with its
+own settings, and cascades them (``kvcore.cascade``) when there are several. vLLM's connector, the
+CLI's demo and any other engine build kvcore through these two calls (docs/engine-api.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
+
+from kvcore.cascade import CascadeIndex, CascadeRemote
 from kvcore.checks import is_int_in
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError
 from kvcore.faults import FaultHooks
-from kvcore.ports import RankMemory, RemoteTier
+from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
 from kvcore.registry import backend, engine_memory
 from kvcore.remote import close_quietly
 from kvcore.scheduler import CacheScheduler
 from kvcore.sizing import pool_slots
+from kvcore.tiers import TierStack
 from kvcore.worker import BlockWorker
 
 __all__ = ["open_scheduler", "open_worker"]
@@ -32,9 +37,8 @@ def open_scheduler(
     backend's tier beyond them. ``hash_identity`` names the engine's own block hashing when lookups pass
     its block hashes (see ``CacheScheduler``). Raises ``ConfigError`` as ``pool_slots`` does, and for a
     backend that is not installed; the backend's index is then closed again."""
-    chosen = backend(config.backend.KIND)
     slots = pool_slots(config, engine, engine.tp_size)
-    index = chosen.open_index(config, engine)
+    index = _cascade_index(config, engine)
     try:
         return CacheScheduler(
             config, engine, slots, world_size=engine.tp_size, hash_identity=hash_identity, remote=index
@@ -60,12 +64,55 @@ def open_worker(
     call; nothing then stays open."""
     if not is_int_in(rank, 0, engine.tp_size - 1):
         raise ConfigError("rank", rank, f"an int in [0, {engine.tp_size}) (the engine's tp_size)")
-    chosen = backend(config.backend.KIND)
+    tiers = _tiers(config)
+    chosen = [backend(tier.backend.KIND) for tier in tiers]
 
     def remote(memory: RankMemory) -> RemoteTier | None:
-        return chosen.open_remote(config, engine, memory)
+        opened: list[RemoteTier] = []
+        try:
+            for tier, plugin in zip(tiers, chosen, strict=True):
+                one = plugin.open_remote(tier, engine, memory)
+                if one is not None:
+                    opened.append(one)
+        except BaseException:
+            for one in opened:
+                close_quietly(one)
+            raise
+        if len(opened) < 2:
+            return opened[0] if opened else None
+        return CascadeRemote(opened, _admission(config))
 
     memory = engine_memory(tensors)
     if faults is None:  # an engine memory written before ``faults`` existed still opens workers
         return memory.open_worker(config, engine, tensors, rank=rank, remote=remote)
     return memory.open_worker(config, engine, tensors, rank=rank, remote=remote, faults=faults)
+
+
+def _tiers(config: KVCoreConfig) -> tuple[KVCoreConfig, ...]:
+    """A config per remote tier behind the pool, whose ``backend`` is that tier's settings (what its
+    backend opens from); the config itself when it names one backend."""
+    if isinstance(config.backend, TierStack):
+        return tuple(attrs.evolve(config, backend=tier.settings) for tier in config.backend.remote)
+    return (config,)
+
+
+def _admission(config: KVCoreConfig) -> tuple[int, ...]:
+    stack = config.backend
+    return tuple(t.admit_after for t in stack.remote) if isinstance(stack, TierStack) else (1,)
+
+
+def _cascade_index(config: KVCoreConfig, engine: EngineSpec) -> ChunkIndex | None:
+    """The index of every remote tier, cascading when there are several (``kvcore.cascade``)."""
+    opened: list[ChunkIndex] = []
+    try:
+        for tier in _tiers(config):
+            index = backend(tier.backend.KIND).open_index(tier, engine)
+            if index is not None:
+                opened.append(index)
+    except BaseException:
+        for index in opened:
+            close_quietly(index)
+        raise
+    if len(opened) < 2:
+        return opened[0] if opened else None
+    return CascadeIndex(opened)

@@ -13,7 +13,7 @@ import enum
 import json
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -40,6 +40,7 @@ from kvcore.config_fields import (
 )
 from kvcore.errors import ConfigError
 from kvcore.hashing import HashAlgorithm, PartialChunkPolicy
+from kvcore.tiers import TIER_KEYS, Tier, TierStack
 
 __all__ = [
     "KVCoreConfig",
@@ -108,6 +109,13 @@ class KVCoreConfig:
     pd: PDConfig | None = None
 
 
+@frozen
+class _Stacked:
+    """The ``tiers`` list of a config, handed to the ``backend`` hook (JSON can spell no such value)."""
+
+    tiers: object
+
+
 def _strict(kind: type[Any], expected: str) -> Callable[[object, type[Any]], Any]:
     def hook(value: object, _: type[Any]) -> Any:
         if isinstance(value, bool) and kind is not bool:
@@ -168,6 +176,8 @@ def _make_converter() -> cattrs.Converter:
     structurers: dict[type[Any], Callable[[Mapping[str, Any], Any], Any]] = {}
 
     def backend(value: object, _: type[Any]) -> BackendSettings:
+        if isinstance(value, _Stacked):
+            return stack(value.tiers)
         if not isinstance(value, Mapping):
             raise BadValue(value, f"a mapping with a 'kind' key, {registry.expected_kinds()}")
         kind = value.get("kind", "<missing>")
@@ -179,6 +189,42 @@ def _make_converter() -> cattrs.Converter:
             structurers[cls] = make_dict_structure_fn(cls, conv, _cattrs_forbid_extra_keys=True)
         config: BackendSettings = structurers[cls]({k: v for k, v in value.items() if k != "kind"}, cls)
         return config
+
+    def tier(value: object, path: str) -> tuple[BackendSettings, dict[str, int]]:
+        """One tier of a stack: its backend's settings, and the stack's own keys of it (``TIER_KEYS``);
+        a problem is raised as one ``BadValue`` whose field is its path from ``tiers``."""
+        try:
+            if not isinstance(value, Mapping):
+                raise BadValue(value, f"a mapping with a 'kind' key, {registry.expected_kinds()}")
+            own = {}
+            for key in TIER_KEYS:
+                if key in value:
+                    try:
+                        own[key] = conv.structure(value[key], int)
+                    except BadValue as exc:
+                        raise BadValue(exc.value, exc.expected, key) from None
+            return backend({k: v for k, v in value.items() if k not in TIER_KEYS}, BackendSettings), own
+        except Exception as exc:  # the first problem, with its path under the tier
+            field, got, expected = next(_problems(exc, path))
+            raise BadValue(got, expected, field) from None
+
+    def stack(tiers: object) -> TierStack:
+        if not isinstance(tiers, Sequence) or isinstance(tiers, str | bytes) or len(tiers) < 2:
+            raise BadValue(tiers, "a list of at least two tiers: the local pool, then remote tiers")
+        local, extra = tier(tiers[0], "tiers[0]")
+        if extra:
+            key = sorted(extra)[0]
+            raise BadValue(
+                "<unknown key>", "no such key (the local pool takes every save)", f"tiers[0].{key}"
+            )
+        remote = []
+        for i, value in enumerate(tiers[1:], start=1):
+            settings, own = tier(value, f"tiers[{i}]")
+            try:
+                remote.append(Tier(settings, **own))
+            except BadValue as exc:
+                raise BadValue(exc.value, exc.expected, f"tiers[{i}].{exc.field}") from None
+        return TierStack(local, tuple(remote))
 
     structure_pd = make_dict_structure_fn(PDConfig, conv, _cattrs_forbid_extra_keys=True)
 
@@ -227,9 +273,31 @@ def _problems(exc: BaseException, path: str) -> Iterator[tuple[str, object, str]
 def load_config(data: Mapping[str, object]) -> KVCoreConfig:
     """Validate a mapping (parsed JSON, ``kv_connector_extra_config``) into a ``KVCoreConfig``.
 
-    Raises ``ConfigError`` naming the first bad field; its message lists every problem found.
+    The tiers are given either as ``backend`` (one backend, with its host pool) or as ``tiers``, a list
+    (``kvcore.tiers``): then ``backend`` holds their ``TierStack``. Raises ``ConfigError`` naming the
+    first bad field; its message lists every problem found.
     """
-    return _load(data, KVCoreConfig, "")
+    given: object = data  # typed a mapping, but hostile input may be anything: ``_load`` refuses it
+    try:
+        stacked = isinstance(given, Mapping) and "tiers" in given
+    except Exception:  # a mapping that fails when read: ``_load`` reports it as such
+        stacked = False
+    if not stacked:
+        return _load(data, KVCoreConfig, "")
+    if "backend" in data:
+        raise ConfigError(
+            "tiers", "<beside backend>", "either 'backend' (one tier) or 'tiers' (a list), not both"
+        )
+    fields = {k: v for k, v in data.items() if k != "tiers"}
+    fields["backend"] = _Stacked(data["tiers"])
+    try:
+        return _load(fields, KVCoreConfig, "")
+    except ConfigError as exc:  # a tier's problem is found under ``backend``: name it as it was written
+        field = "tiers" if exc.field == "backend" else exc.field.replace("backend.tiers", "tiers", 1)
+        error = ConfigError(field, exc.value, exc.expected)
+        for note in getattr(exc, "__notes__", ()):
+            error.add_note(note.replace("backend.tiers", "tiers"))
+        raise error from None
 
 
 def load_pd_config(data: Mapping[str, object]) -> PDConfig:
@@ -325,8 +393,15 @@ def load_config_file(path: str | Path) -> KVCoreConfig:
 
 
 def config_to_dict(config: KVCoreConfig) -> dict[str, Any]:
-    """The resolved values, JSON-ready, with the secret masked."""
+    """The resolved values, JSON-ready, with the secret masked (a stack of tiers as its ``tiers`` list)."""
     data: dict[str, Any] = _CONVERTER.unstructure(config)
+    if isinstance(config.backend, TierStack):
+        del data["backend"]
+        unstructure = _CONVERTER.unstructure
+        data["tiers"] = [unstructure(config.backend.local, BackendSettings)] + [
+            {**unstructure(t.settings, BackendSettings), "admit_after": t.admit_after}
+            for t in config.backend.remote
+        ]
     if data.get("secret") is not None:
         data["secret"] = "***"
     return data

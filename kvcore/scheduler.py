@@ -32,6 +32,7 @@ from attrs import frozen
 
 from kvcore.admission import Sightings
 from kvcore.block_pool import BlockPool, PoolEvent, PoolUsage
+from kvcore.cascade import CascadeIndex
 from kvcore.checks import check_block_table, is_int_in
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
@@ -70,6 +71,7 @@ class SchedulerStats:
     pool: PoolUsage
     requests: int  # live request trackers (0 once every request ended and its copies completed)
     ops_in_flight: int
+    tier_found: tuple[int, ...] = ()  # chunks each remote tier's lookups found beyond the pool, in order
 
 
 class _Request:
@@ -192,6 +194,7 @@ class CacheScheduler:
         self._index = PoolIndex(self.pool)
         self._remote = PrefixLookup(remote, config.lookup_timeout_s) if remote is not None else None
         self._remote_index = remote
+        self._remote_found = 0  # chunks the remote index found beyond the pool (one tier's count)
         self._table = RequestTable()
         self._requests: dict[RequestId, _Request] = {}
         self._ops = OpLedger(world_size)
@@ -627,7 +630,13 @@ class CacheScheduler:
             pool=self.pool.usage(),
             requests=len(self._requests),
             ops_in_flight=len(self._ops),
+            tier_found=self._tier_found(),
         )
+
+    def _tier_found(self) -> tuple[int, ...]:
+        if isinstance(self._remote_index, CascadeIndex):
+            return tuple(counts.found for counts in self._remote_index.counts)
+        return () if self._remote_index is None else (self._remote_found,)
 
     # -- internals ---------------------------------------------------------------------------------------
 
@@ -665,6 +674,7 @@ class CacheScheduler:
         req.pending = None
         if req.local_hits + begun <= len(keys):
             req.remote_tail = None  # not found
+        self._remote_found += max(begun, 0)
         return min(req.local_hits + begun, len(keys))
 
     def _tail_span(self, num_tokens: int) -> tuple[int, int]:

@@ -11,8 +11,9 @@ from kvcore.checks import SIZE_LIMIT, is_int_in
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError
+from kvcore.tiers import TierStack
 
-__all__ = ["check_world", "pool_slots", "slot_bytes", "staging_shortfall"]
+__all__ = ["check_world", "host_field", "pool_slots", "slot_bytes", "staging_shortfall"]
 
 
 def slot_bytes(config: KVCoreConfig, engine: EngineSpec) -> int:
@@ -37,7 +38,7 @@ def pool_slots(config: KVCoreConfig, engine: EngineSpec, world_size: int = 1) ->
     slots = backend.host_bytes // world_size // one
     if slots < 1:
         raise ConfigError(
-            f"backend.{backend.HOST_FIELD}",
+            host_field(config),
             backend.host_bytes,
             f"at least {one * world_size} bytes: one chunk of {config.chunk_tokens} tokens "
             f"({one} bytes) on each of {world_size} rank(s)",
@@ -67,7 +68,15 @@ def staging_shortfall(config: KVCoreConfig, engine: EngineSpec, step_tokens: int
         return None
     enough = need * engine.tp_size * slot_bytes(config, engine)
     return (
-        f"kvcore: backend.{backend.HOST_FIELD}={backend.host_bytes} stages {have} chunk(s) per rank, but "
+        f"kvcore: {host_field(config)}={backend.host_bytes} stages {have} chunk(s) per rank, but "
         f"one step can save {need} ({step_tokens} tokens): saves beyond what fits are neither kept nor "
         f"published to the {backend.KIND} tier; set it to at least {enough} bytes"
     )
+
+
+def host_field(config: KVCoreConfig) -> str:
+    """The key that sizes the host pool, as the config spells it: ``backend.<its HOST_FIELD>``, or the
+    first tier's size in a stack of tiers."""
+    if isinstance(config.backend, TierStack):
+        return config.backend.host_field
+    return f"backend.{config.backend.HOST_FIELD}"

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "mooncake-store": "benchmarks.bench_mooncake_store",
     "pd-transfer": "benchmarks.bench_pd_transfer",
     "lmcache": "benchmarks.bench_lmcache",
+    "disk": "benchmarks.bench_disk",
 }
 
 

@@ -20,7 +20,7 @@ from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguratio
 from kvcore.faults import FaultHooks
 from kvcore.plugins import RemoteOpener
 from kvcore.ports import RemoteTier
-from kvcore.sizing import check_world, pool_slots, slot_bytes
+from kvcore.sizing import check_world, host_field, pool_slots, slot_bytes
 from kvcore.worker import BlockWorker
 from kvcore_cpu.amx import claim_amx
 from kvcore_cpu.checksums import ChecksummedMover
@@ -190,7 +190,7 @@ def open_worker(
     if slots == 0:
         tier = _open_remote(remote, TorchRankMemory.of(rank, kv, None, faults))
         if tier is None:
-            raise ConfigError(f"backend.{config.backend.HOST_FIELD}", 0, "a size for the host pool")
+            raise ConfigError(host_field(config), 0, "a size for the host pool")
         return CPUWorker(None, kv, None, rank, remote=tier, fence_timeout=config.transfer_timeout_s)
     blocks_per_chunk = engine.blocks_per_chunk(config.chunk_tokens)
     host = HostMemory.allocate(slots * blocks_per_chunk, kv.host_block_bytes, kv.device)

@@ -19,6 +19,7 @@ from kvcore.ports import (
 from kvcore.remote import ManagedRemote, StoreRemote
 from kvcore_cpu.checksums import ChecksummedMover
 from kvcore_cpu.mover import TorchBlockMover
+from kvcore_disk import DiskChunkIndex, DiskChunkStore
 from kvcore_lmcache import LMCacheChunkIndex, LMCacheManagedTier
 from kvcore_mooncake.index import MooncakeChunkIndex
 from kvcore_mooncake.pd import MooncakePeerTransport
@@ -56,3 +57,11 @@ def remotes(store: StoreRemote, managed: ManagedRemote) -> tuple[RemoteTier, Rem
 
 def lmcache_index(index: LMCacheChunkIndex) -> ChunkIndex:
     return index
+
+
+def disk_store(store: DiskChunkStore) -> tuple[ChunkStore, SupportsClear]:
+    return store, store
+
+
+def disk_index(index: DiskChunkIndex) -> tuple[ChunkIndex, SupportsImmediateLookup]:
+    return index, index

@@ -20,6 +20,7 @@ PACKAGES = {
     "kvcore_cpu": ("backend", ROOT / "backends" / "kvcore_cpu"),
     "kvcore_mooncake": ("backend", ROOT / "backends" / "kvcore_mooncake"),
     "kvcore_lmcache": ("backend", ROOT / "backends" / "kvcore_lmcache"),
+    "kvcore_disk": ("backend", ROOT / "backends" / "kvcore_disk"),
     "kvcore_dirstore": ("backend", ROOT / "docs" / "examples" / "dirstore" / "kvcore_dirstore"),
 }
 ALLOWED = {"core": {"core"}, "backend": {"core"}, "adapter": {"core", "backend"}}
@@ -66,5 +67,5 @@ def test_the_core_spells_no_backend_kind() -> None:
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Constant) and node.value in kinds
     ]
-    assert kinds >= {"cpu", "mooncake_store", "lmcache_mp"}
+    assert kinds >= {"cpu", "mooncake_store", "lmcache_mp", "disk"}
     assert spelled == []

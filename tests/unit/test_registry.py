@@ -36,7 +36,7 @@ from kvcore.testing.memory import InMemoryChunkIndex
 from kvcore_cpu.tier import CPUWorker
 from kvcore_dirstore.store import DirChunkStore
 
-IN_TREE = {"cpu", "mooncake_store", "lmcache_mp"}
+IN_TREE = {"cpu", "mooncake_store", "lmcache_mp", "disk"}
 
 
 @frozen
@@ -243,7 +243,12 @@ def test_reading_a_config_imports_no_backend_dependency(tmp_path: Path) -> None:
         """
         import sys
         from kvcore import load_config
-        for backend in ({"kind": "cpu", "size": "1MiB"}, {"kind": "mooncake_store"}, {"kind": "lmcache_mp"}):
+        for backend in (
+            {"kind": "cpu", "size": "1MiB"},
+            {"kind": "mooncake_store"},
+            {"kind": "lmcache_mp"},
+            {"kind": "disk", "path": "/nowhere", "size": "1GiB"},
+        ):
             load_config({"backend": backend})
         heavy = sorted(m for m in ("torch", "zmq", "mooncake", "lmcache", "numpy") if m in sys.modules)
         print(heavy)

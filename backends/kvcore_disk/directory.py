@@ -1,0 +1,304 @@
+"""``ChunkDirectory``: the folder a disk tier keeps its chunks in, shared safely by every process that
+opens it (the ranks of one engine, and other engines on the host).
+
+Layout under the configured path::
+
+    kvcore-disk.json        {"format": 1}: written once; a folder of another format is refused
+    usage.lock              the lock every process takes to account or evict, holding the bytes in use
+    chunks/ab/cdef...       one file per chunk (``chunk_file``), named by a digest of its key
+
+Nothing is held in memory that another process could change: a lookup asks the file system, a read
+opens the file (a file evicted after that still reads whole: POSIX keeps an unlinked file's data while
+it is open), a write renames a whole file into place. The only shared state, the bytes in use, lives in
+the lock file and changes under ``flock``; eviction happens under the same lock, after a fresh scan, so
+two processes never evict for the same overflow. LRU order is the files' modification time, which every
+read bumps. The scan at open is the index rebuild: it sums the chunk files, and removes the temporaries
+of writers that are no longer running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from attrs import frozen
+
+from kvcore.errors import ConfigError
+from kvcore_disk.chunk_file import FORMAT, chunk_name, fsync_folder
+
+__all__ = ["ChunkDirectory", "DirectoryScan"]
+
+log = logging.getLogger(__name__)
+
+MARKER = "kvcore-disk.json"
+LOCK = "usage.lock"
+CHUNKS = "chunks"
+LOW_WATER = 0.9
+"""An eviction frees down to this share of the size, so that it runs once per tenth of the tier filled,
+not once per chunk."""
+_USAGE = struct.Struct("<Q")
+
+
+@frozen
+class DirectoryScan:
+    """What a scan found: chunk files and their bytes, and the dead writers' temporaries it removed."""
+
+    files: int
+    bytes: int
+    removed_temporaries: int
+    seconds: float
+
+
+class ChunkDirectory:
+    """A checked, shared chunk folder of at most ``size`` bytes of chunk files.
+
+    ``open`` refuses, with a ``ConfigError`` naming ``field`` and the path, a path that does not exist,
+    is not a directory or not writable, holds another format, or a ``size`` above what its file system
+    can give (free space plus the chunks already there).
+    """
+
+    def __init__(self, root: Path, size: int, field: str = "backend.path") -> None:
+        self.root = root
+        self.size = size
+        self._field = field
+        self._chunks = root / CHUNKS
+        self._prefix = f"{self._chunks}/"
+        self._lock_path = root / LOCK
+        self._thread_lock = threading.Lock()  # flock is per open file: threads of one process queue here
+        self.evicted_files = 0
+        self.evicted_bytes = 0
+
+    @classmethod
+    def open(
+        cls, root: Path, size: int, *, field: str = "backend.path", size_field: str = "backend.size"
+    ) -> ChunkDirectory:
+        """Check ``root``, write its marker if it has none, rebuild its usage (``scan``)."""
+        directory = cls(root, size, field)
+        directory._check_folder()
+        directory._check_marker()
+        for fan in range(256):
+            (directory._chunks / f"{fan:02x}").mkdir(parents=True, exist_ok=True)
+        with directory._locked() as fd:
+            found = directory._scan()
+            _write_usage(fd, found.bytes)
+        free = shutil.disk_usage(root).free + found.bytes
+        if size > free:
+            raise ConfigError(
+                size_field,
+                size,
+                f"at most the {free} bytes the file system of {str(root)!r} can give "
+                f"({shutil.disk_usage(root).free} free and {found.bytes} in chunk files already there)",
+            )
+        log.info(
+            "kvcore disk tier %s: %d chunk files, %d bytes (scanned in %.3f s, %d stale temporaries removed)",
+            root,
+            found.files,
+            found.bytes,
+            found.seconds,
+            found.removed_temporaries,
+        )
+        return directory
+
+    def path(self, key: str) -> Path:
+        """Where ``key``'s chunk file is (or would be)."""
+        return Path(self.file(key))
+
+    def file(self, key: str) -> str:
+        """``path`` as a string: lookups and reads name many files, and a ``Path`` costs more than a stat."""
+        folder, name = chunk_name(key)
+        return f"{self._prefix}{folder}/{name}"
+
+    def usage(self) -> int:
+        """The bytes of chunk files, as the shared counter says (exact after every scan)."""
+        with self._locked() as fd:
+            return _read_usage(fd)
+
+    def commit(self, temporary: str, path: str, nbytes: int, *, fsync: bool = False) -> bool:
+        """Rename a chunk file written under ``temporary`` (``write_temporary``) to ``path`` and account its
+        ``nbytes``, evicting the least recently used files if the tier is then over its size; under the
+        lock, so that a scan never counts a file twice. A key whose file is already there keeps it (the
+        temporary is removed): returns whether this file became the chunk's. Raises ``OSError`` (the
+        temporary removed)."""
+        try:
+            with self._locked() as fd:
+                if os.path.exists(path):
+                    _unlink(temporary)
+                    return False
+                os.rename(temporary, path)
+                usage = _read_usage(fd) + nbytes
+                _write_usage(fd, self._evict() if usage > self.size else usage)
+        except BaseException:
+            _unlink(temporary)
+            raise
+        if fsync:
+            fsync_folder(os.path.dirname(path))
+        return True
+
+    def remove(self, paths: list[str] | list[Path]) -> int:
+        """Remove chunk files (missing ones are skipped); the bytes freed."""
+        with self._locked() as fd:
+            freed = sum(_unlink(path) for path in paths)
+            _write_usage(fd, max(_read_usage(fd) - freed, 0))
+        return freed
+
+    def clear(self) -> None:
+        """Remove every chunk file (every process's)."""
+        with self._locked() as fd:
+            for folder in self._folders():
+                for entry in os.scandir(folder):
+                    if entry.is_file(follow_symlinks=False) and not entry.name.startswith("."):
+                        _unlink(entry.path)
+            _write_usage(fd, 0)
+
+    def scan(self) -> DirectoryScan:
+        """Rebuild the usage counter from the files (and remove dead writers' temporaries)."""
+        with self._locked() as fd:
+            found = self._scan()
+            _write_usage(fd, found.bytes)
+            return found
+
+    # -- under the lock ------------------------------------------------------------------------------
+
+    def _scan(self) -> DirectoryScan:
+        start = time.perf_counter()
+        files = total = removed = 0
+        for folder in self._folders():
+            for entry in os.scandir(folder):
+                if entry.name.startswith("."):
+                    removed += _remove_if_orphaned(Path(entry.path))
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    total += entry.stat(follow_symlinks=False).st_size
+                    files += 1
+        return DirectoryScan(files, total, removed, time.perf_counter() - start)
+
+    def _evict(self) -> int:
+        """Remove the least recently used files until the tier holds at most ``LOW_WATER`` of its size;
+        the bytes left. Scans first: other processes' writes count too."""
+        found: list[tuple[int, int, str]] = []
+        for folder in self._folders():
+            for entry in os.scandir(folder):
+                if entry.name.startswith("."):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    stat = entry.stat(follow_symlinks=False)
+                    found.append((stat.st_mtime_ns, stat.st_size, entry.path))
+        usage = sum(size for _, size, _ in found)
+        target = int(self.size * LOW_WATER)
+        found.sort()
+        for _, size, path in found:
+            if usage <= target:
+                break
+            freed = _unlink(path)
+            usage -= size if freed else 0
+            self.evicted_files += 1 if freed else 0
+            self.evicted_bytes += freed
+        return usage
+
+    def _folders(self) -> Iterator[Path]:
+        for fan in range(256):
+            folder = self._chunks / f"{fan:02x}"
+            if folder.is_dir():
+                yield folder
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[int]:
+        with self._thread_lock:
+            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield fd
+            finally:
+                os.close(fd)  # releases the flock
+
+    # -- checks at open ------------------------------------------------------------------------------
+
+    def _check_folder(self) -> None:
+        root = self.root
+        if not root.exists():
+            raise ConfigError(self._field, str(root), "an existing directory (it does not exist)")
+        if not root.is_dir():
+            raise ConfigError(self._field, str(root), "a directory (it is not one)")
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise ConfigError(self._field, str(root), "a directory this process can write to")
+
+    def _check_marker(self) -> None:
+        marker = self.root / MARKER
+        try:
+            text = marker.read_text()
+        except FileNotFoundError:
+            temporary = marker.with_name(f".{MARKER}.{os.getpid()}.tmp")
+            try:
+                temporary.write_text(json.dumps({"format": FORMAT}) + "\n")
+                os.replace(temporary, marker)
+            except OSError as exc:
+                temporary.unlink(missing_ok=True)
+                raise ConfigError(
+                    self._field, str(self.root), f"a directory this process can write to ({exc})"
+                ) from None
+            return
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(self._field, str(self.root), f"a readable {MARKER} ({exc})") from None
+        try:
+            found = json.loads(text)
+        except json.JSONDecodeError:
+            found = None
+        version = found.get("format") if isinstance(found, dict) else None
+        if version != FORMAT:
+            raise ConfigError(
+                self._field,
+                str(self.root),
+                f"a kvcore disk tier directory of format {FORMAT}, but its {MARKER} says "
+                f"{text.strip()[:80]!r} (another kvcore version wrote it: use another path, or empty it)",
+            )
+
+
+def _read_usage(fd: int) -> int:
+    data = os.pread(fd, _USAGE.size, 0)
+    return _USAGE.unpack(data)[0] if len(data) == _USAGE.size else 0
+
+
+def _write_usage(fd: int, usage: int) -> None:
+    os.pwrite(fd, _USAGE.pack(max(usage, 0)), 0)
+
+
+def _unlink(path: str | Path) -> int:
+    """Remove ``path``; its bytes, 0 if it was already gone."""
+    try:
+        size = os.stat(path).st_size
+        os.unlink(path)
+    except FileNotFoundError:
+        return 0
+    return size
+
+
+def _remove_if_orphaned(path: Path) -> int:
+    """Remove a temporary (``.<name>.<pid>.<id>.tmp``) whose writer is no longer running; 1 if removed."""
+    parts = path.name.split(".")
+    pid = int(parts[2]) if len(parts) == 5 and parts[2].isdigit() else None
+    if pid is not None and _running(pid):
+        return 0
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+        return 1
+    return 0
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError as exc:  # EPERM: someone else's live process
+        return exc.errno == errno.EPERM
+    return True

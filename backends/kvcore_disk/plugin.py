@@ -1,0 +1,63 @@
+"""The ``disk`` backend's registration (``kvcore.backends``): a local directory behind the host pool.
+Importing it imports only the config class."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvcore.config import KVCoreConfig
+from kvcore.engine import EngineSpec
+from kvcore.errors import ConfigError, UsageError
+from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
+from kvcore.remote import StoreRemote
+from kvcore_disk.config import DiskConfig
+
+if TYPE_CHECKING:
+    from kvcore_disk.directory import ChunkDirectory
+
+__all__ = ["BACKEND", "DiskBackend"]
+
+
+class DiskBackend:
+    """The scheduler asks the directory which chunk files exist; each rank writes and reads its shard's
+    files through its host pool. Both sides check the directory when they open."""
+
+    kind = "disk"
+    config_class = DiskConfig
+
+    def open_index(self, config: KVCoreConfig, engine: EngineSpec) -> ChunkIndex | None:
+        from kvcore_disk.index import DiskChunkIndex
+
+        return DiskChunkIndex(_directory(config))
+
+    def open_remote(self, config: KVCoreConfig, engine: EngineSpec, memory: RankMemory) -> RemoteTier | None:
+        settings = _settings(config)
+        if memory.host is None:
+            raise ConfigError(f"backend.{settings.HOST_FIELD}", 0, "a host pool to stage the chunk files")
+        from kvcore_disk.store import DiskChunkStore
+
+        return StoreRemote(
+            DiskChunkStore(
+                _directory(config),
+                memory.host,
+                fsync=settings.fsync,
+                io_threads=settings.io_threads,
+            )
+        )
+
+
+def _settings(config: KVCoreConfig) -> DiskConfig:
+    if not isinstance(config.backend, DiskConfig):
+        raise UsageError(f"config.backend: got {config.backend!r}, expected a DiskConfig")
+    return config.backend
+
+
+def _directory(config: KVCoreConfig) -> ChunkDirectory:
+    from kvcore_disk.directory import ChunkDirectory
+
+    settings = _settings(config)
+    return ChunkDirectory.open(Path(settings.path), settings.size)
+
+
+BACKEND = DiskBackend()

@@ -1,0 +1,297 @@
+"""Remote tiers that cascade behind the pool: ``CascadeIndex`` (scheduler side) and ``CascadeRemote``
+(worker side), over the indexes and remote tiers of a ``TierStack``'s tiers, in order.
+
+- **Lookup.** Each tier is asked for the chunks the tiers before it lack: the first for every chunk after
+  the pool's leading run, the next for the chunks after the first's leading run, and so on; the answer
+  is the sum. A tier whose lookup fails (or is cancelled) answers 0 and the next tier is asked for the
+  same chunks, so a tier that is down hides none of the others' chunks.
+- **Fetch.** Each rank asks the tiers in order for the chunks it must fetch: the first for all of them,
+  the next for those the first failed to deliver. It does not need to know which tier the scheduler's
+  lookup found a chunk in (a miss on a local disk costs one ``open``), and a chunk evicted from one tier
+  since the lookup is still found in the next. A fetched chunk lands in its pool slot, which the pool
+  then publishes: promoted into the CPU tier on its way to the engine.
+- **Publish (write-through).** A save goes to every tier that admits it, side by side; it fails only if
+  every tier it was sent to failed it (a tier that is down does not cost the others their copy). A chunk
+  no tier admits yet (``Tier.admit_after``: the saves this rank must see first) is not sent anywhere and
+  is not a failure: the pool keeps it.
+
+Jobs run on two ``JobLane`` threads, fetches apart from publishes, so a save never holds up a load. A job
+waits for each tier's job without a time bound: the tier's own transfers are bounded and every job of a
+port ends (a tier job that is still copying into a host slot must end before the slot is given back).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Collection, Sequence
+from functools import partial
+
+from attrs import define, frozen
+
+from kvcore.errors import BackendError, KVCoreError, TransferTimeout, UsageError
+from kvcore.ids import ChunkKey, JobId, LookupId
+from kvcore.jobs import JobBoard, JobResult
+from kvcore.lane import JobLane, Priority
+from kvcore.ports import ChunkIndex, RemoteTier, StoreItem
+from kvcore.remote import close_quietly
+
+__all__ = ["CascadeIndex", "CascadeRemote", "TierCounts"]
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 1.0
+"""How long a cascade job waits on a tier's job between checks that the cascade is still open."""
+_CLOSE_S = 5.0
+"""How long ``close`` waits for a job that is running (on a tier that answers, a publish in progress)."""
+_SEEN = 1 << 16
+"""Keys whose saves a rank remembers for admission (least recently saved forgotten first)."""
+
+
+@define
+class TierCounts:
+    """What one tier did since start: chunks found by lookups (scheduler side), chunks and bytes fetched
+    and published, and items it failed (worker side)."""
+
+    found: int = 0
+    fetched: int = 0
+    fetched_bytes: int = 0
+    published: int = 0
+    published_bytes: int = 0
+    failed: int = 0
+
+
+@define(eq=False)
+class _Lookup:
+    chunks: list[Sequence[ChunkKey]]
+    preceding: list[Sequence[ChunkKey]]
+    stage: int = 0
+    found: int = 0
+    inner: LookupId | None = None
+
+
+class CascadeIndex:
+    """The ``ChunkIndex`` of several tiers asked in order (module docstring). ``counts[i]`` tells what
+    tier ``i`` found."""
+
+    def __init__(self, indexes: Sequence[ChunkIndex]) -> None:
+        if len(indexes) < 2:
+            raise UsageError(f"indexes: got {len(indexes)}, expected at least two tiers to cascade")
+        self._indexes = tuple(indexes)
+        self._ids = itertools.count(1)
+        self._lookups: dict[LookupId, _Lookup] = {}
+        self.counts = [TierCounts() for _ in indexes]
+
+    def submit_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
+        lookup = _Lookup(list(chunks), list(preceding))
+        lookup_id = LookupId(next(self._ids))
+        self._lookups[lookup_id] = lookup
+        self._ask(lookup)
+        return lookup_id
+
+    def poll_lookup(self, lookup_id: LookupId) -> int | None:
+        lookup = self._lookups.get(lookup_id)
+        if lookup is None:
+            return 0
+        while lookup.inner is not None:
+            index = self._indexes[lookup.stage]
+            try:
+                answer = index.poll_lookup(lookup.inner)
+            except BackendError as exc:
+                log.warning("kvcore: tier %d's lookup failed (%s): asking the next tier", lookup.stage, exc)
+                answer = 0
+            if answer is None:
+                return None
+            answer = max(0, min(int(answer), len(lookup.chunks) - lookup.found))
+            self.counts[lookup.stage].found += answer
+            lookup.found += answer
+            lookup.stage += 1
+            self._ask(lookup)
+        del self._lookups[lookup_id]
+        return lookup.found
+
+    def cancel_lookup(self, lookup_id: LookupId) -> None:
+        lookup = self._lookups.pop(lookup_id, None)
+        if lookup is not None and lookup.inner is not None:
+            self._indexes[lookup.stage].cancel_lookup(lookup.inner)
+
+    def close(self) -> None:
+        """Close every tier's index; pending lookups are dropped."""
+        self._lookups.clear()
+        for index in self._indexes:
+            close_quietly(index)
+
+    def _ask(self, lookup: _Lookup) -> None:
+        """Submit the lookup's chunks not found yet to its current tier, or end it (``inner`` None) once
+        every chunk is found or every tier asked. A tier that refuses is skipped."""
+        lookup.inner = None
+        while lookup.stage < len(self._indexes) and lookup.found < len(lookup.chunks):
+            rest = lookup.chunks[lookup.found :]
+            before = lookup.preceding + lookup.chunks[: lookup.found]
+            try:
+                lookup.inner = self._indexes[lookup.stage].submit_lookup(rest, before)
+                return
+            except BackendError as exc:
+                log.warning("kvcore: tier %d refused a lookup (%s): asking the next tier", lookup.stage, exc)
+                lookup.stage += 1
+
+
+@frozen(eq=False)
+class _Job:
+    job_id: JobId
+    session: str
+    items: tuple[StoreItem, ...]
+    chain: tuple[ChunkKey, ...]
+    tiers: tuple[tuple[int, ...], ...]  # publish: the tiers each item goes to; fetch: unused
+
+
+class CascadeRemote:
+    """The ``RemoteTier`` of several tiers: fetches try them in order, publishes go to every tier that
+    admits the chunk (module docstring). ``admit_after[i]`` is tier ``i``'s admission rule;
+    ``counts[i]`` what tier ``i`` moved."""
+
+    def __init__(self, tiers: Sequence[RemoteTier], admit_after: Sequence[int]) -> None:
+        if len(tiers) < 2 or len(admit_after) != len(tiers):
+            raise UsageError(
+                f"tiers: got {len(tiers)} with {len(admit_after)} admission rules, expected at least two "
+                "tiers and one rule each"
+            )
+        self._tiers = tuple(tiers)
+        self._admit = tuple(admit_after)
+        self._board = JobBoard()
+        self._lock = threading.Lock()
+        self._seen: collections.OrderedDict[ChunkKey, int] = collections.OrderedDict()
+        self._closed = False
+        self._fetches = JobLane("kvcore-cascade-fetch")
+        self._publishes = JobLane("kvcore-cascade-publish")
+        self.counts = [TierCounts() for _ in tiers]
+
+    # -- RemoteTier ----------------------------------------------------------------------------------
+
+    def submit_fetch(self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()) -> JobId:
+        return self._submit(self._fetches, self._fetch, session, items, chain, ())
+
+    def submit_publish(
+        self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
+    ) -> JobId:
+        with self._lock:
+            tiers = tuple(self._admitted(item.key) for item in items)
+        return self._submit(self._publishes, self._publish, session, items, chain, tiers)
+
+    def adopt(self, session: str, holder: str, chain: Sequence[ChunkKey], start: int, end: int) -> None:
+        for tier in self._tiers:
+            tier.adopt(session, holder, chain, start, end)
+
+    def end_session(self, session: str) -> None:
+        for tier in self._tiers:
+            tier.end_session(session)
+
+    def poll(self) -> tuple[JobResult, ...]:
+        return self._board.poll()
+
+    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
+        return self._board.wait(job_ids, timeout)
+
+    def close(self) -> None:
+        """Refuse new jobs, fail the queued ones, wait (bounded) for the running ones, then close every
+        tier (their jobs in flight still end, and so do cascade jobs still waiting on them)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for lane in (self._fetches, self._publishes):
+            lane.close(_CLOSE_S, why="the cascade closed before the job ran")
+        for tier in self._tiers:
+            close_quietly(tier)
+
+    # -- jobs ----------------------------------------------------------------------------------------
+
+    def _submit(
+        self,
+        lane: JobLane,
+        run: Callable[[_Job], JobResult],
+        session: str,
+        items: Sequence[StoreItem],
+        chain: Sequence[ChunkKey],
+        tiers: tuple[tuple[int, ...], ...],
+    ) -> JobId:
+        with self._lock:
+            if self._closed:
+                raise UsageError("the cascade of remote tiers is closed")
+            job = _Job(self._board.new(), session, tuple(items), tuple(chain), tiers)
+            lane.submit(partial(self._finish, run, job), partial(self._fail, job), Priority.READ)
+        return job.job_id
+
+    def _finish(self, run: Callable[[_Job], JobResult], job: _Job) -> None:
+        self._board.finish(run(job))
+
+    def _fail(self, job: _Job, why: str) -> None:
+        self._board.finish(JobResult(job.job_id, tuple(range(len(job.items))), why))
+
+    def _fetch(self, job: _Job) -> JobResult:
+        pending = list(range(len(job.items)))
+        for t, tier in enumerate(self._tiers):
+            if not pending:
+                break
+            items = [job.items[i] for i in pending]
+            failed = self._run(t, tier.submit_fetch, job, items)
+            got = [pending[j] for j in range(len(items)) if j not in failed]
+            self.counts[t].fetched += len(got)
+            self.counts[t].fetched_bytes += sum(job.items[i].length for i in got)
+            pending = [pending[j] for j in sorted(failed)]
+        if not pending:
+            return JobResult(job.job_id)
+        return JobResult(job.job_id, tuple(pending), f"{len(pending)} chunks in no tier")
+
+    def _publish(self, job: _Job) -> JobResult:
+        sent = [i for i, tiers in enumerate(job.tiers) if tiers]
+        stored: set[int] = set()
+        for t, tier in enumerate(self._tiers):
+            mine = [i for i in sent if t in job.tiers[i]]
+            if not mine:
+                continue
+            failed = self._run(t, tier.submit_publish, job, [job.items[i] for i in mine])
+            done = [mine[j] for j in range(len(mine)) if j not in failed]
+            stored.update(done)
+            self.counts[t].published += len(done)
+            self.counts[t].published_bytes += sum(job.items[i].length for i in done)
+        lost = tuple(i for i in sent if i not in stored)
+        if not lost:
+            return JobResult(job.job_id)
+        return JobResult(job.job_id, lost, f"{len(lost)} chunks stored in no tier")
+
+    def _run(
+        self,
+        t: int,
+        submit: Callable[[str, Sequence[StoreItem], Sequence[ChunkKey]], JobId],
+        job: _Job,
+        items: list[StoreItem],
+    ) -> set[int]:
+        """Run one tier's part of a job to its end; the indices of ``items`` it failed."""
+        try:
+            inner = submit(job.session, items, job.chain)
+        except KVCoreError as exc:  # closed, or refused: every item failed in this tier
+            log.warning("kvcore: tier %d refused %d chunks: %s", t, len(items), exc)
+            self.counts[t].failed += len(items)
+            return set(range(len(items)))
+        while True:
+            try:
+                results = self._tiers[t].wait([inner], _POLL_S)
+                break
+            except TransferTimeout:  # not finished yet: every job of a port ends, and a copy into the
+                continue  # host slot must end before the slot can be given back
+        failed = set(results[0].failed) if results else set(range(len(items)))
+        self.counts[t].failed += len(failed)
+        return failed
+
+    def _admitted(self, key: ChunkKey) -> tuple[int, ...]:
+        """Count one more save of ``key``; the tiers whose admission rule it now passes (with ``_lock``)."""
+        seen = self._seen.pop(key, 0) + 1
+        self._seen[key] = seen
+        if len(self._seen) > _SEEN:
+            self._seen.popitem(last=False)
+        return tuple(t for t, after in enumerate(self._admit) if seen >= after)

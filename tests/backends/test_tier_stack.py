@@ -1,0 +1,131 @@
+"""A stack of tiers on engines stepped by hand (real workers, host pools, disk tiers): a pool too small for
+the workload in front of two disk tiers (two directories, as a local NVMe and a slower shared disk
+would be). Hits come from the pool, then the first disk, then the second once the first lost the
+chunks; every loaded byte is the byte saved; a chunk saved through the stack is admitted by each tier
+per its rule; a stack of the pool and one disk tier behaves as ``{"backend": {"kind": "disk"}}``."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcore.config import load_config
+from kvcore.ids import RequestId
+from tests.hand_engine import CHUNK_TOKENS, CHUNKS, PER_CHUNK, Engine, engine_spec, prompt, save
+
+CHUNK_BYTES = 32 * 1024  # per rank: 2 layers x K,V x 2 heads x 128 tokens x 16 x bf16
+POOL_CHUNKS = CHUNKS  # one prompt's chunks: a second prompt pushes the first out
+
+
+def stack(tmp_path: Path, tp: int, admit_after: int = 1) -> dict[str, Any]:
+    for name in ("nvme", "shared"):
+        (tmp_path / name).mkdir(exist_ok=True)
+    return {
+        "chunk_tokens": CHUNK_TOKENS,
+        "tiers": [
+            {"kind": "cpu", "size": POOL_CHUNKS * CHUNK_BYTES * tp},
+            {"kind": "disk", "path": str(tmp_path / "nvme"), "size": "64MiB", "admit_after": admit_after},
+            {"kind": "disk", "path": str(tmp_path / "shared"), "size": "64MiB"},
+        ],
+    }
+
+
+def load(engine: Engine, request: str, tokens: list[int], at: int) -> int:
+    """Look ``tokens`` up and load what was found into blocks ``at``...; the tokens loaded."""
+    found = engine.lookup(request, tokens)
+    if found:
+        into = list(range(at, at + -(-len(tokens) // (CHUNK_TOKENS // PER_CHUNK))))
+        assert engine.sched.start_load(RequestId(request), into) == found
+        engine.step()
+        assert engine.sched.take_load_errors() == {}
+    return found
+
+
+def files(root: Path) -> int:
+    return sum(1 for p in (root / "chunks").rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hits_come_from_the_pool_then_each_disk_tier_in_turn_byte_for_byte(tmp_path: Path, tp: int) -> None:
+    spec = engine_spec(tp)
+    a = Engine(load_config(stack(tmp_path, tp)), spec, seed=41)
+    try:
+        first, second = prompt(41), prompt(42)
+        save(a, "first", first)
+        assert files(tmp_path / "nvme") == files(tmp_path / "shared") == CHUNKS * tp  # written through
+        want = [a.blocks(rank, range(CHUNKS * PER_CHUNK)) for rank in range(tp)]
+        assert a.sched.stats().tier_found == (0, 0)
+        assert load(a, "again", first, at=20) == CHUNKS * CHUNK_TOKENS  # from the pool
+        assert a.sched.stats().tier_found == (0, 0)
+        save(a, "second", second)  # the pool holds one prompt: the first is pushed out
+        assert load(a, "from-nvme", first, at=20) == CHUNKS * CHUNK_TOKENS
+        assert a.sched.stats().tier_found == (CHUNKS, 0)
+        for rank in range(tp):
+            assert a.blocks(rank, range(20, 20 + CHUNKS * PER_CHUNK)) == want[rank]
+        save(a, "third", prompt(43))  # pushes the first out of the pool again
+        shutil.rmtree(tmp_path / "nvme" / "chunks")  # the first disk lost everything
+        assert load(a, "from-shared", first, at=40) == CHUNKS * CHUNK_TOKENS
+        assert a.sched.stats().tier_found == (CHUNKS, CHUNKS)
+        for rank in range(tp):
+            assert a.blocks(rank, range(40, 40 + CHUNKS * PER_CHUNK)) == want[rank]
+    finally:
+        a.close()
+
+
+def test_a_new_engine_finds_what_the_last_one_left_in_the_stack(tmp_path: Path) -> None:
+    spec = engine_spec(1)
+    config = load_config(stack(tmp_path, 1))
+    a = Engine(config, spec, seed=51)
+    tokens = prompt(51)
+    try:
+        save(a, "a", tokens)
+        want = a.blocks(0, range(CHUNKS * PER_CHUNK))
+    finally:
+        a.close()
+    b = Engine(config, spec, seed=52)  # its pool is empty: every chunk comes from the first disk
+    try:
+        assert load(b, "b", tokens, at=10) == CHUNKS * CHUNK_TOKENS
+        assert b.sched.stats().tier_found == (CHUNKS, 0)
+        assert b.blocks(0, range(10, 10 + CHUNKS * PER_CHUNK)) == want
+    finally:
+        b.close()
+
+
+def test_a_tier_takes_a_chunk_at_the_save_its_rule_names(tmp_path: Path) -> None:
+    spec = engine_spec(1)
+    a = Engine(load_config(stack(tmp_path, 1, admit_after=2)), spec, seed=61)
+    try:
+        tokens = prompt(61)
+        save(a, "once", tokens)
+        assert (files(tmp_path / "nvme"), files(tmp_path / "shared")) == (0, CHUNKS)
+        save(a, "other", prompt(62))  # pushes the first out of the pool
+        shutil.rmtree(tmp_path / "shared" / "chunks")  # and the second disk lost it: recomputed, saved again
+        save(a, "twice", tokens)
+        assert (files(tmp_path / "nvme"), files(tmp_path / "shared")) == (CHUNKS, CHUNKS)
+    finally:
+        a.close()
+
+
+def test_a_stack_of_the_pool_and_one_disk_is_the_disk_backend(tmp_path: Path) -> None:
+    spec = engine_spec(1)
+    (tmp_path / "kv").mkdir()
+    disk = {"kind": "disk", "path": str(tmp_path / "kv"), "size": "64MiB"}
+    configs = [
+        {"chunk_tokens": CHUNK_TOKENS, "backend": {**disk, "local_size": POOL_CHUNKS * CHUNK_BYTES}},
+        {"chunk_tokens": CHUNK_TOKENS, "tiers": [{"kind": "cpu", "size": POOL_CHUNKS * CHUNK_BYTES}, disk]},
+    ]
+    outcomes = []
+    for i, config in enumerate(configs):
+        shutil.rmtree(tmp_path / "kv" / "chunks", ignore_errors=True)
+        engine = Engine(load_config(config), spec, seed=71)
+        try:
+            save(engine, "first", prompt(71 + i))
+            save(engine, "second", prompt(81 + i))
+            found = load(engine, "back", prompt(71 + i), at=20)
+            outcomes.append((found, files(tmp_path / "kv"), engine.sched.stats().tier_found))
+        finally:
+            engine.close()
+    assert outcomes[0] == outcomes[1] == (CHUNKS * CHUNK_TOKENS, 2 * CHUNKS, (CHUNKS,))
