@@ -1,8 +1,10 @@
 """Connector statistics: vLLM's ``KVConnectorStats`` for its log, and Prometheus metrics (``vllm:kvcore_*``).
 
 The scheduler side reports, each step, the counters that moved since the previous step (lookups, hit
-tokens, loaded and saved blocks, failures) and the pool's current usage (gauges, named ``pool_*``).
-Aggregating adds counters and keeps the latest gauges.
+tokens, loaded and saved blocks, failures; the chunks each remote tier's lookups found, as
+``tier_found_<n>``, tier 1 first) and the pool's current usage (gauges, named ``pool_*``). Aggregating
+adds counters and keeps the latest gauges. Prometheus shows the per-tier counts as one counter,
+``vllm:kvcore_tier_found_chunks``, labelled ``tier``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvcore.scheduler import SchedulerStats
 
-__all__ = ["COUNTERS", "GAUGES", "KVCorePromMetrics", "KVCoreStats", "StatsDelta"]
+__all__ = ["COUNTERS", "GAUGES", "TIER_FOUND", "KVCorePromMetrics", "KVCoreStats", "StatsDelta"]
 
 COUNTERS = {
     "lookups": "requests looked up in kvcore",
@@ -61,17 +63,22 @@ class KVCoreStats(KVConnectorStats):
         return not any(self.data.get(key) for key in COUNTERS) and not any(key in self.data for key in GAUGES)
 
 
+TIER_FOUND = "tier_found_"
+"""The prefix of the per-tier counters: ``tier_found_1`` is the first remote tier behind the pool."""
+
+
 class StatsDelta:
     """Turns the scheduler's running totals into per-step deltas, and its gauges into the values that
     changed since the last report."""
 
     def __init__(self) -> None:
-        self._last: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._last: dict[str, int] = {}
         self._gauges: dict[str, int] = {}
 
     def __call__(self, stats: SchedulerStats, halted_ranks: int = 0) -> KVCoreStats:
         totals = {k: v for k, v in asdict(stats).items() if k in COUNTERS}
-        data: dict[str, Any] = {k: totals[k] - self._last[k] for k in COUNTERS}
+        totals.update((f"{TIER_FOUND}{i}", found) for i, found in enumerate(stats.tier_found, start=1))
+        data: dict[str, Any] = {k: v - self._last.get(k, 0) for k, v in totals.items()}
         self._last = totals
         pool = stats.pool
         gauges = {
@@ -119,6 +126,11 @@ class KVCorePromMetrics(KVConnectorPromMetrics):
             )
             for key, doc in COUNTERS.items()
         }
+        self._tier_found = counter_cls(
+            name="vllm:kvcore_tier_found_chunks",
+            documentation="chunks each remote tier's lookups found beyond the pool (tier 1 first)",
+            labelnames=[*labelnames, "tier"],
+        )
         self._gauges = {
             key: _per_engine(
                 gauge_cls(
@@ -136,5 +148,8 @@ class KVCorePromMetrics(KVConnectorPromMetrics):
         for key, value in transfer_stats_data.items():
             if key in self._counters and value:
                 self._counters[key][engine_idx].inc(value)
+            elif key.startswith(TIER_FOUND) and value:
+                tier = key.removeprefix(TIER_FOUND)
+                self._tier_found.labels(*self.per_engine_labelvalues[engine_idx], tier).inc(value)
             elif key in self._gauges:
                 self._gauges[key][engine_idx].set(value)

@@ -5,8 +5,11 @@ server would then show the last request's gauges forever)."""
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+from attrs import evolve
 
 from kvcore.block_pool import PoolUsage
 from kvcore.scheduler import SchedulerStats
@@ -44,3 +47,41 @@ def test_halted_ranks_reach_the_metrics_as_a_gauge() -> None:
         **dict.fromkeys(("saved_blocks", "failed_load_blocks", "failed_save_chunks"), 0),
         "halted_ranks": 1,
     }
+
+
+def test_each_remote_tiers_found_chunks_reach_prometheus_labelled_by_tier() -> None:
+    import prometheus_client
+    from prometheus_client import CollectorRegistry
+
+    from kvcore_vllm.stats import KVCorePromMetrics
+
+    registry = CollectorRegistry()
+
+    class Counter(prometheus_client.Counter):  # in a registry of the test's own
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{"registry": registry, **kwargs})
+
+    class Gauge(prometheus_client.Gauge):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{"registry": registry, **kwargs})
+
+    types: dict[type, type] = {
+        prometheus_client.Counter: Counter,
+        prometheus_client.Gauge: Gauge,
+        prometheus_client.Histogram: prometheus_client.Histogram,
+    }
+    metrics = KVCorePromMetrics(
+        SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["tiny", "0"]}
+    )
+    delta = StatsDelta()
+    stats = _stats(lookups=1, requests=0)
+    metrics.observe(delta(evolve(stats, tier_found=(2, 0))).data)
+    step = delta(evolve(stats, lookups=2, tier_found=(2, 3))).data
+    assert (step["tier_found_1"], step["tier_found_2"]) == (0, 3)
+    metrics.observe(step)
+
+    def found(tier: str) -> float | None:
+        labels = {"model_name": "tiny", "engine": "0", "tier": tier}
+        return registry.get_sample_value("vllm:kvcore_tier_found_chunks_total", labels)
+
+    assert (found("1"), found("2")) == (2.0, 3.0)

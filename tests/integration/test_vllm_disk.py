@@ -1,6 +1,7 @@
 """The disk tier across an engine restart, on real vLLM CPU engines.
 
-Engine A saves a prompt's chunks to a directory and exits. Engine B, a new engine process with the same
+Engine A, configured with a stack of tiers (a host pool, then the disk), saves a prompt's chunks to a
+directory and exits. Engine B, a new engine process with the same
 config, starts with an empty vLLM cache and an empty host pool: its first run of the prompt gets every
 whole block from the files (external hits), with the greedy tokens of its second run, which is vLLM's own
 prefix hit of the same length; the blocks it loaded hold exactly the bytes of the files.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 from tests.integration.conftest import (
     BLOCK,
@@ -39,13 +41,25 @@ def _file_values(root: Path) -> dict[str, bytes]:
     return values
 
 
+def _disk_hits(llm: Any) -> int:
+    """``vllm:kvcore_tier_found_chunks{tier="1"}``: the chunks the first remote tier's lookups found."""
+    found = [
+        m.value
+        for m in llm.get_metrics()
+        if m.name == "vllm:kvcore_tier_found_chunks" and m.labels.get("tier") == "1"
+    ]
+    return int(sum(found))
+
+
 def test_a_new_engine_process_reuses_the_chunks_the_last_one_left_on_disk(
     vllm_env: Path, tiny_model: Path, tmp_path: Path
 ) -> None:
     store = tmp_path / "kv"
     store.mkdir()
-    backend = {"kind": "disk", "path": str(store), "size": "64MiB", "local_size": "4MiB"}
-    config = kvcore_transfer_config(backend=backend, partial_chunks="drop")
+    tiers = [{"kind": "cpu", "size": "4MiB"}, {"kind": "disk", "path": str(store), "size": "64MiB"}]
+    config = kvcore_transfer_config(partial_chunks="drop")
+    del config["kv_connector_extra_config"]["backend"]
+    config["kv_connector_extra_config"]["tiers"] = tiers  # a stack: the pool, then the disk
 
     first = start_engine(tiny_model, config)
     try:
@@ -63,6 +77,7 @@ def test_a_new_engine_process_reuses_the_chunks_the_last_one_left_on_disk(
         before = external_hits(second)
         from_disk = list(generate(second, PROMPT).outputs[0].token_ids)
         assert external_hits(second) - before == 4 * BLOCK
+        assert _disk_hits(second) == 4  # the stack's first remote tier found the four chunks
         ((digests, same),) = second.collective_rpc(loaded_digests)
         assert same
         assert sorted(digests) == sorted(hashlib.sha256(v).hexdigest() for v in files.values())
