@@ -58,6 +58,8 @@ from kvcore.ports import (
     SupportsHeldLookups,
     SupportsImmediateLookup,
     SupportsReopen,
+    SupportsTierUsage,
+    TierUsage,
 )
 from kvcore.scheduler import CacheScheduler, SchedulerStats
 from kvcore.worker import BlockWorker
@@ -115,6 +117,8 @@ __all__ = [
     "SupportsHeldLookups",
     "SupportsImmediateLookup",
     "SupportsReopen",
+    "SupportsTierUsage",
+    "TierUsage",
     "TransferFailed",
     "TransferTimeout",
     "UnsupportedConfiguration",

@@ -35,10 +35,10 @@ from kvcore.errors import BackendError, KVCoreError, TransferTimeout, UsageError
 from kvcore.ids import ChunkKey, JobId, LookupId
 from kvcore.jobs import JobBoard, JobResult
 from kvcore.lane import JobLane, Priority
-from kvcore.ports import ChunkIndex, RemoteTier, StoreItem
+from kvcore.ports import ChunkIndex, RemoteTier, StoreItem, SupportsTierUsage, TierUsage
 from kvcore.remote import close_quietly
 
-__all__ = ["CascadeIndex", "CascadeRemote", "TierCounts"]
+__all__ = ["CascadeIndex", "CascadeRemote", "TierCounts", "tier_usage"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,18 @@ class TierCounts:
     published: int = 0
     published_bytes: int = 0
     failed: int = 0
+
+
+def tier_usage(index: ChunkIndex) -> TierUsage | None:
+    """How full ``index``'s tier is, if it can tell (``SupportsTierUsage``); ``None`` if not, or if it
+    fails to (logged: a metric is never worth an engine's step)."""
+    if not isinstance(index, SupportsTierUsage):
+        return None
+    try:
+        return index.usage()
+    except (KVCoreError, OSError) as exc:
+        log.warning("kvcore: %s could not tell its usage: %s", type(index).__name__, exc)
+        return None
 
 
 @define(eq=False)
@@ -113,6 +125,10 @@ class CascadeIndex:
             self._ask(lookup)
         del self._lookups[lookup_id]
         return lookup.found
+
+    def usage(self) -> tuple[TierUsage | None, ...]:
+        """Each tier's usage (``tier_usage``), in order."""
+        return tuple(tier_usage(index) for index in self._indexes)
 
     def cancel_lookup(self, lookup_id: LookupId) -> None:
         lookup = self._lookups.pop(lookup_id, None)

@@ -57,6 +57,8 @@ __all__ = [
     "SupportsHeldLookups",
     "SupportsImmediateLookup",
     "SupportsReopen",
+    "SupportsTierUsage",
+    "TierUsage",
 ]
 
 
@@ -543,6 +545,25 @@ class SupportsClear(Protocol):
 
     def clear(self) -> None:
         """Drop every value. Jobs in flight finish or fail; none resurrects a cleared value."""
+        ...
+
+
+@frozen
+class TierUsage:
+    """How full a tier is: bytes held, the bytes it may hold, and the values it evicted since it was made
+    (by every process that shares it)."""
+
+    used_bytes: int
+    capacity_bytes: int
+    evictions: int
+
+
+@runtime_checkable
+class SupportsTierUsage(Protocol):
+    """An index that can tell how full its tier is, cheaply enough to ask every engine step."""
+
+    def usage(self) -> TierUsage:
+        """The tier's usage now. Raises ``BackendError`` when the tier cannot tell."""
         ...
 
 

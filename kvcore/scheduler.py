@@ -32,7 +32,7 @@ from attrs import frozen
 
 from kvcore.admission import Sightings
 from kvcore.block_pool import BlockPool, PoolEvent, PoolUsage
-from kvcore.cascade import CascadeIndex
+from kvcore.cascade import CascadeIndex, tier_usage
 from kvcore.checks import check_block_table, is_int_in
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
@@ -48,7 +48,7 @@ from kvcore.lookup import PendingLookup, PrefixLookup
 from kvcore.op_draft import OpDraft
 from kvcore.plan import BlockOp, OpReport, StepPlan
 from kvcore.pool_index import PoolIndex
-from kvcore.ports import ChunkIndex, Direction, HeldChunks
+from kvcore.ports import ChunkIndex, Direction, HeldChunks, TierUsage
 from kvcore.remote import close_quietly
 from kvcore.request_keys import ChunkChain, Keyer, prompt_tokens, token_sequence
 
@@ -72,6 +72,7 @@ class SchedulerStats:
     requests: int  # live request trackers (0 once every request ended and its copies completed)
     ops_in_flight: int
     tier_found: tuple[int, ...] = ()  # chunks each remote tier's lookups found beyond the pool, in order
+    tier_usage: tuple[TierUsage | None, ...] = ()  # how full each remote tier is, where it can tell
 
 
 class _Request:
@@ -631,7 +632,13 @@ class CacheScheduler:
             requests=len(self._requests),
             ops_in_flight=len(self._ops),
             tier_found=self._tier_found(),
+            tier_usage=self._tier_usage(),
         )
+
+    def _tier_usage(self) -> tuple[TierUsage | None, ...]:
+        if isinstance(self._remote_index, CascadeIndex):
+            return self._remote_index.usage()
+        return () if self._remote_index is None else (tier_usage(self._remote_index),)
 
     def _tier_found(self) -> tuple[int, ...]:
         if isinstance(self._remote_index, CascadeIndex):

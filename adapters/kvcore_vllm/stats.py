@@ -1,10 +1,12 @@
 """Connector statistics: vLLM's ``KVConnectorStats`` for its log, and Prometheus metrics (``vllm:kvcore_*``).
 
 The scheduler side reports, each step, the counters that moved since the previous step (lookups, hit
-tokens, loaded and saved blocks, failures; the chunks each remote tier's lookups found, as
-``tier_found_<n>``, tier 1 first) and the pool's current usage (gauges, named ``pool_*``). Aggregating
-adds counters and keeps the latest gauges. Prometheus shows the per-tier counts as one counter,
-``vllm:kvcore_tier_found_chunks``, labelled ``tier``.
+tokens, loaded and saved blocks, failures) and the pool's current usage (gauges, named ``pool_*``); per
+remote tier ``n`` (1: the first behind the pool), the chunks its lookups found and its evictions
+(counters ``tier_found_<n>``, ``tier_evictions_<n>``) and, for a tier that can tell, its bytes in use
+and its size (gauges ``tier_used_bytes_<n>``, ``tier_capacity_bytes_<n>``). Aggregating adds counters
+and keeps the latest gauges. Prometheus shows each per-tier figure as one metric labelled ``tier``
+(``vllm:kvcore_tier_found_chunks{tier="1"}``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvcore.scheduler import SchedulerStats
 
-__all__ = ["COUNTERS", "GAUGES", "TIER_FOUND", "KVCorePromMetrics", "KVCoreStats", "StatsDelta"]
+__all__ = [
+    "COUNTERS",
+    "GAUGES",
+    "TIER_COUNTERS",
+    "TIER_GAUGES",
+    "KVCorePromMetrics",
+    "KVCoreStats",
+    "StatsDelta",
+]
 
 COUNTERS = {
     "lookups": "requests looked up in kvcore",
@@ -42,6 +52,27 @@ GAUGES = {
 }
 
 
+TIER_COUNTERS = {
+    "tier_found": "chunks each remote tier's lookups found beyond the pool (tier 1 first)",
+    "tier_evictions": "values each remote tier evicted (every process sharing it)",
+}
+TIER_GAUGES = {
+    "tier_used_bytes": "bytes each remote tier holds (tiers that can tell)",
+    "tier_capacity_bytes": "bytes each remote tier may hold (tiers that can tell)",
+}
+
+
+def _tier_metric(key: str) -> tuple[str, str] | None:
+    """``("tier_found", "2")`` for ``tier_found_2``; ``None`` for a key that is no per-tier figure."""
+    name, _, tier = key.rpartition("_")
+    return (name, tier) if (name in TIER_COUNTERS or name in TIER_GAUGES) and tier.isdigit() else None
+
+
+def _is_gauge(key: str) -> bool:
+    tier = _tier_metric(key)
+    return key in GAUGES or (tier is not None and tier[0] in TIER_GAUGES)
+
+
 @dataclass
 class KVCoreStats(KVConnectorStats):
     """``data``: counter deltas and gauge values by name."""
@@ -51,7 +82,7 @@ class KVCoreStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
-            self.data[key] = value if key in GAUGES else self.data.get(key, 0) + value
+            self.data[key] = value if _is_gauge(key) else self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -60,11 +91,7 @@ class KVCoreStats(KVConnectorStats):
     def is_empty(self) -> bool:
         """Nothing to report: no counter moved and no gauge changed (vLLM drops empty stats, so a gauge
         that changed in a quiet step must make them non-empty, or an idle server shows stale values)."""
-        return not any(self.data.get(key) for key in COUNTERS) and not any(key in self.data for key in GAUGES)
-
-
-TIER_FOUND = "tier_found_"
-"""The prefix of the per-tier counters: ``tier_found_1`` is the first remote tier behind the pool."""
+        return not any(_is_gauge(key) or value for key, value in self.data.items())
 
 
 class StatsDelta:
@@ -77,7 +104,12 @@ class StatsDelta:
 
     def __call__(self, stats: SchedulerStats, halted_ranks: int = 0) -> KVCoreStats:
         totals = {k: v for k, v in asdict(stats).items() if k in COUNTERS}
-        totals.update((f"{TIER_FOUND}{i}", found) for i, found in enumerate(stats.tier_found, start=1))
+        totals.update((f"tier_found_{i}", found) for i, found in enumerate(stats.tier_found, start=1))
+        usage = {i: u for i, u in enumerate(stats.tier_usage, start=1) if u is not None}
+        evictions = {f"tier_evictions_{i}": u.evictions for i, u in usage.items()}
+        totals.update(evictions)
+        # a shared tier's evictions count from before this engine: the first report is the baseline
+        self._last.update((k, v) for k, v in evictions.items() if k not in self._last)
         data: dict[str, Any] = {k: v - self._last.get(k, 0) for k, v in totals.items()}
         self._last = totals
         pool = stats.pool
@@ -90,6 +122,8 @@ class StatsDelta:
             "requests": stats.requests,
             "ops_in_flight": stats.ops_in_flight,
             "halted_ranks": halted_ranks,
+            **{f"tier_used_bytes_{i}": u.used_bytes for i, u in usage.items()},
+            **{f"tier_capacity_bytes_{i}": u.capacity_bytes for i, u in usage.items()},
         }
         data.update((k, v) for k, v in gauges.items() if self._gauges.get(k) != v)
         self._gauges = gauges
@@ -126,10 +160,16 @@ class KVCorePromMetrics(KVConnectorPromMetrics):
             )
             for key, doc in COUNTERS.items()
         }
-        self._tier_found = counter_cls(
-            name="vllm:kvcore_tier_found_chunks",
-            documentation="chunks each remote tier's lookups found beyond the pool (tier 1 first)",
-            labelnames=[*labelnames, "tier"],
+        # per tier: one metric each, labelled by tier too (children made as tiers report)
+        names = {"tier_found": "vllm:kvcore_tier_found_chunks"}
+        tiered = [*labelnames, "tier"]
+        self._tiers: dict[str, prometheus_client.Counter | prometheus_client.Gauge] = {
+            key: counter_cls(name=names.get(key, f"vllm:kvcore_{key}"), documentation=doc, labelnames=tiered)
+            for key, doc in TIER_COUNTERS.items()
+        }
+        self._tiers.update(
+            (key, gauge_cls(f"vllm:kvcore_{key}", doc, labelnames=tiered, multiprocess_mode="mostrecent"))
+            for key, doc in TIER_GAUGES.items()
         )
         self._gauges = {
             key: _per_engine(
@@ -148,8 +188,11 @@ class KVCorePromMetrics(KVConnectorPromMetrics):
         for key, value in transfer_stats_data.items():
             if key in self._counters and value:
                 self._counters[key][engine_idx].inc(value)
-            elif key.startswith(TIER_FOUND) and value:
-                tier = key.removeprefix(TIER_FOUND)
-                self._tier_found.labels(*self.per_engine_labelvalues[engine_idx], tier).inc(value)
             elif key in self._gauges:
                 self._gauges[key][engine_idx].set(value)
+            elif (tiered := _tier_metric(key)) is not None:
+                metric = self._tiers[tiered[0]].labels(*self.per_engine_labelvalues[engine_idx], tiered[1])
+                if isinstance(metric, prometheus_client.Gauge):
+                    metric.set(value)
+                elif value:
+                    metric.inc(value)

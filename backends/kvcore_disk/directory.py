@@ -46,7 +46,7 @@ CHUNKS = "chunks"
 LOW_WATER = 0.9
 """An eviction frees down to this share of the size, so that it runs once per tenth of the tier filled,
 not once per chunk."""
-_USAGE = struct.Struct("<Q")
+_COUNTS = struct.Struct("<QQ")  # in the lock file: bytes of chunk files, files evicted since it was made
 
 
 @frozen
@@ -75,8 +75,7 @@ class ChunkDirectory:
         self._prefix = f"{self._chunks}/"
         self._lock_path = root / LOCK
         self._thread_lock = threading.Lock()  # flock is per open file: threads of one process queue here
-        self.evicted_files = 0
-        self.evicted_bytes = 0
+        self.evicted_files = 0  # by this process
 
     @classmethod
     def open(
@@ -90,7 +89,7 @@ class ChunkDirectory:
             (directory._chunks / f"{fan:02x}").mkdir(parents=True, exist_ok=True)
         with directory._locked() as fd:
             found = directory._scan()
-            _write_usage(fd, found.bytes)
+            _write_used(fd, found.bytes)
         free = shutil.disk_usage(root).free + found.bytes
         if size > free:
             raise ConfigError(
@@ -118,10 +117,15 @@ class ChunkDirectory:
         folder, name = chunk_name(key)
         return f"{self._prefix}{folder}/{name}"
 
-    def usage(self) -> int:
-        """The bytes of chunk files, as the shared counter says (exact after every scan)."""
+    def counts(self) -> tuple[int, int]:
+        """The bytes of chunk files (exact after every scan) and the files evicted since the directory's
+        lock file was made, by every process; from the lock file."""
         with self._locked() as fd:
-            return _read_usage(fd)
+            return _read(fd)
+
+    def usage(self) -> int:
+        """The bytes of chunk files (``counts``)."""
+        return self.counts()[0]
 
     def commit(self, temporary: str, path: str, nbytes: int, *, fsync: bool = False) -> bool:
         """Rename a chunk file written under ``temporary`` (``write_temporary``) to ``path`` and account its
@@ -135,8 +139,8 @@ class ChunkDirectory:
                     _unlink(temporary)
                     return False
                 os.rename(temporary, path)
-                usage = _read_usage(fd) + nbytes
-                _write_usage(fd, self._evict() if usage > self.size else usage)
+                usage = _read(fd)[0] + nbytes
+                _write_used(fd, self._evict(fd) if usage > self.size else usage)
         except BaseException:
             _unlink(temporary)
             raise
@@ -148,7 +152,7 @@ class ChunkDirectory:
         """Remove chunk files (missing ones are skipped); the bytes freed."""
         with self._locked() as fd:
             freed = sum(_unlink(path) for path in paths)
-            _write_usage(fd, max(_read_usage(fd) - freed, 0))
+            _write_used(fd, _read(fd)[0] - freed)
         return freed
 
     def clear(self) -> None:
@@ -158,13 +162,13 @@ class ChunkDirectory:
                 for entry in os.scandir(folder):
                     if entry.is_file(follow_symlinks=False) and not entry.name.startswith("."):
                         _unlink(entry.path)
-            _write_usage(fd, 0)
+            _write_used(fd, 0)
 
     def scan(self) -> DirectoryScan:
         """Rebuild the usage counter from the files (and remove dead writers' temporaries)."""
         with self._locked() as fd:
             found = self._scan()
-            _write_usage(fd, found.bytes)
+            _write_used(fd, found.bytes)
             return found
 
     # -- under the lock ------------------------------------------------------------------------------
@@ -182,9 +186,10 @@ class ChunkDirectory:
                     files += 1
         return DirectoryScan(files, total, removed, time.perf_counter() - start)
 
-    def _evict(self) -> int:
+    def _evict(self, fd: int) -> int:
         """Remove the least recently used files until the tier holds at most ``LOW_WATER`` of its size;
-        the bytes left. Scans first: other processes' writes count too."""
+        the bytes left. Scans first: other processes' writes count too. Counts the files it removed in
+        the lock file ``fd``."""
         found: list[tuple[int, int, str]] = []
         for folder in self._folders():
             for entry in os.scandir(folder):
@@ -196,13 +201,16 @@ class ChunkDirectory:
         usage = sum(size for _, size, _ in found)
         target = int(self.size * LOW_WATER)
         found.sort()
+        evicted = 0
         for _, size, path in found:
             if usage <= target:
                 break
-            freed = _unlink(path)
-            usage -= size if freed else 0
-            self.evicted_files += 1 if freed else 0
-            self.evicted_bytes += freed
+            if _unlink(path):
+                usage -= size
+                evicted += 1
+        self.evicted_files += evicted
+        used, evictions = _read(fd)
+        os.pwrite(fd, _COUNTS.pack(used, evictions + evicted), 0)
         return usage
 
     def _folders(self) -> Iterator[Path]:
@@ -263,13 +271,17 @@ class ChunkDirectory:
             )
 
 
-def _read_usage(fd: int) -> int:
-    data = os.pread(fd, _USAGE.size, 0)
-    return _USAGE.unpack(data)[0] if len(data) == _USAGE.size else 0
+def _read(fd: int) -> tuple[int, int]:
+    """The lock file's counts: bytes of chunk files, files evicted (zeros for a new or short file)."""
+    data = os.pread(fd, _COUNTS.size, 0)
+    if len(data) != _COUNTS.size:
+        return 0, 0
+    used, evictions = _COUNTS.unpack(data)
+    return used, evictions
 
 
-def _write_usage(fd: int, usage: int) -> None:
-    os.pwrite(fd, _USAGE.pack(max(usage, 0)), 0)
+def _write_used(fd: int, used: int) -> None:
+    os.pwrite(fd, _COUNTS.pack(max(used, 0), _read(fd)[1]), 0)
 
 
 def _unlink(path: str | Path) -> int:

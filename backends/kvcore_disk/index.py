@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from kvcore.errors import BackendUnavailable
 from kvcore.ids import ChunkKey, LookupId
+from kvcore.ports import TierUsage
 from kvcore_disk.directory import ChunkDirectory
 
 __all__ = ["DiskChunkIndex"]
@@ -52,6 +53,12 @@ class DiskChunkIndex:
 
     def cancel_lookup(self, lookup_id: LookupId) -> None:
         self._answers.pop(lookup_id, None)
+
+    def usage(self) -> TierUsage:
+        """``SupportsTierUsage``: the directory's bytes in use, its size, and its evictions (every
+        process's), from its lock file."""
+        used, evictions = self._directory.counts()
+        return TierUsage(used, self._directory.size, evictions)
 
     def close(self) -> None:
         """Answer no more lookups; the files stay."""

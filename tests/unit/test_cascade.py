@@ -56,6 +56,7 @@ def test_each_tier_is_asked_for_what_the_ones_before_it_lack() -> None:
     assert answer(cascade, one_per_chunk(KEYS)) == 5
     assert [t.asked for t in tiers] == [[(6, 0)], [(4, 2)], [(2, 4)]]
     assert [c.found for c in cascade.counts] == [2, 2, 1]
+    assert cascade.usage() == (None, None, None)  # the reference index cannot tell its tier's usage
     # every chunk in the first tier: the others are not asked
     assert answer(cascade, one_per_chunk(KEYS[:2])) == 2
     assert len(tiers[1].asked) == 1
