@@ -26,28 +26,46 @@ import collections
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from functools import partial
+from typing import cast
 
 from attrs import define, frozen
 
 from kvcore.errors import BackendError, KVCoreError, TransferTimeout, UsageError
+from kvcore.health import CircuitBreaker
 from kvcore.ids import ChunkKey, JobId, LookupId
 from kvcore.jobs import JobBoard, JobResult
 from kvcore.lane import JobLane, Priority
-from kvcore.ports import ChunkIndex, RemoteTier, StoreItem, SupportsTierUsage, TierUsage
+from kvcore.ports import (
+    ChunkIndex,
+    RemoteTier,
+    StoreItem,
+    SupportsImmediateLookup,
+    SupportsTierUsage,
+    TierUsage,
+)
 from kvcore.remote import close_quietly
 
-__all__ = ["CascadeIndex", "CascadeRemote", "TierCounts", "tier_usage"]
+__all__ = [
+    "CascadeIndex",
+    "CascadeRemote",
+    "ImmediateCascadeIndex",
+    "TierCounts",
+    "cascade_index",
+    "tier_usage",
+]
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 1.0
-"""How long a cascade job waits on a tier's job between checks that the cascade is still open."""
+"""How long one wait on a tier's job lasts; the cascade waits again until the job ends."""
 _CLOSE_S = 5.0
 """How long ``close`` waits for a job that is running (on a tier that answers, a publish in progress)."""
 _SEEN = 1 << 16
-"""Keys whose saves a rank remembers for admission (least recently saved forgotten first)."""
+"""Keys whose saves a rank remembers for admission, least recently saved forgotten first: a chunk saved
+again after 65,536 other chunks counts as saved once."""
 
 
 @define
@@ -79,6 +97,7 @@ def tier_usage(index: ChunkIndex) -> TierUsage | None:
 class _Lookup:
     chunks: list[Sequence[ChunkKey]]
     preceding: list[Sequence[ChunkKey]]
+    deadline: float
     stage: int = 0
     found: int = 0
     inner: LookupId | None = None
@@ -86,12 +105,28 @@ class _Lookup:
 
 class CascadeIndex:
     """The ``ChunkIndex`` of several tiers asked in order (module docstring). ``counts[i]`` tells what
-    tier ``i`` found."""
+    tier ``i`` found.
 
-    def __init__(self, indexes: Sequence[ChunkIndex]) -> None:
+    ``budget_s`` bounds a whole lookup: a tier still pending past it is cancelled and the lookup answers
+    what the tiers before it found (the caller's own timeout, ``lookup_timeout_s``, would answer 0 for
+    all of them). A tier that fails ``BREAKER_FAILURES`` lookups in a row is skipped for a back-off
+    (``kvcore.health.CircuitBreaker``), so a tier that is down costs the others nothing per lookup.
+    """
+
+    BREAKER_FAILURES = 3
+    BREAKER_BACKOFF_S = 5.0
+
+    def __init__(
+        self, indexes: Sequence[ChunkIndex], budget_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if len(indexes) < 2:
             raise UsageError(f"indexes: got {len(indexes)}, expected at least two tiers to cascade")
         self._indexes = tuple(indexes)
+        self._budget = budget_s
+        self._clock = clock
+        self._breakers = [
+            CircuitBreaker(self.BREAKER_FAILURES, self.BREAKER_BACKOFF_S, clock) for _ in indexes
+        ]
         self._ids = itertools.count(1)
         self._lookups: dict[LookupId, _Lookup] = {}
         self.counts = [TierCounts() for _ in indexes]
@@ -99,7 +134,7 @@ class CascadeIndex:
     def submit_lookup(
         self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
     ) -> LookupId:
-        lookup = _Lookup(list(chunks), list(preceding))
+        lookup = _Lookup(list(chunks), list(preceding), self._clock() + self._budget)
         lookup_id = LookupId(next(self._ids))
         self._lookups[lookup_id] = lookup
         self._ask(lookup)
@@ -110,14 +145,26 @@ class CascadeIndex:
         if lookup is None:
             return 0
         while lookup.inner is not None:
-            index = self._indexes[lookup.stage]
+            index, breaker = self._indexes[lookup.stage], self._breakers[lookup.stage]
             try:
                 answer = index.poll_lookup(lookup.inner)
             except BackendError as exc:
-                log.warning("kvcore: tier %d's lookup failed (%s): asking the next tier", lookup.stage, exc)
+                log.warning(
+                    "kvcore: tier %d's lookup failed (%s): asking the next tier", lookup.stage + 1, exc
+                )
+                breaker.record_failure()
                 answer = 0
-            if answer is None:
-                return None
+            else:
+                if answer is None:
+                    if self._clock() < lookup.deadline:
+                        return None
+                    index.cancel_lookup(lookup.inner)  # too late: answer what the tiers before it found
+                    log.warning(
+                        "kvcore: tier %d's lookup took too long: answered without it", lookup.stage + 1
+                    )
+                    breaker.record_failure()
+                    break
+                breaker.record_success()
             answer = max(0, min(int(answer), len(lookup.chunks) - lookup.found))
             self.counts[lookup.stage].found += answer
             lookup.found += answer
@@ -143,17 +190,62 @@ class CascadeIndex:
 
     def _ask(self, lookup: _Lookup) -> None:
         """Submit the lookup's chunks not found yet to its current tier, or end it (``inner`` None) once
-        every chunk is found or every tier asked. A tier that refuses is skipped."""
+        every chunk is found or every tier asked. A tier that refuses, or whose breaker is open, is
+        skipped."""
         lookup.inner = None
         while lookup.stage < len(self._indexes) and lookup.found < len(lookup.chunks):
             rest = lookup.chunks[lookup.found :]
             before = lookup.preceding + lookup.chunks[: lookup.found]
+            breaker = self._breakers[lookup.stage]
+            if breaker.allow():
+                try:
+                    lookup.inner = self._indexes[lookup.stage].submit_lookup(rest, before)
+                    return
+                except BackendError as exc:
+                    log.warning("kvcore: tier %d refused a lookup (%s)", lookup.stage + 1, exc)
+                    breaker.record_failure()
+            lookup.stage += 1
+
+
+class ImmediateCascadeIndex(CascadeIndex):
+    """A ``CascadeIndex`` whose tiers all answer at once (``SupportsImmediateLookup``: local disks), so
+    that it does too and a lookup costs the engine no step."""
+
+    def __init__(
+        self,
+        indexes: Sequence[SupportsImmediateLookup],
+        budget_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(cast(Sequence[ChunkIndex], indexes), budget_s, clock)
+        self._immediate = tuple(indexes)
+
+    def lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> int:
+        found = 0
+        for tier, (index, breaker) in enumerate(zip(self._immediate, self._breakers, strict=True)):
+            if found == len(chunks):
+                break
+            if not breaker.allow():
+                continue
             try:
-                lookup.inner = self._indexes[lookup.stage].submit_lookup(rest, before)
-                return
+                answer = index.lookup(chunks[found:])
             except BackendError as exc:
-                log.warning("kvcore: tier %d refused a lookup (%s): asking the next tier", lookup.stage, exc)
-                lookup.stage += 1
+                log.warning("kvcore: tier %d's lookup failed (%s): asking the next tier", tier + 1, exc)
+                breaker.record_failure()
+                continue
+            breaker.record_success()
+            answer = max(0, min(int(answer), len(chunks) - found))
+            self.counts[tier].found += answer
+            found += answer
+        return found
+
+
+def cascade_index(indexes: Sequence[ChunkIndex], budget_s: float) -> CascadeIndex:
+    """The cascade of ``indexes``: immediate when every one of them is."""
+    immediate = [index for index in indexes if isinstance(index, SupportsImmediateLookup)]
+    if len(immediate) == len(indexes):
+        return ImmediateCascadeIndex(immediate, budget_s)
+    return CascadeIndex(indexes, budget_s)
 
 
 @frozen(eq=False)
@@ -184,7 +276,7 @@ class CascadeRemote:
         self._closed = False
         self._fetches = JobLane("kvcore-cascade-fetch")
         self._publishes = JobLane("kvcore-cascade-publish")
-        self.counts = [TierCounts() for _ in tiers]
+        self.counts = [TierCounts() for _ in tiers]  # changed under ``_lock``
 
     # -- RemoteTier ----------------------------------------------------------------------------------
 
@@ -254,10 +346,9 @@ class CascadeRemote:
             if not pending:
                 break
             items = [job.items[i] for i in pending]
-            failed = self._run(t, tier.submit_fetch, job, items)
+            failed = self._await(t, self._submit_to(t, tier.submit_fetch, job, items), len(items))
             got = [pending[j] for j in range(len(items)) if j not in failed]
-            self.counts[t].fetched += len(got)
-            self.counts[t].fetched_bytes += sum(job.items[i].length for i in got)
+            self._count(t, fetched=len(got), fetched_bytes=sum(job.items[i].length for i in got))
             pending = [pending[j] for j in sorted(failed)]
         if not pending:
             return JobResult(job.job_id)
@@ -265,44 +356,59 @@ class CascadeRemote:
 
     def _publish(self, job: _Job) -> JobResult:
         sent = [i for i, tiers in enumerate(job.tiers) if tiers]
-        stored: set[int] = set()
-        for t, tier in enumerate(self._tiers):
+        parts = []  # (tier, its items' indices in the job, its job or None if it refused them)
+        for t, tier in enumerate(self._tiers):  # every tier's part submitted first: they run side by side
             mine = [i for i in sent if t in job.tiers[i]]
-            if not mine:
-                continue
-            failed = self._run(t, tier.submit_publish, job, [job.items[i] for i in mine])
+            if mine:
+                parts.append(
+                    (t, mine, self._submit_to(t, tier.submit_publish, job, [job.items[i] for i in mine]))
+                )
+        stored: set[int] = set()
+        for t, mine, inner in parts:
+            failed = self._await(t, inner, len(mine))
             done = [mine[j] for j in range(len(mine)) if j not in failed]
             stored.update(done)
-            self.counts[t].published += len(done)
-            self.counts[t].published_bytes += sum(job.items[i].length for i in done)
+            self._count(t, published=len(done), published_bytes=sum(job.items[i].length for i in done))
         lost = tuple(i for i in sent if i not in stored)
         if not lost:
             return JobResult(job.job_id)
         return JobResult(job.job_id, lost, f"{len(lost)} chunks stored in no tier")
 
-    def _run(
+    def _submit_to(
         self,
         t: int,
         submit: Callable[[str, Sequence[StoreItem], Sequence[ChunkKey]], JobId],
         job: _Job,
         items: list[StoreItem],
-    ) -> set[int]:
-        """Run one tier's part of a job to its end; the indices of ``items`` it failed."""
+    ) -> JobId | None:
+        """Hand one tier its part of a job; ``None`` if it refused (closed, down): every item failed."""
         try:
-            inner = submit(job.session, items, job.chain)
-        except KVCoreError as exc:  # closed, or refused: every item failed in this tier
-            log.warning("kvcore: tier %d refused %d chunks: %s", t, len(items), exc)
-            self.counts[t].failed += len(items)
-            return set(range(len(items)))
-        while True:
-            try:
-                results = self._tiers[t].wait([inner], _POLL_S)
-                break
-            except TransferTimeout:  # not finished yet: every job of a port ends, and a copy into the
-                continue  # host slot must end before the slot can be given back
-        failed = set(results[0].failed) if results else set(range(len(items)))
-        self.counts[t].failed += len(failed)
+            return submit(job.session, items, job.chain)
+        except KVCoreError as exc:
+            log.warning("kvcore: tier %d refused %d chunks: %s", t + 1, len(items), exc)
+            return None
+
+    def _await(self, t: int, inner: JobId | None, size: int) -> set[int]:
+        """Wait for tier ``t``'s job ``inner`` (of ``size`` items) to end; the indices it failed. A
+        result with an error fails every item, as the worker reads a remote job's result."""
+        failed = set(range(size))
+        if inner is not None:
+            while True:
+                try:
+                    results = self._tiers[t].wait([inner], _POLL_S)
+                    break
+                except TransferTimeout:  # not finished yet: every job of a port ends, and a copy into
+                    continue  # the host slot must end before the slot can be given back
+            if results and results[0].error is None:
+                failed = set(results[0].failed)
+        self._count(t, failed=len(failed))
         return failed
+
+    def _count(self, t: int, **moved: int) -> None:
+        with self._lock:
+            counts = self.counts[t]
+            for name, value in moved.items():
+                setattr(counts, name, getattr(counts, name) + value)
 
     def _admitted(self, key: ChunkKey) -> tuple[int, ...]:
         """Count one more save of ``key``; the tiers whose admission rule it now passes (with ``_lock``)."""

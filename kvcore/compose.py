@@ -9,16 +9,18 @@ CLI's demo and any other engine build kvcore through these two calls (docs/engin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import attrs
 
-from kvcore.cascade import CascadeIndex, CascadeRemote
+from kvcore.cascade import CascadeRemote, cascade_index
 from kvcore.checks import is_int_in
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError
 from kvcore.faults import FaultHooks
+from kvcore.plugins import Backend
 from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
 from kvcore.registry import backend, engine_memory
 from kvcore.remote import close_quietly
@@ -28,6 +30,8 @@ from kvcore.tiers import TierStack
 from kvcore.worker import BlockWorker
 
 __all__ = ["open_scheduler", "open_worker"]
+
+Opened = TypeVar("Opened", ChunkIndex, RemoteTier)
 
 
 def open_scheduler(
@@ -64,20 +68,9 @@ def open_worker(
     call; nothing then stays open."""
     if not is_int_in(rank, 0, engine.tp_size - 1):
         raise ConfigError("rank", rank, f"an int in [0, {engine.tp_size}) (the engine's tp_size)")
-    tiers = _tiers(config)
-    chosen = [backend(tier.backend.KIND) for tier in tiers]
 
     def remote(memory: RankMemory) -> RemoteTier | None:
-        opened: list[RemoteTier] = []
-        try:
-            for tier, plugin in zip(tiers, chosen, strict=True):
-                one = plugin.open_remote(tier, engine, memory)
-                if one is not None:
-                    opened.append(one)
-        except BaseException:
-            for one in opened:
-                close_quietly(one)
-            raise
+        opened = _open_each(config, lambda tier, plugin: plugin.open_remote(tier, engine, memory))
         if len(opened) < 2:
             return opened[0] if opened else None
         return CascadeRemote(opened, _admission(config))
@@ -101,18 +94,37 @@ def _admission(config: KVCoreConfig) -> tuple[int, ...]:
     return tuple(t.admit_after for t in stack.remote) if isinstance(stack, TierStack) else (1,)
 
 
-def _cascade_index(config: KVCoreConfig, engine: EngineSpec) -> ChunkIndex | None:
-    """The index of every remote tier, cascading when there are several (``kvcore.cascade``)."""
-    opened: list[ChunkIndex] = []
+def _open_each(
+    config: KVCoreConfig, open_one: Callable[[KVCoreConfig, Backend], Opened | None]
+) -> list[Opened]:
+    """``open_one`` for every remote tier, in order (those that open nothing left out). If one fails,
+    the ones opened are closed again; in a stack, a ``ConfigError`` a backend raised about its own
+    fields (``backend.<field>``) names them as the stack does (``tiers[<n>].<field>``)."""
+    opened: list[Opened] = []
+    stacked = isinstance(config.backend, TierStack)
     try:
-        for tier in _tiers(config):
-            index = backend(tier.backend.KIND).open_index(tier, engine)
-            if index is not None:
-                opened.append(index)
+        for n, tier in enumerate(_tiers(config), start=1):
+            try:
+                one = open_one(tier, backend(tier.backend.KIND))
+            except ConfigError as exc:
+                if not stacked or not exc.field.startswith("backend."):
+                    raise
+                raise ConfigError(
+                    exc.field.replace("backend.", f"tiers[{n}].", 1), exc.value, exc.expected
+                ) from exc
+            if one is not None:
+                opened.append(one)
     except BaseException:
-        for index in opened:
-            close_quietly(index)
+        for one in opened:
+            close_quietly(one)
         raise
+    return opened
+
+
+def _cascade_index(config: KVCoreConfig, engine: EngineSpec) -> ChunkIndex | None:
+    """The index of every remote tier, cascading when there are several (``kvcore.cascade``); a lookup
+    of the cascade answers within three quarters of ``lookup_timeout_s``, what it found so far."""
+    opened = _open_each(config, lambda tier, plugin: plugin.open_index(tier, engine))
     if len(opened) < 2:
         return opened[0] if opened else None
-    return CascadeIndex(opened)
+    return cascade_index(opened, 0.75 * config.lookup_timeout_s)

@@ -288,8 +288,11 @@ def load_config(data: Mapping[str, object]) -> KVCoreConfig:
         raise ConfigError(
             "tiers", "<beside backend>", "either 'backend' (one tier) or 'tiers' (a list), not both"
         )
-    fields = {k: v for k, v in data.items() if k != "tiers"}
-    fields["backend"] = _Stacked(data["tiers"])
+    try:
+        fields = {k: v for k, v in data.items() if k != "tiers"}
+        fields["backend"] = _Stacked(data["tiers"])
+    except Exception:  # a mapping that fails when read: ``_load`` reports it as such
+        return _load(data, KVCoreConfig, "")
     try:
         return _load(fields, KVCoreConfig, "")
     except ConfigError as exc:  # a tier's problem is found under ``backend``: name it as it was written

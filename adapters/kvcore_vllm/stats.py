@@ -110,7 +110,8 @@ class StatsDelta:
         totals.update(evictions)
         # a shared tier's evictions count from before this engine: the first report is the baseline
         self._last.update((k, v) for k, v in evictions.items() if k not in self._last)
-        data: dict[str, Any] = {k: v - self._last.get(k, 0) for k, v in totals.items()}
+        # a shared counter that went back (its lock file made again) restarts from there, never negative
+        data: dict[str, Any] = {k: max(v - self._last.get(k, 0), 0) for k, v in totals.items()}
         self._last = totals
         pool = stats.pool
         gauges = {

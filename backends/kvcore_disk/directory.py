@@ -46,6 +46,8 @@ CHUNKS = "chunks"
 LOW_WATER = 0.9
 """An eviction frees down to this share of the size, so that it runs once per tenth of the tier filled,
 not once per chunk."""
+ORPHAN_AGE_S = 3600.0
+"""A temporary this old is a dead writer's, whatever its process id says: a chunk file takes seconds."""
 _COUNTS = struct.Struct("<QQ")  # in the lock file: bytes of chunk files, files evicted since it was made
 
 
@@ -76,6 +78,7 @@ class ChunkDirectory:
         self._lock_path = root / LOCK
         self._thread_lock = threading.Lock()  # flock is per open file: threads of one process queue here
         self.evicted_files = 0  # by this process
+        self._cleaned = 0  # temporaries removed by the last scan
 
     @classmethod
     def open(
@@ -85,8 +88,13 @@ class ChunkDirectory:
         directory = cls(root, size, field)
         directory._check_folder()
         directory._check_marker()
-        for fan in range(256):
-            (directory._chunks / f"{fan:02x}").mkdir(parents=True, exist_ok=True)
+        try:
+            for fan in range(256):
+                (directory._chunks / f"{fan:02x}").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                field, str(root), f"a directory this process can make folders in ({exc})"
+            ) from None
         with directory._locked() as fd:
             found = directory._scan()
             _write_used(fd, found.bytes)
@@ -119,9 +127,16 @@ class ChunkDirectory:
 
     def counts(self) -> tuple[int, int]:
         """The bytes of chunk files (exact after every scan) and the files evicted since the directory's
-        lock file was made, by every process; from the lock file."""
-        with self._locked() as fd:
+        lock file was made, by every process; read from the lock file without taking the lock (one
+        ``pread`` of what one ``pwrite`` wrote), so that a scan in another process never holds it up."""
+        try:
+            fd = os.open(self._lock_path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return 0, 0
+        try:
             return _read(fd)
+        finally:
+            os.close(fd)
 
     def usage(self) -> int:
         """The bytes of chunk files (``counts``)."""
@@ -140,7 +155,9 @@ class ChunkDirectory:
                     return False
                 os.rename(temporary, path)
                 usage = _read(fd)[0] + nbytes
-                _write_used(fd, self._evict(fd) if usage > self.size else usage)
+                _write_used(fd, usage)  # counted before eviction: what is on disk is never uncounted
+                if usage > self.size:
+                    _write_used(fd, self._evict(fd))
         except BaseException:
             _unlink(temporary)
             raise
@@ -175,39 +192,54 @@ class ChunkDirectory:
 
     def _scan(self) -> DirectoryScan:
         start = time.perf_counter()
-        files = total = removed = 0
+        files = total = 0
+        for _, size, _ in self._chunk_files(clean=True):
+            files += 1
+            total += size
+        return DirectoryScan(files, total, self._cleaned, time.perf_counter() - start)
+
+    def _chunk_files(self, *, clean: bool = False) -> Iterator[tuple[int, int, str]]:
+        """``(modification time, size, path)`` of every chunk file; with ``clean``, temporaries of writers
+        that are gone are removed on the way (counted in ``_cleaned``). Entries that are not regular
+        files, vanish meanwhile or cannot be read are skipped (logged): a stray entry in the folder
+        never stops a scan or an eviction."""
+        self._cleaned = 0
         for folder in self._folders():
-            for entry in os.scandir(folder):
-                if entry.name.startswith("."):
-                    removed += _remove_if_orphaned(Path(entry.path))
+            try:
+                entries = list(os.scandir(folder))
+            except OSError as exc:
+                log.warning("kvcore disk tier: cannot list %s: %s", folder, exc)
+                continue
+            for entry in entries:
+                try:
+                    stat = entry.stat(follow_symlinks=False)
+                    if entry.name.startswith("."):
+                        self._cleaned += clean and _remove_if_orphaned(entry.path, stat.st_mtime)
+                    elif os.path.isfile(entry.path) and not entry.is_symlink():
+                        yield stat.st_mtime_ns, stat.st_size, entry.path
+                except FileNotFoundError:
                     continue
-                with contextlib.suppress(FileNotFoundError):
-                    total += entry.stat(follow_symlinks=False).st_size
-                    files += 1
-        return DirectoryScan(files, total, removed, time.perf_counter() - start)
+                except OSError as exc:
+                    log.warning("kvcore disk tier: skipped %s: %s", entry.path, exc)
 
     def _evict(self, fd: int) -> int:
         """Remove the least recently used files until the tier holds at most ``LOW_WATER`` of its size;
         the bytes left. Scans first: other processes' writes count too. Counts the files it removed in
-        the lock file ``fd``."""
-        found: list[tuple[int, int, str]] = []
-        for folder in self._folders():
-            for entry in os.scandir(folder):
-                if entry.name.startswith("."):
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    stat = entry.stat(follow_symlinks=False)
-                    found.append((stat.st_mtime_ns, stat.st_size, entry.path))
+        the lock file ``fd``. A file it cannot remove is skipped (logged)."""
+        found = sorted(self._chunk_files())
         usage = sum(size for _, size, _ in found)
         target = int(self.size * LOW_WATER)
-        found.sort()
         evicted = 0
         for _, size, path in found:
             if usage <= target:
                 break
-            if _unlink(path):
-                usage -= size
-                evicted += 1
+            try:
+                gone = _unlink(path)
+            except OSError as exc:
+                log.warning("kvcore disk tier: cannot evict %s: %s", path, exc)
+                continue
+            usage -= size if gone else 0
+            evicted += 1 if gone else 0
         self.evicted_files += evicted
         used, evictions = _read(fd)
         os.pwrite(fd, _COUNTS.pack(used, evictions + evicted), 0)
@@ -294,16 +326,17 @@ def _unlink(path: str | Path) -> int:
     return size
 
 
-def _remove_if_orphaned(path: Path) -> int:
-    """Remove a temporary (``.<name>.<pid>.<id>.tmp``) whose writer is no longer running; 1 if removed."""
-    parts = path.name.split(".")
+def _remove_if_orphaned(path: str, modified: float) -> bool:
+    """Remove a temporary (``.<name>.<pid>.<id>.tmp``) whose writer is no longer running, or that is older
+    than ``ORPHAN_AGE_S`` (a writer in another PID namespace, or a reused PID); whether it was removed."""
+    parts = os.path.basename(path).split(".")
     pid = int(parts[2]) if len(parts) == 5 and parts[2].isdigit() else None
-    if pid is not None and _running(pid):
-        return 0
+    if pid is not None and _running(pid) and time.time() - modified < ORPHAN_AGE_S:
+        return False
     with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-        return 1
-    return 0
+        os.unlink(path)
+        return True
+    return False
 
 
 def _running(pid: int) -> bool:

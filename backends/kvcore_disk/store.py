@@ -178,8 +178,10 @@ class DiskChunkStore:
         """``move`` over ``items``, on the I/O threads when there are several items: reads, writes and
         CRC-32s release the GIL, so a job's files overlap on the device and on the cores."""
         if len(items) < 2 or self._threads is None:
-            return [move(item) for item in items]
-        return list(self._threads.map(move, items))
+            return [_quietly(move, item) for item in items]
+        # every item's future is waited for: a job is never reported while one of its reads still runs
+        futures = [self._threads.submit(_quietly, move, item) for item in items]
+        return [future.result() for future in futures]
 
     def _put(self, item: StoreItem) -> bool:
         """Write one chunk file (a key already present keeps its file); whether the chunk is stored."""
@@ -201,7 +203,19 @@ class DiskChunkStore:
             return read_value(path, item.key, self._host[item.offset : item.offset + item.length])
         except BadChunkFile as exc:
             log.warning("kvcore disk tier: %s is not a whole chunk (%s): removed, a miss", path, exc)
-            self._directory.remove([path])
+            try:
+                self._directory.remove([path])
+            except OSError as gone:
+                log.warning("kvcore disk tier: cannot remove %s: %s", path, gone)
         except OSError as exc:
             log.warning("kvcore disk tier: cannot read %s: %s (a miss)", path, exc)
+        return False
+
+
+def _quietly(move: Callable[[StoreItem], bool], item: StoreItem) -> bool:
+    """``move(item)``; an exception it did not expect fails the item (logged), never the job's others."""
+    try:
+        return move(item)
+    except Exception as exc:  # a bug or an odd OS error: this item failed, the job goes on
+        log.warning("kvcore disk tier: %r failed: %s: %s", item.key, type(exc).__name__, exc, exc_info=True)
         return False

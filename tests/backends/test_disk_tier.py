@@ -158,6 +158,22 @@ def test_reads_bump_a_chunk_so_eviction_takes_the_least_recently_used(tmp_path: 
         t.close()
 
 
+def test_a_stray_entry_in_the_folder_stops_neither_scans_nor_eviction(tmp_path: Path) -> None:
+    t = Tier(tmp_path, size=4 * FILE)
+    try:
+        stray = t.directory.path("kv/stray")
+        stray.mkdir()  # a folder where a chunk file would be
+        (stray.parent / "link").symlink_to("/etc/hostname")
+        for i in range(6):  # past the size twice: two evictions walk past the stray entries
+            assert t.put(f"kv/{i}", value(i))
+            time.sleep(0.01)
+        assert t.directory.usage() <= 4 * FILE
+        assert t.directory.scan().files == len([i for i in range(6) if t.directory.path(f"kv/{i}").exists()])
+        assert stray.is_dir()
+    finally:
+        t.close()
+
+
 def test_open_refuses_bad_directories_by_name(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"backend.path: got '.*missing', expected an existing directory"):
         ChunkDirectory.open(tmp_path / "missing", 2**20)
@@ -187,12 +203,16 @@ def test_start_up_counts_the_chunks_and_removes_only_dead_writers_temporaries(tm
     )
     orphan = folder / f".x.{int(dead.stdout)}.0123456789ab.tmp"
     live = folder / f".y.{os.getpid()}.0123456789ab.tmp"
+    stale = folder / f".z.{os.getpid()}.0123456789ab.tmp"  # a live process id, but hours old
     orphan.write_bytes(b"half")
     live.write_bytes(b"being written")
+    stale.write_bytes(b"left by a writer in another container")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
     (tmp_path / "usage.lock").write_bytes(bytes(8))  # a counter lost: the scan rebuilds it
     again = ChunkDirectory.open(tmp_path, 64 * FILE)
     assert again.usage() == 3 * FILE
     assert not orphan.exists()
+    assert not stale.exists()
     assert live.exists()
 
 

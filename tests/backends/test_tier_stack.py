@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
+from kvcore.compose import open_scheduler
 from kvcore.config import load_config
+from kvcore.errors import ConfigError
 from kvcore.ids import RequestId
 from tests.hand_engine import CHUNK_TOKENS, CHUNKS, PER_CHUNK, Engine, engine_spec, prompt, save
 
@@ -134,3 +136,12 @@ def test_a_stack_of_the_pool_and_one_disk_is_the_disk_backend(tmp_path: Path) ->
         finally:
             engine.close()
     assert outcomes[0] == outcomes[1] == (CHUNKS * CHUNK_TOKENS, 2 * CHUNKS, (CHUNKS,))
+
+
+def test_a_stacked_backends_start_up_checks_name_its_place_in_the_stack(tmp_path: Path) -> None:
+    config = stack(tmp_path, 1)
+    config["tiers"][2]["path"] = str(tmp_path / "missing")
+    with pytest.raises(ConfigError) as error:
+        open_scheduler(load_config(config), engine_spec(1))
+    assert error.value.field == "tiers[2].path"
+    assert "an existing directory" in error.value.expected

@@ -5,18 +5,20 @@ written through to every tier that admits them; a tier that fails or is down cos
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import pytest
 
-from kvcore.cascade import CascadeIndex, CascadeRemote
+from kvcore.cascade import CascadeIndex, CascadeRemote, ImmediateCascadeIndex, cascade_index
 from kvcore.errors import UsageError
-from kvcore.ids import ChunkKey, LookupId
+from kvcore.ids import ChunkKey, JobId, LookupId
+from kvcore.jobs import JobResult
 from kvcore.ports import ChunkIndex, StoreItem
 from kvcore.remote import StoreRemote
 from kvcore.testing.memory import InMemoryChunkIndex, InMemoryChunkStore
 
 TIMEOUT_S = 5.0
+BUDGET_S = 5.0
 KEYS = [ChunkKey(f"kv/c{i}") for i in range(6)]
 
 
@@ -52,7 +54,7 @@ def test_each_tier_is_asked_for_what_the_ones_before_it_lack() -> None:
     tiers[0].add(KEYS[:2])
     tiers[1].add(KEYS[1:4])  # a chunk the first tier also has, and two more
     tiers[2].add(KEYS[4:5])
-    cascade = CascadeIndex(tiers)
+    cascade = CascadeIndex(tiers, BUDGET_S)
     assert answer(cascade, one_per_chunk(KEYS)) == 5
     assert [t.asked for t in tiers] == [[(6, 0)], [(4, 2)], [(2, 4)]]
     assert [c.found for c in cascade.counts] == [2, 2, 1]
@@ -66,17 +68,52 @@ def test_a_tier_that_fails_hides_none_of_the_next_tiers_chunks() -> None:
     tiers = [InMemoryChunkIndex(), InMemoryChunkIndex()]
     tiers[0].add(KEYS)
     tiers[1].add(KEYS[:3])
-    cascade = CascadeIndex(tiers)
+    cascade = CascadeIndex(tiers, BUDGET_S)
     tiers[0].fail_next(1)
     assert answer(cascade, one_per_chunk(KEYS)) == 3  # the first tier's failure: the second answers
     tiers[0].close()  # a closed (down) tier refuses at submit: skipped
     assert answer(cascade, one_per_chunk(KEYS)) == 3
 
 
+def test_a_tier_still_pending_past_the_budget_is_cut_and_the_others_answer() -> None:
+    now = [0.0]
+    tiers = [InMemoryChunkIndex(), InMemoryChunkIndex()]
+    tiers[0].add(KEYS[:2])
+    tiers[1].add(KEYS)
+    cascade = CascadeIndex(tiers, budget_s=1.0, clock=lambda: now[0])
+    with tiers[1].stall():
+        lookup_id = cascade.submit_lookup(one_per_chunk(KEYS))
+        assert cascade.poll_lookup(lookup_id) is None  # the second tier is pending, within the budget
+        now[0] = 1.5
+        assert cascade.poll_lookup(lookup_id) == 2  # past it: the first tier's two chunks, not 0
+
+
+def test_a_tier_that_keeps_failing_is_skipped_for_a_while() -> None:
+    tiers = [Recording(), Recording()]
+    tiers[1].add(KEYS)
+    cascade = CascadeIndex(tiers, BUDGET_S)
+    for _ in range(CascadeIndex.BREAKER_FAILURES):
+        tiers[0].fail_next(1)
+        assert answer(cascade, one_per_chunk(KEYS)) == len(KEYS)
+    asked = len(tiers[0].asked)
+    assert answer(cascade, one_per_chunk(KEYS)) == len(KEYS)
+    assert len(tiers[0].asked) == asked  # its breaker is open: not asked, the second tier answers
+
+
+def test_a_cascade_of_tiers_that_answer_at_once_answers_at_once() -> None:
+    tiers = [InMemoryChunkIndex(), InMemoryChunkIndex()]
+    tiers[0].add(KEYS[:1])
+    tiers[1].add(KEYS[1:3])
+    cascade = cascade_index(tiers, BUDGET_S)
+    assert isinstance(cascade, ImmediateCascadeIndex)
+    assert cascade.lookup(one_per_chunk(KEYS)) == 3
+    assert [c.found for c in cascade.counts] == [1, 2]
+
+
 def test_a_cancelled_cascade_lookup_cancels_the_tiers_lookup_and_answers_nothing() -> None:
     tiers = [InMemoryChunkIndex(), InMemoryChunkIndex()]
     tiers[1].add(KEYS)
-    cascade = CascadeIndex(tiers)
+    cascade = CascadeIndex(tiers, BUDGET_S)
     with tiers[1].stall():
         lookup_id = cascade.submit_lookup(one_per_chunk(KEYS))
         assert cascade.poll_lookup(lookup_id) is None  # the second tier's answer is pending
@@ -86,7 +123,7 @@ def test_a_cancelled_cascade_lookup_cancels_the_tiers_lookup_and_answers_nothing
 
 def test_fewer_than_two_tiers_do_not_cascade() -> None:
     with pytest.raises(UsageError, match="indexes: got 1"):
-        CascadeIndex([InMemoryChunkIndex()])
+        CascadeIndex([InMemoryChunkIndex()], BUDGET_S)
     with pytest.raises(UsageError, match="tiers: got 2 with 1 admission rules"):
         CascadeRemote([StoreRemote(InMemoryChunkStore(bytearray(8)))] * 2, [1])
 
@@ -152,6 +189,36 @@ def test_a_save_fails_only_where_every_tier_it_went_to_failed() -> None:
     s.stores[1].fail_next(1)
     assert not s.publish(KEYS[1], value(2))
     assert s.cascade.counts[0].failed == 2
+
+
+class WholeJobFailures(StoreRemote):
+    """A remote tier that reports a failed job as a whole (an error, no item named), as a server that
+    timed out does: every item of it failed."""
+
+    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
+        return tuple(
+            JobResult(r.job_id, (), "the server timed out") if r.failed else r
+            for r in super().wait(job_ids, timeout)
+        )
+
+
+def test_a_tier_job_failed_as_a_whole_fails_every_item_of_it() -> None:
+    host = bytearray(256)
+    first, second = InMemoryChunkStore(host), InMemoryChunkStore(host)
+    cascade = CascadeRemote([WholeJobFailures(first), StoreRemote(second)], (1, 1))
+    second.poke(KEYS[1], value(5))
+    first.fail_next(1)  # the first tier's fetch fails as a whole: the second is asked for both chunks
+    items = [StoreItem(KEYS[0], 0, 64), StoreItem(KEYS[1], 64, 64)]
+    (result,) = cascade.wait([cascade.submit_fetch("r", items)], TIMEOUT_S)
+    assert result.failed == (0,)
+    assert host[64:128] == value(5)
+    first.fail_next(1)
+    host[:64] = value(6)
+    (saved,) = cascade.wait([cascade.submit_publish("r", [StoreItem(KEYS[2], 0, 64)])], TIMEOUT_S)
+    assert saved.ok  # stored in the second tier only
+    assert (first.peek(KEYS[2]), second.peek(KEYS[2])) == (None, value(6))
+    assert cascade.counts[0].published == 0
+    cascade.close()
 
 
 def test_a_closed_tier_costs_only_its_own_part_and_a_closed_cascade_refuses() -> None:
