@@ -51,7 +51,14 @@ def _vllm_config(args: argparse.Namespace) -> int:
     from kvcore_cli.vllm_config import transfer_config
 
     try:
-        config = transfer_config(backend=args.backend, size=args.size, role=args.role, endpoint=args.endpoint)
+        config = transfer_config(
+            backend=args.backend,
+            size=args.size,
+            role=args.role,
+            endpoint=args.endpoint,
+            disk=args.disk,
+            disk_size=args.disk_size,
+        )
     except KVCoreError as exc:
         print(f"kvcore vllm-config: {exc}", file=sys.stderr)
         return 2
@@ -152,6 +159,8 @@ def _parser() -> argparse.ArgumentParser:
         "--endpoint", help="Mooncake master (127.0.0.1:50051) or LMCache URL (tcp://localhost:5555)"
     )
     vllm.add_argument("--role", default="kv_both", choices=("kv_both", "kv_producer", "kv_consumer"))
+    vllm.add_argument("--disk", help="a directory for a disk tier behind the host pool (with --disk-size)")
+    vllm.add_argument("--disk-size", help="bytes of chunk files the disk tier may hold, e.g. 1TiB")
     vllm.set_defaults(run=_vllm_config)
 
     config = verbs.add_parser("config", help="configuration tools")

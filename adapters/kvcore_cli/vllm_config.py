@@ -23,7 +23,12 @@ DEFAULT_SIZE = "8GiB"
 
 
 def transfer_config(
-    backend: str = "cpu", size: str | None = None, role: str = "kv_both", endpoint: str | None = None
+    backend: str = "cpu",
+    size: str | None = None,
+    role: str = "kv_both",
+    endpoint: str | None = None,
+    disk: str | None = None,
+    disk_size: str | None = None,
 ) -> dict[str, Any]:
     """The ``--kv-transfer-config`` value for kvcore, in the spirit of vLLM's one-knob offloading options.
 
@@ -31,8 +36,9 @@ def transfer_config(
     ``127.0.0.1:50051``) or ``lmcache`` (an LMCache server; ``endpoint`` is its URL, default
     ``tcp://localhost:5555``); ``size`` is the host pool, total across ranks (default 8 GiB; for
     ``lmcache`` none: blocks move straight to and from the server's memory, and a size puts a pool in
-    front). The result is validated before it is returned, so what is printed is what the engine will
-    accept.
+    front). ``disk`` (a directory) puts a disk tier of ``disk_size`` bytes behind the host pool, in front
+    of the ``mooncake`` store if one is asked for: a stack of tiers (docs/disk.md). The result is
+    validated before it is returned, so what is printed is what the engine will accept.
     """
     if backend not in BACKEND_CHOICES:
         raise ConfigError("backend", backend, f"one of {', '.join(map(repr, BACKEND_CHOICES))}")
@@ -53,6 +59,8 @@ def transfer_config(
     else:
         tier = {"kind": "lmcache_mp", "url": endpoint or DEFAULT_ENDPOINTS[backend], "local_size": size or 0}
     extra: dict[str, Any] = {"backend": tier}
+    if disk is not None or disk_size is not None:
+        extra = {"tiers": _stack(backend, tier, disk, disk_size)}
     load_config(extra)
     return {
         "kv_connector": CONNECTOR_NAME,
@@ -60,3 +68,21 @@ def transfer_config(
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
+
+
+def _stack(
+    backend: str, tier: dict[str, Any], disk: str | None, disk_size: str | None
+) -> list[dict[str, Any]]:
+    """The tiers of a config with a disk: the host pool, the disk, then the shared tier if any."""
+    if disk is None or disk_size is None:
+        missing = "disk" if disk is None else "disk_size"
+        raise ConfigError(missing, None, "a disk directory and its size, given together")
+    if backend == "lmcache":
+        raise ConfigError("disk", disk, "nothing with lmcache (its server keeps its own disk tier)")
+    parse_size(disk_size, "disk_size")
+    size = tier.get("size", tier.get("local_size"))
+    pool = {"kind": "cpu", "size": size}
+    local = {"kind": "disk", "path": disk, "size": disk_size}
+    if backend == "cpu":
+        return [pool, local]
+    return [pool, local, {k: v for k, v in tier.items() if k != "local_size"}]

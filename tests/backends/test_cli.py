@@ -67,6 +67,23 @@ def test_vllm_config_prints_pasteable_json(capsys: pytest.CaptureFixture[str]) -
     assert "size" in capsys.readouterr().err
 
 
+def test_vllm_config_puts_a_disk_tier_behind_the_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["vllm-config", "--size", "4GiB", "--disk", "/nvme/kv", "--disk-size", "1TiB"]) == 0
+    extra = json.loads(capsys.readouterr().out)["kv_connector_extra_config"]
+    assert extra == {
+        "tiers": [{"kind": "cpu", "size": "4GiB"}, {"kind": "disk", "path": "/nvme/kv", "size": "1TiB"}]
+    }
+    args = ["vllm-config", "--backend", "mooncake", "--disk", "/nvme/kv", "--disk-size", "1TiB"]
+    assert main(args) == 0
+    tiers = json.loads(capsys.readouterr().out)["kv_connector_extra_config"]["tiers"]
+    assert [t["kind"] for t in tiers] == ["cpu", "disk", "mooncake_store"]
+    assert tiers[0]["size"] == "8GiB"
+    assert main(["vllm-config", "--disk", "/nvme/kv"]) == 2
+    assert "disk_size: got None" in capsys.readouterr().err
+    assert main(["vllm-config", "--backend", "lmcache", "--disk", "/kv", "--disk-size", "1GiB"]) == 2
+    assert "disk: got '/kv'" in capsys.readouterr().err
+
+
 DEEP = "[" * 100_000 + "]" * 100_000
 
 BAD_FILES = [
