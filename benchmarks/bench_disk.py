@@ -5,7 +5,7 @@ Throughput: ``--chunks`` chunks of ``--chunk-mib`` MiB go from a host buffer int
 (``DiskChunkStore.submit_put``, jobs of ``--batch`` chunks, as the worker submits them) and back
 (``submit_get``); the baseline writes the same bytes from the same buffer into one file per chunk with one
 ``os.write`` each and reads them back with one ``os.readv`` each, the way ``dd`` copies (no header, no
-CRC, no rename). Both run on the same file system (``--dir``), in the same run; ratios are kvcore /
+digest, no rename). Both run on the same file system (``--dir``), in the same run; ratios are kvcore /
 baseline. Reads run twice: *warm*, from the page cache right after the writes, and *cold*, after every
 file was flushed and dropped from the page cache (``fsync`` + ``posix_fadvise(DONTNEED)``), which reads
 the device. Writes go to the page cache in both (neither side flushes; ``--fsync`` makes both flush).

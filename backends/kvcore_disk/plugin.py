@@ -27,12 +27,14 @@ class DiskBackend:
     config_class = DiskConfig
 
     def open_index(self, config: KVCoreConfig, engine: EngineSpec) -> ChunkIndex | None:
+        _require_dependencies()
         from kvcore_disk.index import DiskChunkIndex
 
         return DiskChunkIndex(_directory(config))
 
     def open_remote(self, config: KVCoreConfig, engine: EngineSpec, memory: RankMemory) -> RemoteTier | None:
         settings = _settings(config)
+        _require_dependencies()
         if memory.host is None:
             raise ConfigError(f"backend.{settings.HOST_FIELD}", 0, "a host pool to stage the chunk files")
         from kvcore_disk.store import DiskChunkStore
@@ -45,6 +47,15 @@ class DiskBackend:
                 io_threads=settings.io_threads,
             )
         )
+
+
+def _require_dependencies() -> None:
+    """Refuse, naming what to install, when the file digests' library (an extra of kvcore) is missing."""
+    try:
+        import xxhash  # noqa: F401
+    except ModuleNotFoundError as exc:
+        expected = f"the disk tier's dependencies installed ({exc}): pip install 'kvcore[disk]'"
+        raise ConfigError("backend.kind", "disk", expected) from exc
 
 
 def _settings(config: KVCoreConfig) -> DiskConfig:

@@ -8,7 +8,7 @@ Semantics chosen, and why:
 
 - **Re-put keeps the stored value.** Keys are content addresses: a present file is not written again.
 - **A damaged file is a miss, and goes.** A file that is short, of another format, of another key or
-  fails its CRC-32 is removed (with a warning) and its item fails: the engine recomputes those blocks.
+  fails its digest is removed (with a warning) and its item fails: the engine recomputes those blocks.
   A whole value of another length is a miss too, and stays (it is another value's).
 - **A full disk drops saves, never the engine.** ``ENOSPC`` and every other ``OSError`` of a write fail
   that item with a warning; nothing partial stays behind.
@@ -53,9 +53,9 @@ class DiskChunkStore:
     """The ``ChunkStore`` port (and ``SupportsClear``) between ``host`` (the rank's host pool, which the
     caller keeps alive until ``close``) and the chunk files of ``directory``.
 
-    ``fsync`` flushes each file (and its folder) to the device before it becomes visible: chunks then
+    ``fsync`` flushes each file to the device before it becomes visible (its folder after): chunks then
     survive a power loss too, at the cost of a device flush per chunk; without it they survive any
-    process crash, and a power loss costs at most the chunks not yet written back, which their CRC-32
+    process crash, and a power loss costs at most the chunks not yet written back, which their digest
     turns into misses. ``io_threads`` read and write a job's files side by side.
     """
 
@@ -175,8 +175,8 @@ class DiskChunkStore:
         return JobResult(job.job_id, failed, why)
 
     def _map(self, move: Callable[[StoreItem], bool], items: Sequence[StoreItem]) -> list[bool]:
-        """``move`` over ``items``, on the I/O threads when there are several items: reads, writes and
-        CRC-32s release the GIL, so a job's files overlap on the device and on the cores."""
+        """``move`` over ``items``, on the I/O threads when there are several items: reads and writes
+        release the GIL, so a job's files overlap on the device and with each other's digests."""
         if len(items) < 2 or self._threads is None:
             return [_quietly(move, item) for item in items]
         # every item's future is waited for: a job is never reported while one of its reads still runs

@@ -374,3 +374,27 @@ def test_a_full_disk_drops_saves_with_a_warning_and_keeps_what_was_saved(tmp_pat
     assert lines["temporaries"] == "0"
     assert json.loads(lines["gets"]) == puts  # what was saved reads back whole; what was dropped is a miss
     assert "No space left on device" in run.stderr
+
+
+def test_without_its_digest_library_the_disk_tier_says_what_to_install(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["xxhash"] = None  # as if it were not installed
+        from kvcore.compose import open_scheduler
+        from kvcore.config import load_config
+        from kvcore.errors import ConfigError
+        from tests.hand_engine import engine_spec
+        config = load_config({{"backend": {{"kind": "disk", "path": {str(tmp_path)!r}, "size": "1GiB"}}}})
+        try:
+            open_scheduler(config, engine_spec(1))
+        except ConfigError as exc:
+            print(exc.field, "|", exc.expected)
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("backend.kind | the disk tier's dependencies installed")
+    assert "pip install 'kvcore[disk]'" in run.stdout
