@@ -8,7 +8,8 @@ Throughput: ``--chunks`` chunks of ``--chunk-mib`` MiB go from a host buffer int
 digest, no rename). Both run on the same file system (``--dir``), in the same run; ratios are kvcore /
 baseline. Reads run twice: *warm*, from the page cache right after the writes, and *cold*, after every
 file was flushed and dropped from the page cache (``fsync`` + ``posix_fadvise(DONTNEED)``), which reads
-the device. Writes go to the page cache in both (neither side flushes; ``--fsync`` makes both flush).
+the device. Writes go to the page cache in both (neither side flushes; ``--fsync`` makes both flush);
+every timed run starts after ``sync``, so neither side pays for writing back the other's pages.
 The last row, ``O_DIRECT``, compares kvcore's cold reads with the plain copy's reads through ``O_DIRECT``
 (page-aligned memory, past the page cache): whether bypassing the cache would pay on this device.
 
@@ -55,6 +56,9 @@ def drop_from_page_cache(root: Path) -> None:
 
 
 def _timed(run: Callable[[], object]) -> float:
+    """Seconds ``run`` takes, from a clean start: what an earlier run left dirty in the page cache is
+    written back first, so that neither side pays for the other's writes."""
+    os.sync()
     start = time.perf_counter()
     run()
     return time.perf_counter() - start
