@@ -1,8 +1,9 @@
 """``DiskChunkStore``: the ``ChunkStore`` port on a local directory, the worker side of the disk tier.
 
 Every ``StoreItem`` names bytes of the rank's host pool; a put writes them as a chunk file, a get reads a
-chunk file straight into them (``chunk_file``). Jobs run on a ``JobLane``, so ``submit_*`` return at once
-and gets run before queued puts. Fault hooks, if given, run before each job (``kvcore.faults``).
+chunk file straight into them (``chunk_file``). Jobs run as every lane store runs them
+(``kvcore.lane_store``: on a ``JobLane``, gets before queued puts, ``submit_*`` returning at once). Fault
+hooks, if given, run before each job (``kvcore.faults``).
 
 Semantics chosen, and why:
 
@@ -20,18 +21,14 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
-from attrs import frozen
-
-from kvcore.errors import InvalidSpecError, UsageError
+from kvcore.errors import InvalidSpecError
 from kvcore.faults import FaultHooks, leading_failures
 from kvcore.ids import ChunkKey, JobId
-from kvcore.jobs import JobBoard, JobResult
-from kvcore.lane import JobLane, Priority
+from kvcore.jobs import JobResult
+from kvcore.lane_store import LaneStore, StoreJob
 from kvcore.ports import Direction, StoreItem
 from kvcore_disk.chunk_file import BadChunkFile, file_bytes, read_value, write_temporary
 from kvcore_disk.directory import ChunkDirectory
@@ -41,17 +38,10 @@ __all__ = ["DiskChunkStore"]
 log = logging.getLogger(__name__)
 
 
-@frozen(eq=False)
-class _Job:
-    job_id: JobId
-    put: bool
-    items: tuple[StoreItem, ...]
-    generation: int
-
-
-class DiskChunkStore:
+class DiskChunkStore(LaneStore):
     """The ``ChunkStore`` port (and ``SupportsClear``) between ``host`` (the rank's host pool, which the
-    caller keeps alive until ``close``) and the chunk files of ``directory``.
+    caller keeps alive until ``close``) and the chunk files of ``directory``; jobs as every lane store
+    runs them (``kvcore.lane_store``).
 
     ``fsync`` flushes each file to the device before it becomes visible (its folder after): chunks then
     survive a power loss too, at the cost of a device flush per chunk; without it they survive any
@@ -70,19 +60,14 @@ class DiskChunkStore:
     ) -> None:
         if io_threads < 1:
             raise InvalidSpecError(f"io_threads: got {io_threads}, expected at least 1")
+        self._host = host.cast("B")
+        super().__init__("disk store", len(self._host))
         self._threads = (
             ThreadPoolExecutor(io_threads, thread_name_prefix="kvcore-disk-io") if io_threads > 1 else None
         )
         self._directory = directory
-        self._host = host.cast("B")
         self._fsync = fsync
         self._faults = faults
-        self._board = JobBoard()
-        self._state = threading.Lock()  # closed flag, generation
-        self._io = threading.Lock()  # held by the lane around one job, and by clear
-        self._closed = False
-        self._generation = 0
-        self._lane = JobLane("kvcore-disk-store")
 
     # -- the port ------------------------------------------------------------------------------------
 
@@ -94,12 +79,12 @@ class DiskChunkStore:
         """Write the items' host bytes as chunk files. A present key keeps its file. Raises
         ``InvalidSpecError`` (nothing queued) for bytes outside the host pool, ``UsageError`` once
         closed. A failed item (full disk, I/O error) leaves no file."""
-        return self._submit(True, items)
+        return super().submit_put(items)
 
     def submit_get(self, items: Sequence[StoreItem]) -> JobId:
         """Read the keys' chunk files into the items' host bytes. A missing key, a value of another
         length or a damaged file is a failed item (a miss): its host bytes are undefined."""
-        return self._submit(False, items)
+        return super().submit_get(items)
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
         """Remove keys' chunk files; missing ones are ignored."""
@@ -109,66 +94,20 @@ class DiskChunkStore:
         """Remove every chunk file (every process's) and fail the jobs queued before the call; a job
         already running finishes first."""
         with self._io:
-            with self._state:
-                self._generation += 1
+            self._clear_queued()
             self._directory.clear()
-
-    def poll(self) -> tuple[JobResult, ...]:
-        return self._board.poll()
-
-    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
-        return self._board.wait(job_ids, timeout)
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop taking jobs, fail those not started, join the lane (bounded by ``timeout``). Idempotent;
-        every submitted job still gets a result. The files stay."""
-        with self._state:
-            if self._closed:
-                return
-            self._closed = True
-        self._lane.close(timeout, why="the disk store closed before the job ran")
-        if self._threads is not None:
-            self._threads.shutdown(wait=False)
 
     # -- the lane ------------------------------------------------------------------------------------
 
-    def _submit(self, put: bool, items: Sequence[StoreItem]) -> JobId:
-        for i, item in enumerate(items):
-            if item.offset < 0 or item.length < 1 or item.offset + item.length > len(self._host):
-                raise InvalidSpecError(
-                    f"items[{i}] ({item.key!r}): bytes [{item.offset}, {item.offset + item.length}) are not "
-                    f"a non-empty range of the {len(self._host)}-byte host pool"
-                )
-        with self._state:
-            if self._closed:
-                raise UsageError("the disk store is closed")
-            job_id = self._board.new()
-            job = _Job(job_id, put, tuple(items), self._generation)
-            if items:  # under the lock that close takes first: the lane is still open
-                priority = Priority.WRITE if put else Priority.READ
-                self._lane.submit(partial(self._finish, job), partial(self._fail, job), priority)
-        if not items:
-            self._board.finish(JobResult(job_id))
-        return job_id
+    def _closed_lane(self, timeout: float) -> None:
+        """The files stay; the I/O threads end once their item is done."""
+        if self._threads is not None:
+            self._threads.shutdown(wait=False)
 
-    def _finish(self, job: _Job) -> None:
-        self._board.finish(self._run(job))
-
-    def _fail(self, job: _Job, why: str) -> None:
-        self._board.finish(JobResult(job.job_id, tuple(range(len(job.items))), why))
-
-    def _run(self, job: _Job) -> JobResult:
-        with self._io:
-            with self._state:
-                cleared = job.generation != self._generation
-            if cleared:
-                return JobResult(job.job_id, tuple(range(len(job.items))), "the store was cleared")
-            skip = leading_failures(
-                self._faults, Direction.SAVE if job.put else Direction.LOAD, len(job.items)
-            )
-            items = job.items[skip:]
-            done = self._map(self._put if job.put else self._get, items)
-            failed = tuple(range(skip)) + tuple(skip + i for i, ok in enumerate(done) if not ok)
+    def _run(self, job: StoreJob) -> JobResult:
+        skip = leading_failures(self._faults, Direction.SAVE if job.put else Direction.LOAD, len(job.items))
+        done = self._map(self._put if job.put else self._get, job.items[skip:])
+        failed = tuple(range(skip)) + tuple(skip + i for i, ok in enumerate(done) if not ok)
         if not failed:
             return JobResult(job.job_id)
         why = f"{len(failed)} of {len(job.items)} {'writes' if job.put else 'reads'} failed"

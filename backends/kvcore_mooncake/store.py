@@ -26,19 +26,15 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
-from collections.abc import Collection, Sequence
-from functools import partial
+from collections.abc import Sequence
 
-from attrs import frozen
-
-from kvcore.errors import BackendError, BackendUnavailable, InvalidSpecError, UsageError
+from kvcore.errors import BackendError, BackendUnavailable, InvalidSpecError
 from kvcore.faults import FaultHooks, leading_failures
 from kvcore.health import CircuitBreaker
 from kvcore.ids import ChunkKey, JobId
-from kvcore.jobs import JobBoard, JobResult
-from kvcore.lane import JobLane, Priority
+from kvcore.jobs import JobResult
+from kvcore.lane_store import LaneStore, StoreJob
 from kvcore.ports import Direction, StoreItem
 from kvcore_mooncake.client import Code, MooncakeClient, describe
 from kvcore_mooncake.config import MooncakeStoreConfig
@@ -52,21 +48,14 @@ _QUIET = frozenset({Code.NOT_FOUND, Code.NO_SPACE})
 """Codes that are ordinary outcomes (a miss, a full pool): no warning. Anything else is logged."""
 
 
-@frozen(eq=False)
-class _Job:
-    job_id: JobId
-    put: bool
-    items: tuple[StoreItem, ...]
-    generation: int
-
-
-class MooncakeChunkStore:
+class MooncakeChunkStore(LaneStore):
     """The ``ChunkStore`` port (and ``SupportsClear``) over one registered host buffer.
 
     Build it from a set-up ``MooncakeClient`` and the buffer (``buffer_address``, ``buffer_length``),
     which the caller owns and keeps alive until ``close``; or with ``open``, which also sets up (and
     then owns) the client. The registration lives as long as the client. ``faults`` (``kvcore.faults``)
-    run on the job thread before each batch.
+    run on the job thread before each batch. Jobs run as every lane store runs them
+    (``kvcore.lane_store``).
     """
 
     def __init__(
@@ -83,19 +72,13 @@ class MooncakeChunkStore:
         if buffer_length < 1:
             raise InvalidSpecError(f"buffer_length: got {buffer_length}, expected at least 1 byte")
         client.register_buffer(buffer_address, buffer_length)
+        super().__init__("Mooncake store", buffer_length)
         self._client = client
         self._owns_client = owns_client
         self._base = buffer_address
-        self._length = buffer_length
         self._remove_timeout = remove_timeout_s
         self._breaker = breaker if breaker is not None else CircuitBreaker(threshold=3, backoff_s=2.0)
         self._faults = faults
-        self._board = JobBoard()
-        self._state = threading.Lock()  # closed flag, generation
-        self._io = threading.Lock()  # held by the worker around one batch, and by clear
-        self._closed = False
-        self._generation = 0
-        self._lane = JobLane("kvcore-mooncake-store")
 
     @classmethod
     def open(cls, config: MooncakeStoreConfig, buffer_address: int, buffer_length: int) -> MooncakeChunkStore:
@@ -140,12 +123,12 @@ class MooncakeChunkStore:
         closed. Failed items (no space, master down, transfer error) are absent or keep their earlier
         value: Mooncake makes an object visible only once all of its bytes arrived.
         """
-        return self._submit(True, items)
+        return super().submit_put(items)
 
     def submit_get(self, items: Sequence[StoreItem]) -> JobId:
         """Copy the keys' values into the items' host bytes. A missing key, or a value of another length
         than the item's, is a failed item (a miss): its host bytes are undefined."""
-        return self._submit(False, items)
+        return super().submit_get(items)
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
         """Drop keys; missing ones are ignored. A key a reader leased is retried until its lease ends.
@@ -176,26 +159,13 @@ class MooncakeChunkStore:
         """Drop every object of the pool (every instance's, leased or not) and fail the jobs queued
         before the call. A job already running finishes first. Raises ``BackendError`` on failure."""
         with self._io:
-            with self._state:
-                self._generation += 1
+            self._clear_queued()
             removed = self._client.remove_all()
         if removed < 0:
             raise BackendError(f"remove_all failed: {describe(removed)}")
 
-    def poll(self) -> tuple[JobResult, ...]:
-        return self._board.poll()
-
-    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
-        return self._board.wait(job_ids, timeout)
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop taking jobs, fail those not started, join the worker, close an owned client; each step
-        bounded by ``timeout``. Idempotent; every submitted job still gets a result."""
-        with self._state:
-            if self._closed:
-                return
-            self._closed = True
-        self._lane.close(timeout, why="the store closed before the job ran")
+    def _closed_lane(self, timeout: float) -> None:
+        """Close an owned client (bounded by ``timeout``)."""
         if self._owns_client:
             self._client.close(timeout)
 
@@ -211,55 +181,25 @@ class MooncakeChunkStore:
             codes.extend(transfer(keys[failed:], addresses[failed:], sizes[failed:]))
         return codes
 
-    def _submit(self, put: bool, items: Sequence[StoreItem]) -> JobId:
-        for item in items:
-            if item.offset < 0 or item.length < 1 or item.offset + item.length > self._length:
-                raise InvalidSpecError(
-                    f"item {item.key!r}: bytes [{item.offset}, {item.offset + item.length}) are not a "
-                    f"non-empty range of the {self._length}-byte host buffer"
-                )
-        with self._state:
-            if self._closed:
-                raise UsageError("the Mooncake store is closed")
-            job_id = self._board.new()
-            job = _Job(job_id, put, tuple(items), self._generation)
-            if items:  # under the lock that close takes first: the lane is still open
-                priority = Priority.WRITE if put else Priority.READ
-                self._lane.submit(partial(self._finish, job), partial(self._fail, job), priority)
-        if not items:
-            self._board.finish(JobResult(job_id))
-        return job_id
-
-    def _finish(self, job: _Job) -> None:
-        self._board.finish(self._run(job))
-
-    def _fail(self, job: _Job, why: str) -> None:
-        self._board.finish(_failed(job, why))
-
-    def _run(self, job: _Job) -> JobResult:
-        with self._io:
-            with self._state:
-                cleared = job.generation != self._generation
-            if cleared:
-                return _failed(job, "the store was cleared while the job was queued")
-            if not self._breaker.allow():
-                return _failed(job, f"Mooncake master {self._client.master} is marked unhealthy")
-            codes = [int(Code.ERROR)] * len(job.items)
-            # Mooncake answers a key twice in one batch but copies it once: repeats go in later rounds.
-            for round_ in _rounds(job.items):
-                keys: list[str] = [job.items[i].key for i in round_]
-                addresses = [self._base + job.items[i].offset for i in round_]
-                sizes = [job.items[i].length for i in round_]
-                try:
-                    answered = self._transfer(job.put, keys, addresses, sizes)
-                except BackendError as exc:
-                    self._breaker.record_failure()
-                    return _failed(job, str(exc))
-                if len(answered) != len(round_):
-                    self._breaker.record_failure()
-                    return _failed(job, f"{len(round_)} items answered {len(answered)} codes")
-                for i, code in zip(round_, answered, strict=True):
-                    codes[i] = code
+    def _run(self, job: StoreJob) -> JobResult:
+        if not self._breaker.allow():
+            return job.failed(f"Mooncake master {self._client.master} is marked unhealthy")
+        codes = [int(Code.ERROR)] * len(job.items)
+        # Mooncake answers a key twice in one batch but copies it once: repeats go in later rounds.
+        for round_ in _rounds(job.items):
+            keys: list[str] = [job.items[i].key for i in round_]
+            addresses = [self._base + job.items[i].offset for i in round_]
+            sizes = [job.items[i].length for i in round_]
+            try:
+                answered = self._transfer(job.put, keys, addresses, sizes)
+            except BackendError as exc:
+                self._breaker.record_failure()
+                return job.failed(str(exc))
+            if len(answered) != len(round_):
+                self._breaker.record_failure()
+                return job.failed(f"{len(round_)} items answered {len(answered)} codes")
+            for i, code in zip(round_, answered, strict=True):
+                codes[i] = code
         if Code.RPC_FAILED in codes:
             self._breaker.record_failure()
         else:
@@ -289,10 +229,6 @@ def _rounds(items: Sequence[StoreItem]) -> list[list[int]]:
             rounds.append([])
         rounds[n].append(i)
     return rounds
-
-
-def _failed(job: _Job, why: str) -> JobResult:
-    return JobResult(job.job_id, tuple(range(len(job.items))), why)
 
 
 def _summary(codes: Sequence[int]) -> str:

@@ -1,0 +1,128 @@
+"""``LaneStore``: what every ``ChunkStore`` that runs its jobs on one ``JobLane`` over one host buffer
+shares (the Mooncake store, the disk tier), so that they check, queue, clear and close alike.
+
+- **Checked first.** Every item must name a non-empty range of the host buffer; otherwise
+  ``InvalidSpecError`` names the item, and nothing is queued.
+- **Queued on a lane.** Gets are reads and run before queued puts (``kvcore.lane``); a job of no items
+  finishes at once.
+- **Cleared jobs fail.** ``_clear_queued`` (a subclass's ``clear``, holding ``_io``) dooms every job
+  queued before it: such a job fails without running, so no put in flight resurrects a cleared value. A
+  job runs with ``_io`` held, so a ``clear`` waits for the one running.
+- **Closed.** ``close`` refuses new jobs (``UsageError``), fails the queued ones, and joins the lane for
+  a bounded time; every job submitted still gets a result through ``poll``/``wait``.
+
+A subclass implements ``_run(job)`` (on the lane thread, ``_io`` held, the job not cleared) and
+``_closed_lane`` (what it releases after its lane).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Sequence
+from functools import partial
+
+from attrs import frozen
+
+from kvcore.errors import InvalidSpecError, UsageError
+from kvcore.ids import JobId
+from kvcore.jobs import JobBoard, JobResult
+from kvcore.lane import JobLane, Priority
+from kvcore.ports import StoreItem
+
+__all__ = ["LaneStore", "StoreJob"]
+
+
+@frozen(eq=False)
+class StoreJob:
+    """One put or get job: its items, in order, and the clear generation it was queued in."""
+
+    job_id: JobId
+    put: bool
+    items: tuple[StoreItem, ...]
+    generation: int
+
+    def failed(self, why: str) -> JobResult:
+        """The job's result with every item failed."""
+        return JobResult(self.job_id, tuple(range(len(self.items))), why)
+
+
+class LaneStore(ABC):
+    """The job half of a ``ChunkStore`` (module docstring): ``submit_put``, ``submit_get``, ``poll``,
+    ``wait``, ``close``. ``name`` names the store in errors and its lane's thread; ``buffer_length`` is
+    the host buffer's size in bytes."""
+
+    def __init__(self, name: str, buffer_length: int) -> None:
+        self._name = name
+        self._buffer_length = buffer_length
+        self._board = JobBoard()
+        self._state = threading.Lock()  # closed flag, generation
+        self._io = threading.Lock()  # held around one job, and by clear
+        self._closed = False
+        self._generation = 0
+        self._lane = JobLane(f"kvcore-{name.replace(' ', '-')}")
+
+    def submit_put(self, items: Sequence[StoreItem]) -> JobId:
+        return self._submit(True, items)
+
+    def submit_get(self, items: Sequence[StoreItem]) -> JobId:
+        return self._submit(False, items)
+
+    def poll(self) -> tuple[JobResult, ...]:
+        return self._board.poll()
+
+    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
+        return self._board.wait(job_ids, timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop taking jobs, fail those not started, join the lane (bounded by ``timeout``); then
+        ``_closed_lane``. Idempotent; every submitted job still gets a result."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+        self._lane.close(timeout, why=f"the {self._name} closed before the job ran")
+        self._closed_lane(timeout)
+
+    @abstractmethod
+    def _closed_lane(self, timeout: float) -> None:
+        """Release what the store holds beside its lane (a client, threads), once the lane is closed."""
+
+    def _clear_queued(self) -> None:
+        """Doom every job queued so far (call with ``_io`` held, from ``clear``)."""
+        with self._state:
+            self._generation += 1
+
+    @abstractmethod
+    def _run(self, job: StoreJob) -> JobResult:
+        """Run ``job`` (on the lane thread, with ``_io`` held); its result."""
+
+    def _submit(self, put: bool, items: Sequence[StoreItem]) -> JobId:
+        for i, item in enumerate(items):
+            if item.offset < 0 or item.length < 1 or item.offset + item.length > self._buffer_length:
+                raise InvalidSpecError(
+                    f"items[{i}] ({item.key!r}): bytes [{item.offset}, {item.offset + item.length}) are not "
+                    f"a non-empty range of the {self._buffer_length}-byte host buffer"
+                )
+        with self._state:
+            if self._closed:
+                raise UsageError(f"the {self._name} is closed")
+            job = StoreJob(self._board.new(), put, tuple(items), self._generation)
+            if items:  # under the lock that close takes first: the lane is still open
+                priority = Priority.WRITE if put else Priority.READ
+                self._lane.submit(partial(self._finish, job), partial(self._fail, job), priority)
+        if not items:
+            self._board.finish(JobResult(job.job_id))
+        return job.job_id
+
+    def _finish(self, job: StoreJob) -> None:
+        with self._io:
+            with self._state:
+                cleared = job.generation != self._generation
+            result = (
+                job.failed("the store was cleared while the job was queued") if cleared else self._run(job)
+            )
+        self._board.finish(result)
+
+    def _fail(self, job: StoreJob, why: str) -> None:
+        self._board.finish(job.failed(why))
