@@ -3,8 +3,9 @@
 
 - **Lookup.** Each tier is asked for the chunks the tiers before it lack: the first for every chunk after
   the pool's leading run, the next for the chunks after the first's leading run, and so on; the answer
-  is the sum. A tier whose lookup fails (or is cancelled) answers 0 and the next tier is asked for the
-  same chunks, so a tier that is down hides none of the others' chunks.
+  is the sum. A tier whose lookup fails answers 0 and the next tier is asked for the same chunks, so a
+  tier that is down hides none of the others' chunks; a tier still pending when the lookup's budget is
+  spent is cancelled and the lookup answers what the tiers before it found (``CascadeIndex``).
 - **Fetch.** Each rank asks the tiers in order for the chunks it must fetch: the first for all of them,
   the next for those the first failed to deliver. It does not need to know which tier the scheduler's
   lookup found a chunk in (a miss on a local disk costs one ``open``), and a chunk evicted from one tier

@@ -4,16 +4,17 @@ opens it (the ranks of one engine, and other engines on the host).
 Layout under the configured path::
 
     kvcore-disk.json        {"format": 1}: written once; a folder of another format is refused
-    usage.lock              the lock every process takes to account or evict, holding the bytes in use
+    usage.lock              the lock every process takes to commit, account or evict; it holds the
+                            bytes of chunk files and the evictions so far (read without the lock)
     chunks/ab/cdef...       one file per chunk (``chunk_file``), named by a digest of its key
 
 Nothing is held in memory that another process could change: a lookup asks the file system, a read
 opens the file (a file evicted after that still reads whole: POSIX keeps an unlinked file's data while
-it is open), a write renames a whole file into place. The only shared state, the bytes in use, lives in
-the lock file and changes under ``flock``; eviction happens under the same lock, after a fresh scan, so
-two processes never evict for the same overflow. LRU order is the files' modification time, which every
-read bumps. The scan at open is the index rebuild: it sums the chunk files, and removes the temporaries
-of writers that are no longer running.
+it is open), a write renames a whole file into place under the lock and counts it there. The only
+shared state, the counters, lives in the lock file and changes under ``flock``; eviction happens under
+the same lock, after a fresh scan, so two processes never evict for the same overflow. LRU order is the
+files' modification time, which every read bumps. The scan at open is the index rebuild: it sums the
+chunk files, and removes the temporaries of writers that are gone (or older than ``ORPHAN_AGE_S``).
 """
 
 from __future__ import annotations
