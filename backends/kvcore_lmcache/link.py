@@ -14,6 +14,7 @@ guards share the connection's state and its lock.)
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -21,9 +22,11 @@ import queue
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+import zmq
 from attrs import frozen
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey, RegisterEngineDrivenContextPayload
 from lmcache.v1.multiprocess.futures import MessagingFuture
@@ -156,6 +159,30 @@ def register_slots(
     return Segment(reply.shm_name, reply.pool_size)
 
 
+CLIENT_ATTEMPTS = 5
+CLIENT_RETRY_S = 0.05
+
+
+def open_client(factory: Callable[[str], RequestClient], url: str) -> RequestClient:
+    """``factory(url)``, tried again (``CLIENT_ATTEMPTS`` times in all, ``CLIENT_RETRY_S`` apart) when ZMQ
+    finds the client's monitor endpoint in use: pyzmq names it after the socket's file descriptor
+    (``inproc://monitor.s-<fd>``), and a socket closed just before under the same descriptor releases
+    its endpoint only when ZMQ's reaper thread gets to it. Any other error, or the last one, is raised."""
+    attempt = 1
+    while True:
+        try:
+            return factory(url)
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or attempt >= CLIENT_ATTEMPTS:
+                raise
+            failed = exc
+        attempt += 1
+        with warnings.catch_warnings():  # the half-made client's socket is collected unclosed: quietly
+            warnings.simplefilter("ignore", ResourceWarning)
+            del failed
+        time.sleep(CLIENT_RETRY_S)
+
+
 class ServerLink:
     """A request client, its registration and its health, for one server URL.
 
@@ -191,7 +218,7 @@ class ServerLink:
         self._breaker = breaker if breaker is not None else CircuitBreaker(2, config.heartbeat_s)
         # ZMQ's process-wide context, as LMCache's own adapters use: terminating a private one blocks
         # while requests to an unreachable server are queued.
-        self.client = client_factory(config.url)
+        self.client = open_client(client_factory, config.url)
         self._lock = threading.Lock()
         self._up = False
         self._no_pool = False  # the server answers, without a pool (and holds this worker's registration)
