@@ -81,6 +81,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         logging.getLogger("kvcore").setLevel(logging.ERROR)
     options = FuzzOptions(
         remote=args.remote,
+        disk=args.disk,
         preempt=not args.no_preempt,
         reset=not args.no_reset,
         faults=not args.no_faults,
@@ -135,6 +136,9 @@ def _parser() -> argparse.ArgumentParser:
     fuzz.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
     fuzz.add_argument("--runs", type=int, default=1, help="seeds to run, from --seed on (default 1)")
     fuzz.add_argument("--remote", action="store_true", help="a remote tier (in-memory store) behind the pool")
+    fuzz.add_argument(
+        "--disk", action="store_true", help="the disk tier (files in a temporary directory) instead"
+    )
     fuzz.add_argument("--no-preempt", action="store_true", help="no random preemptions")
     fuzz.add_argument("--no-reset", action="store_true", help="no resets")
     fuzz.add_argument("--no-faults", action="store_true", help="no failing, late or stalling jobs")

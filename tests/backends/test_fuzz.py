@@ -1,6 +1,7 @@
-"""The lifecycle fuzzer (``kvcore fuzz``): short seeded runs with and without the remote tier must pass every
-check after every step, and must really exercise the lifecycle (so that this test fails if the fuzzer
-stopped loading, preempting, resetting or injecting faults); a seed replays exactly."""
+"""The lifecycle fuzzer (``kvcore fuzz``): short seeded runs with and without a remote tier (the in-memory
+reference store, or the disk tier's real store) must pass every check after every step, and must really
+exercise the lifecycle (so that this test fails if the fuzzer stopped loading, preempting, resetting or
+injecting faults); a seed replays exactly."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ SEEDS = (1, 2, 3)
 STEPS = 200
 
 
-@pytest.mark.parametrize("remote", [False, True], ids=["cpu", "remote"])
-def test_seeded_runs_hold_every_check_and_cover_the_lifecycle(remote: bool) -> None:
-    runs = [run_fuzz(seed, STEPS, FuzzOptions(remote=remote)) for seed in SEEDS]
+@pytest.mark.parametrize(
+    "options",
+    [FuzzOptions(), FuzzOptions(remote=True), FuzzOptions(disk=True)],
+    ids=["cpu", "remote", "disk"],  # disk: the disk tier's real store, files in a temporary directory
+)
+def test_seeded_runs_hold_every_check_and_cover_the_lifecycle(options: FuzzOptions) -> None:
+    runs = [run_fuzz(seed, STEPS, options) for seed in SEEDS]
 
     def total(field: str) -> int:
         return sum(getattr(run, field) for run in runs)
@@ -32,7 +37,7 @@ def test_seeded_runs_hold_every_check_and_cover_the_lifecycle(remote: bool) -> N
     assert total("mover_faults") > 0
     assert total("late_jobs") > 0
     assert total("evictions") > 0
-    if remote:
+    if options.remote or options.disk:
         assert total("remote_faults") > 0
         assert total("lookup_faults") > 0
         assert total("index_stalls") > 0

@@ -15,19 +15,23 @@ import contextlib
 import random
 from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 from typing import cast
 
 from kvcore.errors import BackendError, UsageError
 from kvcore.ids import ChunkKey, JobId, LookupId
 from kvcore.jobs import JobResult
-from kvcore.ports import BlockMover, BlockTransfer, Direction, HeldChunks, StoreItem
+from kvcore.ports import BlockMover, BlockTransfer, ChunkStore, Direction, HeldChunks, StoreItem
 from kvcore.remote import StoreRemote
+from kvcore.testing.faults import InjectedFaults
 from kvcore.testing.memory import InMemoryChunkIndex, InMemoryChunkStore
 from kvcore_cli.fuzz.options import FuzzOptions
 from kvcore_cli.fuzz.postponed import INNER_WAIT_S, Fate, Postponed
 from kvcore_cli.fuzz.results import FuzzSummary
 from kvcore_cli.fuzz.trace import Clock
 from kvcore_cpu.host_memory import HostMemory
+from kvcore_disk.directory import ChunkDirectory
+from kvcore_disk.store import DiskChunkStore
 
 __all__ = ["FaultyPorts", "Spoil"]
 
@@ -53,6 +57,7 @@ class FaultyPorts:
         spoil: Spoil,
         host: HostMemory,
         slot_bytes: int,
+        workdir: Path | None = None,
     ) -> None:
         self._clock = clock
         self._faults = options.faults
@@ -60,14 +65,33 @@ class FaultyPorts:
         self.mover = _FaultyMover(mover, clock, rng, options.faults, spoil)
         self.index: _FaultyIndex | None = None
         self.remote: _FaultyRemote | None = None
-        if options.remote:
+        self._store: ChunkStore | None = None
+        if options.remote or options.disk:
             index_rng = random.Random(f"kvcore-fuzz:{seed}:index")
             self.index = _FaultyIndex(InMemoryChunkIndex(), index_rng, options.faults)
             # a memoryview slices and assigns as the bytearray it is annotated with does
             view = cast(bytearray, host.buffer.numpy().data)
-            store = InMemoryChunkStore(view, capacity=4 * options.pool_slots * slot_bytes)
+            capacity = 4 * options.pool_slots * slot_bytes
+            store: ChunkStore
+            if options.disk:
+                if workdir is None:
+                    raise UsageError("workdir: a directory for the disk tier's files, with the disk option")
+                hooks = InjectedFaults()
+                # room for the same values as the in-memory store's, and their files' headers
+                directory = ChunkDirectory.open(workdir, capacity + 4 * options.pool_slots * 256)
+                store = DiskChunkStore(directory, memoryview(view), io_threads=1, faults=hooks)
+                fail_next = hooks.fail_next
+            else:
+                memory = InMemoryChunkStore(view, capacity=capacity)
+                store, fail_next = memory, memory.fail_next
             rng = random.Random(f"kvcore-fuzz:{seed}:remote")
-            self.remote = _FaultyRemote(store, self.index.inner, clock, rng, options.faults)
+            self.remote = _FaultyRemote(store, fail_next, self.index.inner, clock, rng, options.faults)
+            self._store = store
+
+    def close(self) -> None:
+        """Close the remote store (the disk tier's lane thread ends); its jobs are all reported by now."""
+        if self._store is not None:
+            self._store.close()
 
     def weather(self, rng: random.Random) -> None:
         """The remote index stalls for a few steps, or fails its next answer, as the engine's ``rng``
@@ -143,21 +167,22 @@ class _FaultyMover(Postponed):
 
 
 class _FaultyRemote(Postponed):
-    """The remote tier (``StoreRemote`` over the in-memory reference store) with seeded fates: items fail
-    through the store's own ``fail_next``. A publish registers the keys it stored in the remote index, as
-    a store's metadata service would; the index is not told of evictions, so it may promise a chunk the
-    store lost (the fetch then misses)."""
+    """The remote tier (``StoreRemote`` over the in-memory reference store, or the disk tier's store) with
+    seeded fates: items fail through ``fail_next`` (the store's own, or its fault hooks'). A publish
+    registers the keys it stored in the remote index, as a store's metadata service would; the index is
+    not told of evictions, so it may promise a chunk the store lost (the fetch then misses)."""
 
     def __init__(
         self,
-        store: InMemoryChunkStore,
+        store: ChunkStore,
+        fail_next: Callable[[int], None],
         index: InMemoryChunkIndex,
         clock: Clock,
         rng: random.Random,
         chaos: bool,
     ) -> None:
         super().__init__(clock, rng, chaos)
-        self._store = store
+        self._fail_next = fail_next
         self._index = index
         self._remote = StoreRemote(store)
 
@@ -199,7 +224,7 @@ class _FaultyRemote(Postponed):
         job: JobId,
     ) -> JobResult:
         if fate.failing:
-            self._store.fail_next(fate.failing)
+            self._fail_next(fate.failing)
         (result,) = self._remote.wait([submit(session, items, chain)], INNER_WAIT_S)
         if publish:
             self._index.add(item.key for i, item in enumerate(items) if i not in result.failed)

@@ -13,10 +13,12 @@ class FuzzOptions:
     """What a run exercises. Every field is a flag of ``kvcore fuzz``, so a failure's replay line is exact.
 
     ``engine_blocks`` is the engine's KV memory (few, so blocks are reused at once) and ``pool_slots`` the
-    host pool in chunks (few, so chunks are evicted).
+    host pool in chunks (few, so chunks are evicted). ``disk`` puts the disk tier's real store (files in
+    a temporary directory) behind the pool instead of the in-memory one (it implies ``remote``).
     """
 
     remote: bool = False
+    disk: bool = False
     preempt: bool = True
     reset: bool = True
     faults: bool = True
@@ -29,7 +31,7 @@ class FuzzOptions:
     def flags(self) -> str:
         """The command-line flags that select these options (defaults left out)."""
         default = FuzzOptions()
-        out = ["--remote"] if self.remote else []
+        out = ["--disk"] if self.disk else ["--remote"] if self.remote else []
         out += [f"--no-{name}" for name in ("preempt", "reset", "faults", "tails") if not getattr(self, name)]
         out += [] if self.recompute_late else ["--hold-late-loads"]
         out += [

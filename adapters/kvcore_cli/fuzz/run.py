@@ -5,6 +5,8 @@ model engine and the oracle over them, runs the engine and drains it, and closes
 from __future__ import annotations
 
 import random
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -62,7 +64,10 @@ def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzS
     def spoil(direction: Direction, block: int, why: str) -> None:
         oracle.scribble(kv[:, block] if direction is Direction.LOAD else host_kv[block], why)
 
-    ports = FaultyPorts(seed, options, clock, cpu.mover, spoil, cpu.host, slot_bytes)
+    workdir = tempfile.TemporaryDirectory(prefix="kvcore-fuzz-") if options.disk else None
+    ports = FaultyPorts(
+        seed, options, clock, cpu.mover, spoil, cpu.host, slot_bytes, Path(workdir.name) if workdir else None
+    )
     sched = CacheScheduler(
         config, spec, pool_slots(config, spec), hash_identity=HASH_IDENTITY, remote=ports.index
     )
@@ -85,6 +90,9 @@ def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzS
         ports.resume()
         sched.close()
         cpu.close()
+        ports.close()
+        if workdir is not None:
+            workdir.cleanup()
     summary.steps = steps
     ports.count(summary)
     summary.evictions = sched.stats().pool.evictions
