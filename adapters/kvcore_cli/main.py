@@ -82,6 +82,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     options = FuzzOptions(
         remote=args.remote,
         disk=args.disk,
+        stack=args.stack,
         preempt=not args.no_preempt,
         reset=not args.no_reset,
         faults=not args.no_faults,
@@ -138,6 +139,9 @@ def _parser() -> argparse.ArgumentParser:
     fuzz.add_argument("--remote", action="store_true", help="a remote tier (in-memory store) behind the pool")
     fuzz.add_argument(
         "--disk", action="store_true", help="the disk tier (files in a temporary directory) instead"
+    )
+    fuzz.add_argument(
+        "--stack", action="store_true", help="a cascade: the disk tier, then an in-memory store"
     )
     fuzz.add_argument("--no-preempt", action="store_true", help="no random preemptions")
     fuzz.add_argument("--no-reset", action="store_true", help="no resets")

@@ -16,8 +16,9 @@ STEPS = 200
 
 @pytest.mark.parametrize(
     "options",
-    [FuzzOptions(), FuzzOptions(remote=True), FuzzOptions(disk=True)],
-    ids=["cpu", "remote", "disk"],  # disk: the disk tier's real store, files in a temporary directory
+    [FuzzOptions(), FuzzOptions(remote=True), FuzzOptions(disk=True), FuzzOptions(stack=True)],
+    # disk: the disk tier's real store (files in a temporary directory); stack: it, then a memory store
+    ids=["cpu", "remote", "disk", "stack"],
 )
 def test_seeded_runs_hold_every_check_and_cover_the_lifecycle(options: FuzzOptions) -> None:
     runs = [run_fuzz(seed, STEPS, options) for seed in SEEDS]
@@ -37,7 +38,7 @@ def test_seeded_runs_hold_every_check_and_cover_the_lifecycle(options: FuzzOptio
     assert total("mover_faults") > 0
     assert total("late_jobs") > 0
     assert total("evictions") > 0
-    if options.remote or options.disk:
+    if options.remote or options.disk or options.stack:
         assert total("remote_faults") > 0
         assert total("lookup_faults") > 0
         assert total("index_stalls") > 0

@@ -18,10 +18,11 @@ from functools import partial
 from pathlib import Path
 from typing import cast
 
+from kvcore.cascade import CascadeRemote
 from kvcore.errors import BackendError, UsageError
 from kvcore.ids import ChunkKey, JobId, LookupId
 from kvcore.jobs import JobResult
-from kvcore.ports import BlockMover, BlockTransfer, ChunkStore, Direction, HeldChunks, StoreItem
+from kvcore.ports import BlockMover, BlockTransfer, Direction, HeldChunks, RemoteTier, StoreItem
 from kvcore.remote import StoreRemote
 from kvcore.testing.faults import InjectedFaults
 from kvcore.testing.memory import InMemoryChunkIndex, InMemoryChunkStore
@@ -65,33 +66,36 @@ class FaultyPorts:
         self.mover = _FaultyMover(mover, clock, rng, options.faults, spoil)
         self.index: _FaultyIndex | None = None
         self.remote: _FaultyRemote | None = None
-        self._store: ChunkStore | None = None
-        if options.remote or options.disk:
+        self._inner: RemoteTier | None = None
+        if options.remote or options.disk or options.stack:
             index_rng = random.Random(f"kvcore-fuzz:{seed}:index")
             self.index = _FaultyIndex(InMemoryChunkIndex(), index_rng, options.faults)
             # a memoryview slices and assigns as the bytearray it is annotated with does
             view = cast(bytearray, host.buffer.numpy().data)
             capacity = 4 * options.pool_slots * slot_bytes
-            store: ChunkStore
-            if options.disk:
+            remote: RemoteTier
+            if options.disk or options.stack:
                 if workdir is None:
                     raise UsageError("workdir: a directory for the disk tier's files, with the disk option")
                 hooks = InjectedFaults()
                 # room for the same values as the in-memory store's, and their files' headers
                 directory = ChunkDirectory.open(workdir, capacity + 4 * options.pool_slots * 256)
-                store = DiskChunkStore(directory, memoryview(view), io_threads=1, faults=hooks)
+                disk = StoreRemote(DiskChunkStore(directory, memoryview(view), io_threads=1, faults=hooks))
                 fail_next = hooks.fail_next
+                # a stack: the disk, then a smaller in-memory store behind it (its own evictions)
+                behind = StoreRemote(InMemoryChunkStore(view, capacity=capacity // 2))
+                remote = CascadeRemote([disk, behind], (1, 1)) if options.stack else disk
             else:
                 memory = InMemoryChunkStore(view, capacity=capacity)
-                store, fail_next = memory, memory.fail_next
+                remote, fail_next = StoreRemote(memory), memory.fail_next
             rng = random.Random(f"kvcore-fuzz:{seed}:remote")
-            self.remote = _FaultyRemote(store, fail_next, self.index.inner, clock, rng, options.faults)
-            self._store = store
+            self.remote = _FaultyRemote(remote, fail_next, self.index.inner, clock, rng, options.faults)
+            self._inner = remote
 
     def close(self) -> None:
-        """Close the remote store (the disk tier's lane thread ends); its jobs are all reported by now."""
-        if self._store is not None:
-            self._store.close()
+        """Close the remote tier (its stores' threads end); its jobs are all reported by now."""
+        if self._inner is not None:
+            self._inner.close()
 
     def weather(self, rng: random.Random) -> None:
         """The remote index stalls for a few steps, or fails its next answer, as the engine's ``rng``
@@ -167,14 +171,14 @@ class _FaultyMover(Postponed):
 
 
 class _FaultyRemote(Postponed):
-    """The remote tier (``StoreRemote`` over the in-memory reference store, or the disk tier's store) with
-    seeded fates: items fail through ``fail_next`` (the store's own, or its fault hooks'). A publish
+    """The remote tier (the in-memory reference store, the disk tier's store, or a cascade of the two) with
+    seeded fates: items fail through ``fail_next`` (the store's own, or the disk's fault hooks). A publish
     registers the keys it stored in the remote index, as a store's metadata service would; the index is
     not told of evictions, so it may promise a chunk the store lost (the fetch then misses)."""
 
     def __init__(
         self,
-        store: ChunkStore,
+        remote: RemoteTier,
         fail_next: Callable[[int], None],
         index: InMemoryChunkIndex,
         clock: Clock,
@@ -184,7 +188,7 @@ class _FaultyRemote(Postponed):
         super().__init__(clock, rng, chaos)
         self._fail_next = fail_next
         self._index = index
-        self._remote = StoreRemote(store)
+        self._remote = remote
 
     def submit_fetch(self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()) -> JobId:
         return self._submit(self._remote.submit_fetch, session, items, chain, publish=False)

@@ -14,11 +14,13 @@ class FuzzOptions:
 
     ``engine_blocks`` is the engine's KV memory (few, so blocks are reused at once) and ``pool_slots`` the
     host pool in chunks (few, so chunks are evicted). ``disk`` puts the disk tier's real store (files in
-    a temporary directory) behind the pool instead of the in-memory one (it implies ``remote``).
+    a temporary directory) behind the pool instead of the in-memory one (it implies ``remote``);
+    ``stack`` cascades the disk and a smaller in-memory store behind it (``kvcore.cascade``).
     """
 
     remote: bool = False
     disk: bool = False
+    stack: bool = False
     preempt: bool = True
     reset: bool = True
     faults: bool = True
@@ -31,7 +33,8 @@ class FuzzOptions:
     def flags(self) -> str:
         """The command-line flags that select these options (defaults left out)."""
         default = FuzzOptions()
-        out = ["--disk"] if self.disk else ["--remote"] if self.remote else []
+        tiers = [("stack", self.stack), ("disk", self.disk), ("remote", self.remote)]
+        out = [next(f"--{name}" for name, on in tiers if on)] if any(on for _, on in tiers) else []
         out += [f"--no-{name}" for name in ("preempt", "reset", "faults", "tails") if not getattr(self, name)]
         out += [] if self.recompute_late else ["--hold-late-loads"]
         out += [

@@ -64,7 +64,7 @@ def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzS
     def spoil(direction: Direction, block: int, why: str) -> None:
         oracle.scribble(kv[:, block] if direction is Direction.LOAD else host_kv[block], why)
 
-    workdir = tempfile.TemporaryDirectory(prefix="kvcore-fuzz-") if options.disk else None
+    workdir = tempfile.TemporaryDirectory(prefix="kvcore-fuzz-") if options.disk or options.stack else None
     ports = FaultyPorts(
         seed, options, clock, cpu.mover, spoil, cpu.host, slot_bytes, Path(workdir.name) if workdir else None
     )
