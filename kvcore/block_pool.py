@@ -7,6 +7,9 @@ Primitives, and who calls them (the scheduler side of a connector; workers own t
   invisible to ``lookup`` and never evicted; a failed store gives its slot back.
 - ``pin`` / ``unpin`` — hold ready chunks while a load reads their slots; pinned chunks are never evicted.
 - ``remove`` — drop ready, unpinned chunks now: a chunk whose checksum did not match, an operator action.
+- ``complete_store(dirty=True)`` -> ``take_dirty`` -> copy -> ``unpin`` — write-back: a *dirty* chunk
+  (stored here, not yet in a lower tier written back) is served but never evicted; ``take_dirty`` hands
+  out the least recently used ones, pinned while a copy reads them, and their unpin makes them clean.
 - ``reset`` — drop everything, correct with jobs in flight: nothing in flight loses its slot, nothing
   in flight comes back.
 - ``take_events`` — STORED / REMOVED events, for KV-event subscribers.
@@ -25,6 +28,7 @@ returned tuples and at most one event.
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from attrs import frozen
@@ -68,7 +72,8 @@ class StorePlan:
 class PoolUsage:
     """Slot accounting. ``used`` counts slots not free: ``ready + storing`` plus pinned slots that
     ``reset`` took out of the index and that wait for their last unpin. ``pinned`` counts pinned
-    entries, those included."""
+    entries, those included. ``dirty``: ready chunks not yet written back (never evicted);
+    ``evictable``: ready chunks an eviction may take now (neither pinned nor dirty)."""
 
     capacity: int
     used: int
@@ -76,6 +81,8 @@ class PoolUsage:
     storing: int
     pinned: int
     evictions: int
+    dirty: int = 0
+    evictable: int = 0
 
 
 class _FreeSlots:
@@ -139,6 +146,8 @@ class BlockPool:
         self._orphans: set[ChunkKey] = set()
         self._events: list[PoolEvent] | None = [] if record_events else None
         self._evictions = 0
+        # Ready chunks not yet written back, least recently used first; never in the policy.
+        self._dirty: OrderedDict[ChunkKey, None] = OrderedDict()
 
     # -- lookups ---------------------------------------------------------------------------------------
 
@@ -164,6 +173,8 @@ class BlockPool:
         """Mark ready ``keys`` as just used. Keys that are not ready are ignored, and so are pinned keys:
         their last unpin makes them most recently used."""
         self._policy.hit(keys)
+        if self._dirty:
+            self._used_dirty(keys)
 
     # -- two-phase store -------------------------------------------------------------------------------
 
@@ -194,9 +205,15 @@ class BlockPool:
             reserved.append((key, slot))
         return StorePlan(tuple(reserved), evicted, len(keys) - len(new))
 
-    def complete_store(self, keys: Sequence[ChunkKey], success: bool) -> None:
+    def complete_store(
+        self, keys: Sequence[ChunkKey], success: bool, *, dirty: bool = False
+    ) -> tuple[ChunkKey, ...]:
         """Finish the stores of ``keys``: on success they become ready (most recently used), on failure
-        their slots are freed. Keys not being stored are ignored, so a second call changes nothing."""
+        their slots are freed; returns the keys that became ready. Keys not being stored are ignored, so
+        a second call changes nothing.
+
+        ``dirty``: the chunks must still be written back to a lower tier; they are never evicted until
+        ``take_dirty`` handed them out and their pin is released."""
         if self._doomed or self._orphans:
             keys = [key for key in keys if not self._settle(key)]
         pop = self._pending.pop
@@ -206,7 +223,7 @@ class BlockPool:
                 slot = pop(key, -1)
                 if slot >= 0:
                     free.append(slot)
-            return
+            return ()
         ready = self._ready
         done: list[ChunkKey] = []
         for key in keys:
@@ -215,9 +232,13 @@ class BlockPool:
                 ready[key] = slot
                 done.append(key)
         if done:
-            self._policy.insert(done)
+            if dirty:
+                self._dirty.update(dict.fromkeys(done))
+            else:
+                self._policy.insert(done)
             if self._events is not None:
                 self._events.append(PoolEvent(PoolEventKind.STORED, tuple(done)))
+        return tuple(done)
 
     # -- pins ------------------------------------------------------------------------------------------
 
@@ -260,7 +281,23 @@ class BlockPool:
             else:
                 del pins[key]
                 released.append(key)
+        if self._dirty:
+            released = self._used_dirty(released)
         self._policy.readmit(released)
+
+    # -- write-back ------------------------------------------------------------------------------------
+
+    def take_dirty(self, count: int) -> tuple[tuple[ChunkKey, int], ...]:
+        """Up to ``count`` dirty chunks, least recently used first, with their slots: no longer dirty,
+        and pinned while the caller copies them to the lower tier; ``unpin`` then makes them evictable
+        (most recently used), whatever the copy's outcome."""
+        dirty, pins, ready = self._dirty, self._pins, self._ready
+        taken: list[tuple[ChunkKey, int]] = []
+        while dirty and len(taken) < count:
+            key, _ = dirty.popitem(last=False)
+            pins[key] = pins.get(key, 0) + 1
+            taken.append((key, ready[key]))
+        return tuple(taken)
 
     # -- removal ---------------------------------------------------------------------------------------
 
@@ -283,6 +320,9 @@ class BlockPool:
                 removed.append(key)
         if removed:
             self._policy.discard(removed)
+            if self._dirty:
+                for key in removed:
+                    self._dirty.pop(key, None)
             if self._events is not None:
                 self._events.append(PoolEvent(PoolEventKind.REMOVED, tuple(removed)))
         return len(removed)
@@ -307,6 +347,7 @@ class BlockPool:
         if self._ready and self._events is not None:
             self._events.append(PoolEvent(PoolEventKind.REMOVED, tuple(self._ready)))
         self._ready.clear()
+        self._dirty.clear()
         self._policy.clear()
 
     def take_events(self) -> tuple[PoolEvent, ...]:
@@ -326,6 +367,8 @@ class BlockPool:
             storing=len(self._pending) - len(self._orphans),
             pinned=len(self._pins),
             evictions=self._evictions,
+            dirty=len(self._dirty),
+            evictable=len(self._policy),
         )
 
     # -- helpers ---------------------------------------------------------------------------------------
@@ -335,8 +378,10 @@ class BlockPool:
         policy, ready = self._policy, self._ready
         if keep:
             # Out of the policy while it picks: a store never evicts a chunk of its own prefix.
-            pins = self._pins
-            shielded = list(dict.fromkeys([key for key in keep if key in ready and key not in pins]))
+            pins, dirty = self._pins, self._dirty
+            shielded = list(
+                dict.fromkeys([key for key in keep if key in ready and key not in pins and key not in dirty])
+            )
             policy.discard(shielded)
             victims = policy.evict(count)
             policy.readmit(shielded)
@@ -350,6 +395,17 @@ class BlockPool:
         if evicted and self._events is not None:
             self._events.append(PoolEvent(PoolEventKind.REMOVED, evicted))
         return evicted
+
+    def _used_dirty(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+        """Make the dirty ones of ``keys`` the most recently used dirty chunks; the others, in order."""
+        dirty = self._dirty
+        clean: list[ChunkKey] = []
+        for key in keys:
+            if key in dirty:
+                dirty.move_to_end(key)
+            else:
+                clean.append(key)
+        return clean
 
     def _settle(self, key: ChunkKey) -> bool:
         """Whether ``key`` is one that reset left behind (then a completion is no completion); a doomed

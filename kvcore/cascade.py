@@ -15,6 +15,9 @@
   every tier it was sent to failed it (a tier that is down does not cost the others their copy). A chunk
   no tier admits yet (``Tier.admit_after``: the saves this rank must see first) is not sent anywhere and
   is not a failure: the pool keeps it.
+- **Write-back.** A tier written back (``Tier.write``) takes no save: it takes a chunk when the pool is
+  about to evict it (``submit_write_back``, by the same admission rule, the saves already counted), so a
+  stack with such a tier is a ``CascadeRemote`` even when it is the only remote tier.
 
 Jobs run on two ``JobLane`` threads, fetches apart from publishes, so a save never holds up a load. A job
 waits for each tier's job without a time bound: the tier's own transfers are bounded and every job of a
@@ -259,18 +262,26 @@ class _Job:
 
 
 class CascadeRemote:
-    """The ``RemoteTier`` of several tiers: fetches try them in order, publishes go to every tier that
-    admits the chunk (module docstring). ``admit_after[i]`` is tier ``i``'s admission rule;
-    ``counts[i]`` what tier ``i`` moved."""
+    """The ``RemoteTier`` of a stack's remote tiers: fetches try them in order, publishes go to every
+    tier written through that admits the chunk, write-backs to every tier written back that admits it
+    (module docstring). ``admit_after[i]`` is tier ``i``'s admission rule, ``write_back[i]`` whether it
+    is written back (default: none is); ``counts[i]`` what tier ``i`` moved."""
 
-    def __init__(self, tiers: Sequence[RemoteTier], admit_after: Sequence[int]) -> None:
-        if len(tiers) < 2 or len(admit_after) != len(tiers):
+    def __init__(
+        self,
+        tiers: Sequence[RemoteTier],
+        admit_after: Sequence[int],
+        write_back: Sequence[bool] | None = None,
+    ) -> None:
+        back = tuple(write_back) if write_back is not None else (False,) * len(tiers)
+        if not tiers or len(admit_after) != len(tiers) or len(back) != len(tiers):
             raise UsageError(
-                f"tiers: got {len(tiers)} with {len(admit_after)} admission rules, expected at least two "
-                "tiers and one rule each"
+                f"tiers: got {len(tiers)} with {len(admit_after)} admission rules and {len(back)} write "
+                "modes, expected at least one tier and one rule and mode each"
             )
         self._tiers = tuple(tiers)
         self._admit = tuple(admit_after)
+        self._back = back
         self._board = JobBoard()
         self._lock = threading.Lock()
         self._seen: collections.OrderedDict[ChunkKey, int] = collections.OrderedDict()
@@ -288,8 +299,13 @@ class CascadeRemote:
         self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
         with self._lock:
-            tiers = tuple(self._admitted(item.key) for item in items)
+            tiers = tuple(self._admitted(item.key, count=True, back=False) for item in items)
         return self._submit(self._publishes, self._publish, session, items, chain, tiers)
+
+    def submit_write_back(self, session: str, items: Sequence[StoreItem]) -> JobId:
+        with self._lock:
+            tiers = tuple(self._admitted(item.key, count=False, back=True) for item in items)
+        return self._submit(self._publishes, self._publish, session, items, (), tiers)
 
     def adopt(self, session: str, holder: str, chain: Sequence[ChunkKey], start: int, end: int) -> None:
         for tier in self._tiers:
@@ -411,10 +427,19 @@ class CascadeRemote:
             for name, value in moved.items():
                 setattr(counts, name, getattr(counts, name) + value)
 
-    def _admitted(self, key: ChunkKey) -> tuple[int, ...]:
-        """Count one more save of ``key``; the tiers whose admission rule it now passes (with ``_lock``)."""
-        seen = self._seen.pop(key, 0) + 1
-        self._seen[key] = seen
-        if len(self._seen) > _SEEN:
-            self._seen.popitem(last=False)
-        return tuple(t for t, after in enumerate(self._admit) if seen >= after)
+    def _admitted(self, key: ChunkKey, *, count: bool, back: bool) -> tuple[int, ...]:
+        """The tiers written back (``back``) or through whose admission rule ``key`` passes, after
+        counting one more save of it if ``count`` (with ``_lock``). A rule of 1 admits every chunk,
+        remembered or not."""
+        if count:
+            seen = self._seen.pop(key, 0) + 1
+            self._seen[key] = seen
+            if len(self._seen) > _SEEN:
+                self._seen.popitem(last=False)
+        else:
+            seen = self._seen.get(key, 0)
+        return tuple(
+            t
+            for t, (after, written_back) in enumerate(zip(self._admit, self._back, strict=True))
+            if written_back is back and (after <= 1 or seen >= after)
+        )

@@ -3,8 +3,9 @@ scheduler side and the rank workers out, whatever the backend.
 
 The backend comes from the registry by ``config.backend.kind`` (``kvcore.registry``), the engine memory
 by the tensors' library. A stack of tiers (``kvcore.tiers``) opens each remote tier's backend with its
-own settings, and cascades them (``kvcore.cascade``) when there are several. vLLM's connector, the
-CLI's demo and any other engine build kvcore through these two calls (docs/engine-api.md).
+own settings, and cascades them (``kvcore.cascade``) when there are several or one is written back.
+vLLM's connector, the CLI's demo and any other engine build kvcore through these two calls
+(docs/engine-api.md).
 """
 
 from __future__ import annotations
@@ -71,9 +72,12 @@ def open_worker(
 
     def remote(memory: RankMemory) -> RemoteTier | None:
         opened = _open_each(config, lambda tier, plugin: plugin.open_remote(tier, engine, memory))
-        if len(opened) < 2:
+        stack = config.backend
+        if not isinstance(stack, TierStack) or (len(opened) < 2 and not stack.writes_back):
             return opened[0] if opened else None
-        return CascadeRemote(opened, _admission(config))
+        return CascadeRemote(
+            opened, [t.admit_after for t in stack.remote], [t.writes_back for t in stack.remote]
+        )
 
     memory = engine_memory(tensors)
     if faults is None:  # an engine memory written before ``faults`` existed still opens workers
@@ -87,11 +91,6 @@ def _tiers(config: KVCoreConfig) -> tuple[KVCoreConfig, ...]:
     if isinstance(config.backend, TierStack):
         return tuple(attrs.evolve(config, backend=tier.settings) for tier in config.backend.remote)
     return (config,)
-
-
-def _admission(config: KVCoreConfig) -> tuple[int, ...]:
-    stack = config.backend
-    return tuple(t.admit_after for t in stack.remote) if isinstance(stack, TierStack) else (1,)
 
 
 def _open_each(

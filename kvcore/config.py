@@ -190,17 +190,17 @@ def _make_converter() -> cattrs.Converter:
         config: BackendSettings = structurers[cls]({k: v for k, v in value.items() if k != "kind"}, cls)
         return config
 
-    def tier(value: object, path: str) -> tuple[BackendSettings, dict[str, int]]:
+    def tier(value: object, path: str) -> tuple[BackendSettings, dict[str, Any]]:
         """One tier of a stack: its backend's settings, and the stack's own keys of it (``TIER_KEYS``);
         a problem is raised as one ``BadValue`` whose field is its path from ``tiers``."""
         try:
             if not isinstance(value, Mapping):
                 raise BadValue(value, f"a mapping with a 'kind' key, {registry.expected_kinds()}")
-            own = {}
-            for key in TIER_KEYS:
+            own: dict[str, Any] = {}
+            for key, kind in TIER_KEYS.items():
                 if key in value:
                     try:
-                        own[key] = conv.structure(value[key], int)
+                        own[key] = conv.structure(value[key], kind)
                     except BadValue as exc:
                         raise BadValue(exc.value, exc.expected, key) from None
             return backend({k: v for k, v in value.items() if k not in TIER_KEYS}, BackendSettings), own
@@ -402,7 +402,7 @@ def config_to_dict(config: KVCoreConfig) -> dict[str, Any]:
         del data["backend"]
         unstructure = _CONVERTER.unstructure
         data["tiers"] = [unstructure(config.backend.local, BackendSettings)] + [
-            {**unstructure(t.settings, BackendSettings), "admit_after": t.admit_after}
+            {**unstructure(t.settings, BackendSettings), "admit_after": t.admit_after, "write": t.write}
             for t in config.backend.remote
         ]
     if data.get("secret") is not None:

@@ -59,6 +59,11 @@ class BlockOp:
     ``held``: a load's chunks that the scheduler's lookup keeps read-locked for each rank
     (``SupportsHeldLookups``); the op's chain reaches ``held.end``, and each rank's tier adopts its
     locks (``SupportsAdoptedLocks``) before the op's fetch.
+
+    ``write_back``: the op writes pool chunks back to the tiers written back (``SupportsWriteBack``)
+    before the pool evicts them. It belongs to no request and copies no engine block: its block lists
+    are empty, its ``remote`` chunks are its chunks (``first`` = the chunk's index, ``count`` = 1), and
+    ``OpReport.failed`` names the chunks that no tier stored.
     """
 
     op_id: int
@@ -70,6 +75,7 @@ class BlockOp:
     chain_from: int = field(default=0, validator=ge(0))
     chain: tuple[tuple[ChunkKey, ...], ...] = ()
     held: HeldChunks | None = field(default=None, validator=optional(instance(HeldChunks)))
+    write_back: bool = False
 
 
 @frozen

@@ -58,6 +58,7 @@ __all__ = [
     "SupportsImmediateLookup",
     "SupportsReopen",
     "SupportsTierUsage",
+    "SupportsWriteBack",
     "TierUsage",
 ]
 
@@ -600,6 +601,17 @@ class RemoteTier(JobQueue, Protocol):
         Jobs submitted before still finish or fail, and ``poll``/``wait`` report them; ``end_session``
         keeps working.
         """
+        ...
+
+
+@runtime_checkable
+class SupportsWriteBack(RemoteTier, Protocol):
+    """A remote tier with tiers written back (``kvcore.tiers``): ``submit_publish`` writes a save to the
+    tiers written through, ``submit_write_back`` a chunk the pool is about to evict to the others."""
+
+    def submit_write_back(self, session: str, items: Sequence[StoreItem]) -> JobId:
+        """Store each item's host bytes under its key in the tiers written back that admit it (a chunk
+        they do not admit is no failure); a failed item is stored in none of them."""
         ...
 
 

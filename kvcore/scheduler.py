@@ -51,6 +51,8 @@ from kvcore.pool_index import PoolIndex
 from kvcore.ports import ChunkIndex, Direction, HeldChunks, TierUsage
 from kvcore.remote import close_quietly
 from kvcore.request_keys import ChunkChain, Keyer, prompt_tokens, token_sequence
+from kvcore.tiers import TierStack
+from kvcore.write_back import SESSION, WriteBack
 
 __all__ = ["CacheScheduler", "SchedulerStats"]
 
@@ -73,6 +75,8 @@ class SchedulerStats:
     ops_in_flight: int
     tier_found: tuple[int, ...] = ()  # chunks each remote tier's lookups found beyond the pool, in order
     tier_usage: tuple[TierUsage | None, ...] = ()  # how full each remote tier is, where it can tell
+    written_back_chunks: int = 0  # pool chunks written back to the tiers written back (``Tier.write``)
+    failed_write_back_chunks: int = 0  # of those, chunks that no tier stored
 
 
 class _Request:
@@ -205,6 +209,9 @@ class CacheScheduler:
         self._ended: list[RequestId] = []  # with a remote tier: requests whose sessions may end
         self._finished: list[RequestId] = []
         self._sightings = Sightings(config.save_after_sightings, num_slots)
+        stack = config.backend
+        written_back = isinstance(stack, TierStack) and stack.writes_back and remote is not None
+        self._write_back = WriteBack(self.pool) if written_back and num_slots else None
         self._counters = dict.fromkeys(
             (
                 "lookups",
@@ -214,6 +221,8 @@ class CacheScheduler:
                 "saved_blocks",
                 "failed_load_blocks",
                 "failed_save_chunks",
+                "written_back_chunks",
+                "failed_write_back_chunks",
             ),
             0,
         )
@@ -532,9 +541,17 @@ class CacheScheduler:
 
     # -- steps, completions and request ends -------------------------------------------------------------
 
-    def take_plan(self) -> StepPlan:
+    def take_plan(self, *, write_back: bool = True) -> StepPlan:
         """The ops decided since the last call, for every worker, and the ops to fence first (see
-        ``preempt``). Execute it before the engine reuses any block it freed."""
+        ``preempt``). Execute it before the engine reuses any block it freed. With a tier written back,
+        it also writes back the pool's least recently used dirty chunks when the pool runs short of
+        room (``kvcore.write_back``), unless ``write_back`` is false (a plan the engine waits for)."""
+        if self._write_back is not None and write_back:
+            taken = self._write_back.take(self._ops.next_id)
+            if taken is not None:
+                op, keys = taken
+                self._ops.add(SESSION, op, keys, (1,) * len(keys), self._resets)
+                self._plan.append(op)
         plan = StepPlan(tuple(self._plan), tuple(self._ended), tuple(self._fenced))
         self._plan, self._ended, self._fenced = [], [], []
         self._plans += 1
@@ -601,6 +618,8 @@ class CacheScheduler:
         load submitted before the reset is reported failed, so no request sees a pre-reset chunk.
         """
         self.pool.reset()
+        if self._write_back is not None:
+            self._write_back.clear()
         self._resets += 1
         if self._remote is not None:
             self.keyer.new_epoch(f"reset{self._resets}")
@@ -792,6 +811,11 @@ class CacheScheduler:
 
     def _finish_op(self, entry: InFlightOp) -> None:
         op = entry.op
+        if op.write_back and self._write_back is not None:
+            self._write_back.finish(entry.keys)
+            self._counters["written_back_chunks"] += len(entry.keys)
+            self._counters["failed_write_back_chunks"] += len(entry.failed)
+            return
         if op.direction is Direction.LOAD and entry.epoch != self._resets:
             entry.failed.update(range(len(op.engine_blocks)))  # loaded before a reset: pre-reset KV
         failed = set(entry.failed_chunks())
@@ -801,7 +825,10 @@ class CacheScheduler:
             self.pool.complete_store([k for k in fetched if k not in failed], success=True)
             self.pool.complete_store([k for k in fetched if k in failed], success=False)
             if entry.suspect:  # a chunk whose bytes failed to load is suspect: never serve it again
-                self.pool.remove([k for k in failed if k not in entry.fetched])
+                suspect = [k for k in failed if k not in entry.fetched]
+                self.pool.remove(suspect)
+                if self._write_back is not None:
+                    self._write_back.forget(suspect)
             self._counters["loaded_blocks"] += len(op.engine_blocks) - len(entry.failed)
             self._counters["failed_load_blocks"] += len(entry.failed)
             req = self._requests.get(entry.request_id)
@@ -813,7 +840,10 @@ class CacheScheduler:
         else:
             good = tuple(k for k in entry.keys if k not in failed)
             dropped = tuple(k for k in entry.keys if k in failed)
-            self.pool.complete_store(good, success=True)
+            if self._write_back is not None:
+                self._write_back.store(op, entry.keys, entry.sizes, set(good))
+            else:
+                self.pool.complete_store(good, success=True)
             if dropped:
                 self.pool.complete_store(dropped, success=False)
                 self._counters["failed_save_chunks"] += len(dropped)

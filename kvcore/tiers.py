@@ -11,7 +11,12 @@ mechanism, the pool in front of a remote tier; more remote tiers cascade behind 
 
 Each remote tier may carry ``admit_after``: the saves of a chunk this engine's rank must see before the
 tier takes it (1, the default: every save; 2: only chunks saved twice, e.g. recomputed after every tier
-before lost them, reach it). Saves are written through to every tier that admits them.
+before lost them, reach it), and ``write``: ``"through"`` (the default) writes each save to the tier at
+once, side by side with the pool; ``"back"`` writes a chunk to it only when the pool is about to evict
+the chunk (``CacheScheduler``: a chunk not yet written back is never evicted), so chunks that the pool
+keeps cost the tier no write. A tier that moves engine blocks itself (``DIRECT``, e.g. LMCache's) is
+written through only: it may address chunks by their request's chain, which a write-back, long after the
+request, does not carry.
 """
 
 from __future__ import annotations
@@ -21,12 +26,12 @@ from typing import ClassVar
 import attrs
 from attrs import field, frozen
 
-from kvcore.config_fields import BackendSettings, BadValue, within
+from kvcore.config_fields import BackendSettings, BadValue, one_of, within
 
 __all__ = ["TIER_KEYS", "Tier", "TierStack"]
 
-TIER_KEYS = ("admit_after",)
-"""The keys of a stacked tier that are the stack's, not its backend's."""
+TIER_KEYS: dict[str, type] = {"admit_after": int, "write": str}
+"""The keys of a stacked tier that are the stack's, not its backend's, and their types."""
 
 
 @frozen
@@ -35,6 +40,20 @@ class Tier:
 
     settings: BackendSettings
     admit_after: int = field(default=1, validator=within(1, 2**20, "a count of saves from 1 to 2**20"))
+    write: str = field(default="through", validator=one_of("through", "back"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.write == "back" and self.settings.DIRECT:
+            raise BadValue(
+                self.write,
+                f"'through' for kind {self.settings.KIND!r} (a tier that moves engine blocks itself is "
+                "written only along with its requests' saves, which name their chain)",
+                "write",
+            )
+
+    @property
+    def writes_back(self) -> bool:
+        return self.write == "back"
 
 
 def _remote_tiers(
@@ -66,6 +85,11 @@ class TierStack:
     def __attrs_post_init__(self) -> None:
         if self.local.REMOTE or self.local.DIRECT:
             raise BadValue(self.local.KIND, "a local pool first (a tier that is not remote)", "tiers[0].kind")
+
+    @property
+    def writes_back(self) -> bool:
+        """Whether any remote tier is written back (the pool then keeps chunks until they are)."""
+        return any(tier.writes_back for tier in self.remote)
 
     @property
     def host_bytes(self) -> int:

@@ -3,10 +3,10 @@ a remote tier when one is attached.
 
 Workers own memory and execute; they decide nothing (docs/architecture.md, "Where things run"). An op
 is one mover job, preceded by a fetch (a load of chunks the remote tier holds) or followed by a publish (a
-save to the remote tier). An op whose chunks have no host slot is one remote job instead: the remote tier
-moves the engine blocks itself (``BlockRemote``). Every op is reported exactly once, failures included
-— a copy the mover refused is reported as failed at once — so the scheduler never waits for an op that
-will not come.
+save to the remote tier); a write-back op is a publish alone (pool chunks to the tiers written back). An
+op whose chunks have no host slot is one remote job instead: the remote tier moves the engine blocks
+itself (``BlockRemote``). Every op is reported exactly once, failures included — a copy the mover refused
+is reported as failed at once — so the scheduler never waits for an op that will not come.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from kvcore.ports import (
     RemoteTier,
     StoreItem,
     SupportsReopen,
+    SupportsWriteBack,
 )
 from kvcore.remote import close_quietly
 
@@ -148,6 +149,9 @@ class BlockWorker:
                 run.abandoned = True
                 run.failed.update(range(len(op.engine_blocks)))
                 self._done(run)
+                continue
+            if op.write_back:  # the pool's slots to the tiers written back: no engine block
+                self._start_remote(run, _Stage.PUBLISH, op.remote)
                 continue
             if _direct(op):
                 self._start_remote(run, _Stage.FETCH if op.direction is Direction.LOAD else _Stage.PUBLISH)
@@ -352,6 +356,10 @@ class BlockWorker:
                 blocks = [self._block_item(run.op, c) for c in run.staged]
                 submit_blocks = remote.submit_fetch_blocks if fetch else remote.submit_publish_blocks
                 job = submit_blocks(run.op.request_id, blocks, chain)
+            elif run.op.write_back:
+                if not isinstance(remote, SupportsWriteBack):
+                    raise UsageError(f"{type(remote).__name__} has no tier written back")
+                job = remote.submit_write_back(run.op.request_id, [self._store_item(c) for c in run.staged])
             else:
                 items = [self._store_item(c) for c in run.staged]
                 submit = remote.submit_fetch if fetch else remote.submit_publish

@@ -58,6 +58,7 @@ def _vllm_config(args: argparse.Namespace) -> int:
             endpoint=args.endpoint,
             disk=args.disk,
             disk_size=args.disk_size,
+            disk_write=args.disk_write,
         )
     except KVCoreError as exc:
         print(f"kvcore vllm-config: {exc}", file=sys.stderr)
@@ -83,6 +84,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         remote=args.remote,
         disk=args.disk,
         stack=args.stack,
+        write_back=args.write_back,
         preempt=not args.no_preempt,
         reset=not args.no_reset,
         faults=not args.no_faults,
@@ -143,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     fuzz.add_argument(
         "--stack", action="store_true", help="a cascade: the disk tier, then an in-memory store"
     )
+    fuzz.add_argument(
+        "--write-back", action="store_true", help="with --disk or --stack: the disk tier written back"
+    )
     fuzz.add_argument("--no-preempt", action="store_true", help="no random preemptions")
     fuzz.add_argument("--no-reset", action="store_true", help="no resets")
     fuzz.add_argument("--no-faults", action="store_true", help="no failing, late or stalling jobs")
@@ -169,6 +174,11 @@ def _parser() -> argparse.ArgumentParser:
     vllm.add_argument("--role", default="kv_both", choices=("kv_both", "kv_producer", "kv_consumer"))
     vllm.add_argument("--disk", help="a directory for a disk tier behind the host pool (with --disk-size)")
     vllm.add_argument("--disk-size", help="bytes of chunk files the disk tier may hold, e.g. 1TiB")
+    vllm.add_argument(
+        "--disk-write",
+        default="through",
+        help="through (default: each save reaches the disk) or back (when the pool is about to evict it)",
+    )
     vllm.set_defaults(run=_vllm_config)
 
     config = verbs.add_parser("config", help="configuration tools")

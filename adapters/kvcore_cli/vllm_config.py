@@ -29,6 +29,7 @@ def transfer_config(
     endpoint: str | None = None,
     disk: str | None = None,
     disk_size: str | None = None,
+    disk_write: str = "through",
 ) -> dict[str, Any]:
     """The ``--kv-transfer-config`` value for kvcore, in the spirit of vLLM's one-knob offloading options.
 
@@ -37,7 +38,8 @@ def transfer_config(
     ``tcp://localhost:5555``); ``size`` is the host pool, total across ranks (default 8 GiB; for
     ``lmcache`` none: blocks move straight to and from the server's memory, and a size puts a pool in
     front). ``disk`` (a directory) puts a disk tier of ``disk_size`` bytes behind the host pool, in front
-    of the ``mooncake`` store if one is asked for: a stack of tiers (docs/disk.md). The result is
+    of the ``mooncake`` store if one is asked for: a stack of tiers (docs/disk.md), the disk written
+    ``disk_write`` (``through``: at each save; ``back``: when the pool is about to evict). The result is
     validated before it is returned, so what is printed is what the engine will accept.
     """
     if backend not in BACKEND_CHOICES:
@@ -60,7 +62,7 @@ def transfer_config(
         tier = {"kind": "lmcache_mp", "url": endpoint or DEFAULT_ENDPOINTS[backend], "local_size": size or 0}
     extra: dict[str, Any] = {"backend": tier}
     if disk is not None or disk_size is not None:
-        extra = {"tiers": _stack(backend, tier, disk, disk_size)}
+        extra = {"tiers": _stack(backend, tier, disk, disk_size, disk_write)}
     load_config(extra)
     return {
         "kv_connector": CONNECTOR_NAME,
@@ -71,7 +73,7 @@ def transfer_config(
 
 
 def _stack(
-    backend: str, tier: dict[str, Any], disk: str | None, disk_size: str | None
+    backend: str, tier: dict[str, Any], disk: str | None, disk_size: str | None, disk_write: str
 ) -> list[dict[str, Any]]:
     """The tiers of a config with a disk: the host pool, the disk, then the shared tier if any."""
     if disk is None or disk_size is None:
@@ -83,6 +85,8 @@ def _stack(
     size = tier.get("size", tier.get("local_size"))
     pool = {"kind": "cpu", "size": size}
     local = {"kind": "disk", "path": disk, "size": disk_size}
+    if disk_write != "through":  # the default stays implicit in what is printed
+        local["write"] = disk_write
     if backend == "cpu":
         return [pool, local]
     return [pool, local, {k: v for k, v in tier.items() if k != "local_size"}]

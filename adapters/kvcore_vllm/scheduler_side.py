@@ -203,7 +203,7 @@ class SchedulerSide:
             return StepPlan(())
         for chain in self.evictions.evicted(allocated):
             self._save_chain(chain)
-        return self.core.take_plan()
+        return self.core.take_plan(write_back=False)  # the workers wait for it: no write-back in it
 
     def _save_chain(self, chain: EvictedChain) -> None:
         per, chunk = self._blocks_per_chunk, self._chunk_tokens

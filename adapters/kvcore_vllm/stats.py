@@ -39,12 +39,15 @@ COUNTERS = {
     "saved_blocks": "blocks saved to kvcore",
     "failed_load_blocks": "blocks whose load failed (recomputed)",
     "failed_save_chunks": "chunks whose save failed (dropped)",
+    "written_back_chunks": "pool chunks written back to the tiers written back before their eviction",
+    "failed_write_back_chunks": "chunks whose write-back no tier stored (the pool keeps them, clean)",
 }
 GAUGES = {
     "pool_capacity": "host slots (chunks) of the pool",
     "pool_used": "host slots in use (ready, being stored, or pinned)",
     "pool_pinned": "host slots pinned by loads in flight",
     "pool_storing": "host slots being stored",
+    "pool_dirty": "chunks of the pool not yet written back (never evicted until they are)",
     "pool_evictions": "chunks evicted since start",
     "requests": "requests kvcore tracks (live, or waiting for their copies)",
     "ops_in_flight": "copy ops not yet reported by every worker",
@@ -119,6 +122,7 @@ class StatsDelta:
             "pool_used": pool.used,
             "pool_pinned": pool.pinned,
             "pool_storing": pool.storing,
+            "pool_dirty": pool.dirty,
             "pool_evictions": pool.evictions,
             "requests": stats.requests,
             "ops_in_flight": stats.ops_in_flight,

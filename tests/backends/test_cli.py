@@ -78,6 +78,11 @@ def test_vllm_config_puts_a_disk_tier_behind_the_pool(capsys: pytest.CaptureFixt
     tiers = json.loads(capsys.readouterr().out)["kv_connector_extra_config"]["tiers"]
     assert [t["kind"] for t in tiers] == ["cpu", "disk", "mooncake_store"]
     assert tiers[0]["size"] == "8GiB"
+    assert main([*args, "--disk-write", "back"]) == 0
+    tiers = json.loads(capsys.readouterr().out)["kv_connector_extra_config"]["tiers"]
+    assert [t.get("write") for t in tiers] == [None, "back", None]
+    assert main([*args, "--disk-write", "sometimes"]) == 2
+    assert "tiers[1].write: got 'sometimes'" in capsys.readouterr().err
     assert main(["vllm-config", "--disk", "/nvme/kv"]) == 2
     assert "disk_size: got None" in capsys.readouterr().err
     assert main(["vllm-config", "--backend", "lmcache", "--disk", "/kv", "--disk-size", "1GiB"]) == 2

@@ -16,9 +16,16 @@ STEPS = 200
 
 @pytest.mark.parametrize(
     "options",
-    [FuzzOptions(), FuzzOptions(remote=True), FuzzOptions(disk=True), FuzzOptions(stack=True)],
-    # disk: the disk tier's real store (files in a temporary directory); stack: it, then a memory store
-    ids=["cpu", "remote", "disk", "stack"],
+    [
+        FuzzOptions(),
+        FuzzOptions(remote=True),
+        FuzzOptions(disk=True),
+        FuzzOptions(stack=True),
+        FuzzOptions(stack=True, write_back=True, pool_slots=8),
+    ],
+    # disk: the disk tier's real store (files in a temporary directory); stack: it, then a memory store;
+    # write-back: the disk written back from a small pool (so chunks are written back and fetched again)
+    ids=["cpu", "remote", "disk", "stack", "write-back"],
 )
 def test_seeded_runs_hold_every_check_and_cover_the_lifecycle(options: FuzzOptions) -> None:
     runs = [run_fuzz(seed, STEPS, options) for seed in SEEDS]
@@ -42,6 +49,7 @@ def test_seeded_runs_hold_every_check_and_cover_the_lifecycle(options: FuzzOptio
         assert total("remote_faults") > 0
         assert total("lookup_faults") > 0
         assert total("index_stalls") > 0
+    assert (total("written_back") > 0) is options.write_back
 
 
 def _outcome(seed: int) -> FuzzSummary | str:

@@ -145,3 +145,68 @@ def test_a_stacked_backends_start_up_checks_name_its_place_in_the_stack(tmp_path
         open_scheduler(load_config(config), engine_spec(1))
     assert error.value.field == "tiers[2].path"
     assert "an existing directory" in error.value.expected
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_disk_written_back_gets_only_the_chunks_the_pool_is_about_to_evict(tmp_path: Path, tp: int) -> None:
+    (tmp_path / "kv").mkdir()
+    pool_chunks = 4 * CHUNKS  # four prompts; write-back keeps a quarter of the pool free or clean
+    config = {
+        "chunk_tokens": CHUNK_TOKENS,
+        "tiers": [
+            {"kind": "cpu", "size": pool_chunks * CHUNK_BYTES * tp},
+            {"kind": "disk", "path": str(tmp_path / "kv"), "size": "64MiB", "write": "back"},
+        ],
+    }
+    spec = engine_spec(tp)
+    a = Engine(load_config(config), spec, seed=91)
+    prompts = [prompt(91 + i) for i in range(5)]
+    try:
+        for i in range(3):
+            save(a, f"p{i}", prompts[i])
+        a.step()
+        assert files(tmp_path / "kv") == 0  # the pool has room: nothing written yet
+        assert a.sched.stats().pool.dirty == 3 * CHUNKS
+        want = [a.blocks(rank, range(CHUNKS * PER_CHUNK)) for rank in range(tp)]  # p3 overwrites them
+        save(a, "p3", prompts[3])  # fills the pool: its step writes the least recently used back, p0's
+        stats = a.sched.stats()
+        assert (stats.written_back_chunks, stats.failed_write_back_chunks, stats.pool.dirty) == (
+            CHUNKS,
+            0,
+            3 * CHUNKS,
+        )
+        assert files(tmp_path / "kv") == CHUNKS * tp
+        save(a, "p4", prompts[4])  # evicts p0, written back and clean, never a dirty chunk; writes p1 back
+        assert a.sched.stats().written_back_chunks == 2 * CHUNKS
+        assert load(a, "p0-again", prompts[0], at=20) == CHUNKS * CHUNK_TOKENS  # from the disk
+        assert a.sched.stats().tier_found == (CHUNKS,)
+        for rank in range(tp):
+            assert a.blocks(rank, range(20, 20 + CHUNKS * PER_CHUNK)) == want[rank]
+        for i in (2, 3, 4):  # still in the pool: hits from the pool
+            assert load(a, f"p{i}-again", prompts[i], at=40) == CHUNKS * CHUNK_TOKENS
+        assert a.sched.stats().tier_found == (CHUNKS,)
+        # p0's promotion into the pool evicted p1 (clean): the next step wrote p2 back
+        assert a.sched.stats().written_back_chunks == 3 * CHUNKS
+    finally:
+        a.close()
+    b = Engine(load_config(config), spec, seed=92)  # a restart: what was written back is on the disk
+    try:
+        found = [load(b, f"b{i}", prompts[i], at=10) for i in range(5)]
+        assert found == [CHUNKS * CHUNK_TOKENS] * 3 + [0, 0]  # p3 and p4 were never written back
+    finally:
+        b.close()
+
+
+def test_a_stack_writes_through_and_back_per_tier(tmp_path: Path) -> None:
+    config = stack(tmp_path, 1)
+    config["tiers"][1]["write"] = "back"
+    config["tiers"][0]["size"] = 4 * CHUNKS * CHUNK_BYTES
+    a = Engine(load_config(config), engine_spec(1), seed=93)
+    try:
+        for i in range(3):
+            save(a, f"p{i}", prompt(93 + i))
+            assert (files(tmp_path / "nvme"), files(tmp_path / "shared")) == (0, (i + 1) * CHUNKS)
+        save(a, "p3", prompt(96))  # fills the pool: its step writes the least recently used back
+        assert (files(tmp_path / "nvme"), files(tmp_path / "shared")) == (CHUNKS, 4 * CHUNKS)
+    finally:
+        a.close()

@@ -145,12 +145,15 @@ def test_kvcore_series_on_metrics(reuse: Reuse) -> None:
         "saved_blocks": saved,
         "failed_load_blocks": 0,
         "failed_save_chunks": 0,
+        "written_back_chunks": 0,  # no tier written back
+        "failed_write_back_chunks": 0,
     }
     assert gauges == {
         "pool_capacity": POOL_BYTES // (BLOCK * KV_BYTES_PER_TOKEN),
         "pool_used": saved,  # nothing evicted from a pool this large
         "pool_pinned": 0,
         "pool_storing": 0,
+        "pool_dirty": 0,
         "pool_evictions": 0,
         "requests": 0,
         "ops_in_flight": 0,

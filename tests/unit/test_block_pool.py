@@ -129,7 +129,9 @@ def test_touch_ignores_unknown_and_in_progress_keys() -> None:
     store(pool, "a")
     pool.prepare_store(keys("b"))
     pool.touch(keys("x b a"))
-    assert pool.usage() == PoolUsage(capacity=2, used=2, ready=1, storing=1, pinned=0, evictions=0)
+    assert pool.usage() == PoolUsage(
+        capacity=2, used=2, ready=1, storing=1, pinned=0, evictions=0, evictable=1
+    )
 
 
 def test_store_never_evicts_a_chunk_of_its_own_list() -> None:
@@ -190,7 +192,9 @@ def test_complete_store_is_idempotent_and_ignores_unknown_keys() -> None:
     pool.complete_store(keys("x"), success=True)  # never prepared: ignored
     assert pool.lookup(keys("a")) == 1
     assert pool.take_events() == ()
-    assert pool.usage() == PoolUsage(capacity=4, used=1, ready=1, storing=0, pinned=0, evictions=0)
+    assert pool.usage() == PoolUsage(
+        capacity=4, used=1, ready=1, storing=0, pinned=0, evictions=0, evictable=1
+    )
 
 
 def test_completing_part_of_a_plan_leaves_the_rest_in_progress() -> None:
@@ -279,7 +283,9 @@ def test_remove_drops_ready_keys_frees_their_slots_and_reports_them() -> None:
     assert pool.remove(keys("c a")) == 2
     assert ready(pool, "a b c") == ["b"]
     assert pool.take_events() == (PoolEvent(REMOVED, tuple(keys("c a"))),)
-    assert pool.usage() == PoolUsage(capacity=4, used=1, ready=1, storing=0, pinned=0, evictions=0)
+    assert pool.usage() == PoolUsage(
+        capacity=4, used=1, ready=1, storing=0, pinned=0, evictions=0, evictable=1
+    )
 
 
 def test_remove_ignores_absent_keys_and_counts_a_repeated_key_once() -> None:
@@ -463,3 +469,40 @@ def test_policy_must_start_empty() -> None:
     with pytest.raises(ConfigError) as info:
         BlockPool(4, policy)
     assert info.value.field == "policy"
+
+
+def test_dirty_chunks_are_served_never_evicted_and_written_back_least_recently_used_first() -> None:
+    pool = BlockPool(3)
+    pool.prepare_store(keys("a b c"))
+    assert pool.complete_store(keys("a b c x"), success=True, dirty=True) == tuple(keys("a b c"))
+    assert pool.lookup(keys("a b c")) == 3  # served like any chunk
+    assert pool.prepare_store(keys("d")).slots == ()  # none may be evicted before it is written back
+    pool.touch(keys("a"))  # used again: written back last
+    pool.pin(keys("b"))
+    pool.unpin(keys("b"))  # a load read it: used again, and still dirty
+    usage = pool.usage()
+    assert (usage.dirty, usage.evictable, usage.pinned) == (3, 0, 0)
+    slots = dict(zip(keys("a b c"), pool.slots_of(keys("a b c")), strict=True))
+    taken = pool.take_dirty(2)
+    assert taken == ((ChunkKey("c"), slots[ChunkKey("c")]), (ChunkKey("a"), slots[ChunkKey("a")]))
+    usage = pool.usage()
+    assert (usage.dirty, usage.evictable, usage.pinned) == (1, 0, 2)  # pinned while written back
+    assert pool.prepare_store(keys("d")).slots == ()
+    pool.unpin(keys("c a"))  # written back: clean, evictable as just used
+    plan = pool.prepare_store(keys("d"))
+    assert plan.evicted == tuple(keys("c"))
+    assert pool.lookup(keys("b")) == 1  # b is still dirty: kept
+    assert pool.take_dirty(5) == ((ChunkKey("b"), slots[ChunkKey("b")]),)
+    assert pool.take_dirty(5) == ()
+
+
+def test_a_removed_or_reset_dirty_chunk_is_never_handed_out_for_write_back() -> None:
+    pool = BlockPool(4)
+    pool.prepare_store(keys("a b c"))
+    pool.complete_store(keys("a b c"), success=True, dirty=True)
+    assert pool.remove(keys("b")) == 1
+    assert [key for key, _ in pool.take_dirty(1)] == keys("a")
+    pool.reset()
+    assert pool.take_dirty(4) == ()
+    pool.unpin(keys("a"))  # the write-back of a chunk the reset dropped ends: its slot is freed
+    assert pool.usage() == PoolUsage(capacity=4, used=0, ready=0, storing=0, pinned=0, evictions=0)

@@ -1,9 +1,10 @@
 """The block pool against a model made of plain dicts, under random interleavings of every operation.
 
-Checked after every step, for both eviction policies: no pinned or storing slot is ever evicted, no two
-keys share a slot, used <= capacity, the usage figures and lookups match the model, the events replay to
-exactly the ready keys, and a reset in mid-flight followed by late completions never resurrects a key.
-At the end, every store in flight is completed and every pin released: the figures must add up.
+Checked after every step, for both eviction policies: no pinned, storing or dirty slot is ever evicted,
+no two keys share a slot, used <= capacity, the usage figures and lookups match the model, the events
+replay to exactly the ready keys, dirty chunks are handed out for write-back least recently used first,
+and a reset in mid-flight followed by late completions never resurrects a key. At the end, every store in
+flight is completed, every dirty chunk written back and every pin released: the figures must add up.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.doomed: dict[ChunkKey, int] = {}  # stores in flight at a reset
         self.orphans: dict[ChunkKey, int] = {}  # pinned at a reset
         self.pins: Counter[ChunkKey] = Counter()
+        self.dirty: list[ChunkKey] = []  # ready, not yet written back: least recently used first
         self.evictions = 0
         self.published: set[ChunkKey] = set()  # what the events say is ready
 
@@ -51,7 +53,9 @@ class PoolMachine(RuleBasedStateMachine):
         held = self.held()
         new = list(dict.fromkeys(key for key in keys if key not in held))
         free = CAPACITY - len(held)
-        evictable = [key for key in self.ready if key not in self.pins and key not in keys]
+        evictable = [
+            key for key in self.ready if key not in self.pins and key not in keys and key not in self.dirty
+        ]
         fits = min(len(new), free + len(evictable))
 
         plan = self.pool.prepare_store(keys)
@@ -65,11 +69,12 @@ class PoolMachine(RuleBasedStateMachine):
         self.evictions += len(plan.evicted)
         self.storing.update(plan.slots)
 
-    @rule(data=st.data(), success=st.booleans())
-    def complete(self, data: st.DataObject, success: bool) -> None:
+    @rule(data=st.data(), success=st.booleans(), dirty=st.booleans())
+    def complete(self, data: st.DataObject, success: bool, dirty: bool) -> None:
         candidates = sorted(self.storing.keys() | self.doomed.keys()) + KEYS
         keys = data.draw(st.lists(st.sampled_from(candidates), max_size=4))
-        self.pool.complete_store(keys, success)
+        became_ready = self.pool.complete_store(keys, success, dirty=dirty)
+        stored = []
         for key in keys:
             if key in self.doomed:
                 del self.doomed[key]  # freed, whatever the outcome: never published
@@ -77,10 +82,36 @@ class PoolMachine(RuleBasedStateMachine):
                 slot = self.storing.pop(key)
                 if success:
                     self.ready[key] = slot
+                    stored.append(key)
+        assert became_ready == tuple(stored)
+        if dirty:
+            self.dirty.extend(stored)
 
     @rule(keys=key_lists)
     def touch(self, keys: list[ChunkKey]) -> None:
         self.pool.touch(keys)
+        self.used_dirty(keys)
+
+    def used_dirty(self, keys: list[ChunkKey]) -> None:
+        for key in keys:
+            if key in self.dirty:
+                self.dirty.remove(key)
+                self.dirty.append(key)
+
+    @rule(count=st.integers(0, CAPACITY + 1))
+    def take_dirty(self, count: int) -> None:
+        taken, self.dirty = self.dirty[:count], self.dirty[count:]
+        assert self.pool.take_dirty(count) == tuple((key, self.ready[key]) for key in taken)
+        self.pins.update(taken)  # pinned while written back; the unpin makes them clean
+
+    @rule(keys=key_lists)
+    def remove(self, keys: list[ChunkKey]) -> None:
+        gone = [key for key in dict.fromkeys(keys) if key in self.ready and key not in self.pins]
+        assert self.pool.remove(keys) == len(gone)
+        for key in gone:
+            del self.ready[key]
+            if key in self.dirty:
+                self.dirty.remove(key)
 
     @rule(keys=key_lists)
     def lookup(self, keys: list[ChunkKey]) -> None:
@@ -118,16 +149,20 @@ class PoolMachine(RuleBasedStateMachine):
             return
         self.pool.unpin(keys)
         self.pins.subtract(keys)
+        released = []
         for key in keys:
             if self.pins[key] == 0:
                 del self.pins[key]
-                self.orphans.pop(key, None)
+                if self.orphans.pop(key, None) is None:
+                    released.append(key)
+        self.used_dirty(released)
 
     @rule()
     def reset(self) -> None:
         self.pool.reset()
         self.orphans.update({key: slot for key, slot in self.ready.items() if key in self.pins})
         self.ready.clear()
+        self.dirty.clear()
         self.doomed.update(self.storing)
         self.storing.clear()
 
@@ -150,6 +185,8 @@ class PoolMachine(RuleBasedStateMachine):
             storing=len(self.storing) + len(self.doomed),
             pinned=len(self.pins),
             evictions=self.evictions,
+            dirty=len(self.dirty),
+            evictable=sum(1 for key in self.ready if key not in self.pins and key not in self.dirty),
         )
 
     @invariant()
@@ -173,6 +210,11 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.complete_store([*self.storing, *self.doomed], success=True)
         for key, count in self.pins.items():
             self.pool.unpin([key] * count)
+            if key not in self.orphans:
+                self.used_dirty([key])
+        written = self.pool.take_dirty(CAPACITY)  # the dirty chunks written back, then clean
+        assert [key for key, _ in written] == self.dirty
+        self.pool.unpin([key for key, _ in written])
         ready = self.ready | self.storing
         usage = self.pool.usage()
         assert usage.storing == usage.pinned == 0

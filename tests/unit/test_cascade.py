@@ -1,6 +1,7 @@
 """Remote tiers cascading behind the pool (``kvcore.cascade``), over the in-memory reference index and
 store: lookups ask each tier for what the ones before it lack, fetches fall through the tiers, saves are
-written through to every tier that admits them; a tier that fails or is down costs only its own part."""
+written through to every tier that admits them (or written back when the pool evicts them); a tier that
+fails or is down costs only its own part."""
 
 from __future__ import annotations
 
@@ -126,20 +127,28 @@ def test_fewer_than_two_tiers_do_not_cascade() -> None:
         CascadeIndex([InMemoryChunkIndex()], BUDGET_S)
     with pytest.raises(UsageError, match="tiers: got 2 with 1 admission rules"):
         CascadeRemote([StoreRemote(InMemoryChunkStore(bytearray(8)))] * 2, [1])
+    with pytest.raises(UsageError, match="tiers: got 0"):
+        CascadeRemote([], [])
 
 
 class Stores:
     """Two in-memory stores over one host buffer, cascaded; the host holds four 64-byte values."""
 
-    def __init__(self, admit_after: Sequence[int] = (1, 1)) -> None:
+    def __init__(
+        self, admit_after: Sequence[int] = (1, 1), write_back: Sequence[bool] = (False, False)
+    ) -> None:
         self.host = bytearray(256)
         self.stores = [InMemoryChunkStore(self.host), InMemoryChunkStore(self.host)]
         self.remotes = [StoreRemote(s) for s in self.stores]
-        self.cascade = CascadeRemote(self.remotes, admit_after)
+        self.cascade = CascadeRemote(self.remotes, admit_after, write_back)
 
-    def publish(self, key: ChunkKey, value: bytes) -> bool:
+    def publish(self, key: ChunkKey, value: bytes, *, write_back: bool = False) -> bool:
         self.host[: len(value)] = value
-        job = self.cascade.submit_publish("r", [StoreItem(key, 0, len(value))])
+        item = StoreItem(key, 0, len(value))
+        if write_back:
+            job = self.cascade.submit_write_back("kvcore-write-back", [item])
+        else:
+            job = self.cascade.submit_publish("r", [item])
         (result,) = self.cascade.wait([job], TIMEOUT_S)
         return result.ok
 
@@ -178,6 +187,38 @@ def test_a_save_no_tier_admits_yet_is_no_failure_and_goes_nowhere() -> None:
     s = Stores(admit_after=(2, 3))
     assert s.publish(KEYS[0], value(1))
     assert [st.peek(KEYS[0]) for st in s.stores] == [None, None]
+
+
+def test_a_tier_written_back_takes_no_save_only_write_backs_by_its_admission_rule() -> None:
+    s = Stores(admit_after=(1, 2), write_back=(False, True))
+    assert s.publish(KEYS[0], value(1))  # a save: through to the first tier, counted for the second
+    assert [st.peek(KEYS[0]) for st in s.stores] == [value(1), None]
+    assert s.publish(KEYS[0], value(1), write_back=True)  # saved once: not admitted yet, no failure
+    assert [st.peek(KEYS[0]) for st in s.stores] == [value(1), None]
+    assert s.publish(KEYS[0], value(1))  # saved twice
+    assert s.publish(KEYS[0], value(1), write_back=True)
+    assert [st.peek(KEYS[0]) for st in s.stores] == [value(1), value(1)]
+    assert [c.published for c in s.cascade.counts] == [2, 1]
+    one = Stores(write_back=(True, True))  # admit_after 1 takes a chunk never counted (forgotten)
+    assert one.publish(KEYS[1], value(2), write_back=True)
+    assert [st.peek(KEYS[1]) for st in one.stores] == [value(2), value(2)]
+    one.stores[0].fail_next(1)
+    one.stores[1].fail_next(1)
+    assert not one.publish(KEYS[2], value(3), write_back=True)  # stored in no tier: failed
+
+
+def test_a_single_tier_written_back_is_a_cascade_of_one() -> None:
+    host = bytearray(64)
+    store = InMemoryChunkStore(host)
+    cascade = CascadeRemote([StoreRemote(store)], [1], [True])
+    host[:] = value(4)
+    (saved,) = cascade.wait([cascade.submit_publish("r", [StoreItem(KEYS[0], 0, 64)])], TIMEOUT_S)
+    assert saved.ok
+    assert store.peek(KEYS[0]) is None  # a save goes to no tier written through: there is none
+    (written,) = cascade.wait([cascade.submit_write_back("w", [StoreItem(KEYS[0], 0, 64)])], TIMEOUT_S)
+    assert written.ok
+    assert store.peek(KEYS[0]) == value(4)
+    cascade.close()
 
 
 def test_a_save_fails_only_where_every_tier_it_went_to_failed() -> None:

@@ -18,13 +18,17 @@ STORE = {"kind": "mooncake_store", "master": "127.0.0.1:50051"}
 
 
 def test_a_stack_holds_the_pool_and_its_remote_tiers_in_order() -> None:
-    config = load_config({"tiers": [POOL, {**DISK, "admit_after": 2}, STORE], "chunk_tokens": 128})
+    config = load_config(
+        {"tiers": [POOL, {**DISK, "admit_after": 2, "write": "back"}, STORE], "chunk_tokens": 128}
+    )
     stack = config.backend
     assert isinstance(stack, TierStack)
     assert stack.host_bytes == 64 * 2**20
     assert host_field(config) == "tiers[0].size"
     assert [t.settings.KIND for t in stack.remote] == ["disk", "mooncake_store"]
     assert [t.admit_after for t in stack.remote] == [2, 1]
+    assert [t.write for t in stack.remote] == ["back", "through"]
+    assert stack.writes_back
     assert load_config(config_to_dict(config)) == config  # what config check prints reads back the same
 
 
@@ -39,6 +43,14 @@ def test_a_stack_holds_the_pool_and_its_remote_tiers_in_order() -> None:
         ([POOL, {**DISK, "admit_after": 0}], "tiers[1].admit_after", "a count of saves from 1"),
         ([POOL, {**DISK, "admit_after": "2"}], "tiers[1].admit_after", "an integer"),
         ([{**POOL, "admit_after": 2}, DISK], "tiers[0].admit_after", "no such key"),
+        ([POOL, {**DISK, "write": "later"}], "tiers[1].write", "one of 'through', 'back'"),
+        ([POOL, {**DISK, "write": True}], "tiers[1].write", "a string"),
+        ([{**POOL, "write": "back"}, DISK], "tiers[0].write", "no such key"),
+        (
+            [POOL, {"kind": "lmcache_mp", "write": "back"}],
+            "tiers[1].write",
+            "'through' for kind 'lmcache_mp'",
+        ),
         ([POOL, {**DISK, "colour": "red"}], "tiers[1].colour", "no such key"),
         ([POOL, {"kind": "tape"}], "tiers[1].kind", "one of 'cpu', 'disk'"),
         ([POOL, 7], "tiers[1]", "a mapping with a 'kind' key"),

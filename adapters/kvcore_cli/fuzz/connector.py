@@ -12,6 +12,7 @@ from kvcore.plan import BlockOp, OpReport
 from kvcore.ports import Direction
 from kvcore.scheduler import CacheScheduler
 from kvcore.worker import BlockWorker
+from kvcore.write_back import SESSION
 from kvcore_cli.fuzz.checks import KVChecks
 from kvcore_cli.fuzz.faulty_ports import FaultyPorts
 from kvcore_cli.fuzz.memory import EngineMemory
@@ -212,7 +213,12 @@ class Connector:
             self._trace.fail(None, f"at quiescence the scheduler still holds {leaks}")
 
     def _planned(self, op: BlockOp) -> None:
-        """A load writes only blocks its request's load covers; a save reads only blocks it computed."""
+        """A load writes only blocks its request's load covers; a save reads only blocks it computed; a
+        write-back touches no engine block (its bytes are checked when a load brings them back)."""
+        if op.write_back:
+            if op.engine_blocks or op.host_blocks or op.request_id != SESSION or not op.remote:
+                self._trace.fail(None, f"write-back {op.op_id} is malformed: {op}")
+            return
         req = self._book.live.get(RequestId(op.request_id))
         if op.direction is Direction.LOAD:
             if req is None or req.state is not State.LOADING:

@@ -84,7 +84,11 @@ class FaultyPorts:
                 fail_next = hooks.fail_next
                 # a stack: the disk, then a smaller in-memory store behind it (its own evictions)
                 behind = StoreRemote(InMemoryChunkStore(view, capacity=capacity // 2))
-                remote = CascadeRemote([disk, behind], (1, 1)) if options.stack else disk
+                back = options.write_back
+                if options.stack:
+                    remote = CascadeRemote([disk, behind], (1, 1), (back, False))
+                else:
+                    remote = CascadeRemote([disk], (1,), (True,)) if back else disk
             else:
                 memory = InMemoryChunkStore(view, capacity=capacity)
                 remote, fail_next = StoreRemote(memory), memory.fail_next

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from attrs import frozen
 
+from kvcore.errors import UsageError
+
 __all__ = ["FuzzOptions"]
 
 
@@ -16,11 +18,14 @@ class FuzzOptions:
     host pool in chunks (few, so chunks are evicted). ``disk`` puts the disk tier's real store (files in
     a temporary directory) behind the pool instead of the in-memory one (it implies ``remote``);
     ``stack`` cascades the disk and a smaller in-memory store behind it (``kvcore.cascade``).
+    ``write_back`` writes the disk tier back (``Tier.write``): chunks reach it when the pool is about to
+    evict them, not at their save (with ``disk`` or ``stack``).
     """
 
     remote: bool = False
     disk: bool = False
     stack: bool = False
+    write_back: bool = False
     preempt: bool = True
     reset: bool = True
     faults: bool = True
@@ -30,11 +35,16 @@ class FuzzOptions:
     pool_slots: int = 16
     trace: int = 40  # API calls shown with a failure
 
+    def __attrs_post_init__(self) -> None:
+        if self.write_back and not (self.disk or self.stack):
+            raise UsageError("write_back: the disk tier is written back, give disk or stack too")
+
     def flags(self) -> str:
         """The command-line flags that select these options (defaults left out)."""
         default = FuzzOptions()
         tiers = [("stack", self.stack), ("disk", self.disk), ("remote", self.remote)]
         out = [next(f"--{name}" for name, on in tiers if on)] if any(on for _, on in tiers) else []
+        out += ["--write-back"] if self.write_back else []
         out += [f"--no-{name}" for name in ("preempt", "reset", "faults", "tails") if not getattr(self, name)]
         out += [] if self.recompute_late else ["--hold-late-loads"]
         out += [

@@ -35,6 +35,7 @@ class FuzzSummary:
     locks_handed_over: int = 0  # remote lookups' locks handed to the worker with a load
     late_jobs: int = 0
     evictions: int = 0
+    written_back: int = 0  # pool chunks written back to the disk tier (``--write-back``)
     halted_at: int | None = None  # the step a fence gave up on a copy and stopped the worker for good
 
     @property
@@ -66,7 +67,10 @@ class FuzzSummary:
                 "blocks verified",
                 f"{self.blocks_verified} (and {self.blocks_recomputed} failed or lost: recomputed)",
             ),
-            ("chunks saved", f"{self.saved_chunks} ({self.evictions} evictions)"),
+            (
+                "chunks saved",
+                f"{self.saved_chunks} ({self.evictions} evictions, {self.written_back} written back)",
+            ),
             ("resets", f"{self.resets}"),
             ("worker", "running" if self.halted_at is None else f"halted at step {self.halted_at}"),
             (

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kvcore.config import KVCoreConfig, load_config
+from kvcore.config import KVCoreConfig, config_to_dict, load_config
 from kvcore.engine import EngineSpec
 from kvcore.errors import UsageError
 from kvcore.layout import KVLayout, LayoutKind
@@ -68,8 +68,10 @@ def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzS
     ports = FaultyPorts(
         seed, options, clock, cpu.mover, spoil, cpu.host, slot_bytes, Path(workdir.name) if workdir else None
     )
+    # the scheduler learns from its config that a tier is written back; the fuzzer's own ports are that tier
+    written_back = _written_back(config, Path(workdir.name)) if workdir and options.write_back else config
     sched = CacheScheduler(
-        config, spec, pool_slots(config, spec), hash_identity=HASH_IDENTITY, remote=ports.index
+        written_back, spec, pool_slots(config, spec), hash_identity=HASH_IDENTITY, remote=ports.index
     )
     worker = BlockWorker(
         ports.mover,
@@ -96,6 +98,7 @@ def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzS
     summary.steps = steps
     ports.count(summary)
     summary.evictions = sched.stats().pool.evictions
+    summary.written_back = sched.stats().written_back_chunks
     return summary
 
 
@@ -115,6 +118,14 @@ def _spec(engine_blocks: int) -> EngineSpec:
         total_kv_heads=KV_HEADS,
         layout=layout,
     )
+
+
+def _written_back(config: KVCoreConfig, workdir: Path) -> KVCoreConfig:
+    """``config`` with its pool as the first tier of a stack whose disk tier is written back."""
+    disk = {"kind": "disk", "path": str(workdir), "size": "1GiB", "write": "back"}
+    data = config_to_dict(config)
+    pool = data.pop("backend")
+    return load_config({**data, "tiers": [pool, disk]})
 
 
 def _config(options: FuzzOptions, slot_bytes: int) -> KVCoreConfig:

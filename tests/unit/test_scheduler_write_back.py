@@ -1,0 +1,152 @@
+"""Write-back through the scheduler and a worker (in-memory mover and store behind a cascade of one tier
+written back): dirty chunks are never evicted and reach the tier only under pressure, least recently used
+first; a failed write-back keeps the chunk clean in the pool; a reset or a suspect load never lets a
+chunk be written back that should not be; nothing stays pinned."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from kvcore.cascade import CascadeRemote
+from kvcore.config import load_config
+from kvcore.engine import EngineSpec
+from kvcore.hashing import NO_EXTRA
+from kvcore.ids import ChunkKey, RequestId
+from kvcore.layout import KVLayout, LayoutKind
+from kvcore.plan import StepPlan
+from kvcore.remote import StoreRemote
+from kvcore.scheduler import CacheScheduler
+from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore
+from kvcore.worker import BlockWorker
+from kvcore.write_back import SESSION
+from tests.unit.test_scheduler_remote import StoreIndex, answer
+
+LAYOUT = KVLayout(
+    kind=LayoutKind.VLLM_CPU, num_blocks=64, block_tokens=4, num_kv_heads=2, head_size=2, dtype_size=1
+)
+ENGINE = EngineSpec(model_id="tiny", kv_dtype="int8", num_layers=2, total_kv_heads=2, layout=LAYOUT)
+SLOTS = 8  # write-back keeps two of them free or clean
+# the scheduler learns from the config that its tier is written back; the rig's store plays that tier
+CONFIG = load_config(
+    {
+        "tiers": [
+            {"kind": "cpu", "size": 1 << 20},
+            {"kind": "disk", "path": "/unused", "size": "1GiB", "write": "back"},
+        ],
+        "chunk_tokens": 8,
+        "partial_chunks": "drop",
+    }
+)
+
+
+def prompt(seed: int) -> list[int]:
+    return [seed * 1000 + i for i in range(17)]  # two chunks of 8 tokens and a token
+
+
+class Rig:
+    def __init__(self) -> None:
+        self.mover = InMemoryBlockMover(
+            num_engine_blocks=64,
+            num_host_blocks=SLOTS * 2,
+            layer_block_bytes=LAYOUT.block_bytes,
+            num_layers=2,
+        )
+        self.store = InMemoryChunkStore(self.mover.host)
+        self.sched = CacheScheduler(CONFIG, ENGINE, SLOTS, remote=StoreIndex(self.store))
+        tier = CascadeRemote([StoreRemote(self.store)], [1], [True])
+        self.worker = BlockWorker(
+            self.mover, remote=tier, slot_bytes=2 * self.mover.host_block_bytes, slot_blocks=2
+        )
+        self.blocks = 0
+
+    def step(self) -> StepPlan:
+        plan = self.sched.take_plan()
+        self.worker.execute(plan)
+        self.sched.complete(self.worker.wait(plan.op_ids(), 5.0))
+        return plan
+
+    def queue_save(self, rid: str, tokens: Sequence[int]) -> None:
+        """The request's KV computed in its next four engine blocks, its two chunks' saves queued."""
+        assert answer(self.sched, rid, tokens) == 0
+        blocks = range(self.blocks, self.blocks + 4)
+        self.blocks += 4
+        for b in blocks:
+            self.mover.write_engine_block(b, os.urandom(self.mover.host_block_bytes))
+        assert self.sched.save(RequestId(rid), blocks, num_tokens=len(tokens)) == 2
+
+    def save(self, rid: str, tokens: Sequence[int]) -> StepPlan:
+        self.queue_save(rid, tokens)
+        plan = self.step()
+        self.sched.finish(RequestId(rid))
+        return plan
+
+
+def shard_keys(rig: Rig, tokens: Sequence[int]) -> list[ChunkKey]:
+    """Rank 0's keys of the prompt's chunks in the tier."""
+    chain = rig.sched.keyer.chain(NO_EXTRA, tokens, None, None)
+    return [keys[0] for keys in chain.rank_keys]
+
+
+def test_dirty_chunks_reach_the_tier_only_under_pressure_least_recently_used_first() -> None:
+    rig = Rig()
+    for i in range(3):
+        rig.save(f"r{i}", prompt(i))
+    assert len(rig.store) == 0  # 6 of 8 slots dirty: a quarter is still free
+    plan = rig.save("r3", prompt(3))  # 8 dirty: its step writes the two least recently used back
+    assert [len(op.remote) for op in plan.ops if op.write_back] == [2]
+    stats = rig.sched.stats()
+    assert (stats.written_back_chunks, stats.pool.dirty, stats.pool.evictable, stats.pool.pinned) == (
+        2,
+        6,
+        2,
+        0,
+    )
+    assert rig.store.exists(shard_keys(rig, prompt(0))) == (True, True)  # r0's, the oldest
+    assert answer(rig.sched, "again", prompt(0)) == 16  # still in the pool, clean now
+    assert not any(op.write_back for op in rig.step().ops)  # two clean slots: room enough
+
+
+def test_a_failed_write_back_leaves_the_chunk_clean_in_the_pool() -> None:
+    rig = Rig()
+    for i in range(3):
+        rig.save(f"r{i}", prompt(i))
+    rig.store.fail_next(2)
+    rig.save("r3", prompt(3))
+    stats = rig.sched.stats()
+    assert (stats.written_back_chunks, stats.failed_write_back_chunks) == (2, 2)
+    assert (stats.pool.dirty, stats.pool.evictable, stats.pool.pinned) == (6, 2, 0)
+    assert len(rig.store) == 0
+
+
+def test_a_reset_drops_dirty_chunks_and_a_write_back_in_flight_frees_its_slots() -> None:
+    rig = Rig()
+    for i in range(3):
+        rig.save(f"r{i}", prompt(i))
+    rig.queue_save("r3", prompt(3))
+    plan = rig.sched.take_plan()
+    assert [op.request_id for op in plan.ops if op.write_back] == [SESSION]
+    rig.worker.execute(plan)
+    rig.sched.reset()  # before the reports: every dirty chunk is dropped, the write-back's at its end
+    rig.sched.complete(rig.worker.wait(plan.op_ids(), 5.0))
+    rig.sched.finish(RequestId("r3"))
+    usage = rig.sched.stats().pool
+    assert (usage.used, usage.ready, usage.dirty, usage.pinned) == (0, 0, 0, 0)
+    assert not rig.step().ops  # nothing dirty is left to write back
+
+
+def test_a_chunk_whose_load_failed_is_never_written_back() -> None:
+    rig = Rig()
+    rig.save("r0", prompt(0))
+    for reader, blocks in (("a", range(40, 44)), ("b", range(44, 48))):  # two loads of r0's chunks
+        assert answer(rig.sched, reader, prompt(0)) == 16
+        rig.sched.start_load(RequestId(reader), blocks)
+    rig.mover.fail_next(4)  # every block of the first fails: the chunks are suspect
+    rig.step()
+    assert rig.sched.take_load_errors() == {RequestId("a"): (40, 41, 42, 43)}
+    for i in range(1, 5):
+        rig.save(f"r{i}", prompt(i))
+    stats = rig.sched.stats()
+    assert stats.written_back_chunks == len(rig.store) > 0
+    assert stats.pool.pinned == 0
+    assert rig.store.exists(shard_keys(rig, prompt(0))) == (False, False)  # suspect: in no tier
