@@ -49,10 +49,15 @@ class PoolEventKind(enum.Enum):
 
 @frozen
 class PoolEvent:
-    """Keys that became ready, or left the index, in one operation."""
+    """Keys that became ready, or left the index, in one operation.
+
+    ``tier``: 0 for the pool's own events; ``n`` for the scheduler's word that the ``n``-th remote tier
+    behind the pool (1: the first) now holds every shard of the keys (``CacheScheduler.take_events``).
+    """
 
     kind: PoolEventKind
     keys: tuple[ChunkKey, ...]
+    tier: int = 0
 
 
 @frozen

@@ -367,9 +367,7 @@ class CascadeRemote:
             got = [pending[j] for j in range(len(items)) if j not in failed]
             self._count(t, fetched=len(got), fetched_bytes=sum(job.items[i].length for i in got))
             pending = [pending[j] for j in sorted(failed)]
-        if not pending:
-            return JobResult(job.job_id)
-        return JobResult(job.job_id, tuple(pending), f"{len(pending)} chunks in no tier")
+        return JobResult(job.job_id, tuple(pending))  # misses, not an error: the others were fetched
 
     def _publish(self, job: _Job) -> JobResult:
         sent = [i for i, tiers in enumerate(job.tiers) if tiers]
@@ -380,16 +378,15 @@ class CascadeRemote:
                 parts.append(
                     (t, mine, self._submit_to(t, tier.submit_publish, job, [job.items[i] for i in mine]))
                 )
-        stored: set[int] = set()
+        placed: list[list[int]] = [[] for _ in job.items]
         for t, mine, inner in parts:
             failed = self._await(t, inner, len(mine))
             done = [mine[j] for j in range(len(mine)) if j not in failed]
-            stored.update(done)
+            for i in done:
+                placed[i].append(t)
             self._count(t, published=len(done), published_bytes=sum(job.items[i].length for i in done))
-        lost = tuple(i for i in sent if i not in stored)
-        if not lost:
-            return JobResult(job.job_id)
-        return JobResult(job.job_id, lost, f"{len(lost)} chunks stored in no tier")
+        lost = tuple(i for i in sent if not placed[i])  # failed items, not an error: the others are stored
+        return JobResult(job.job_id, lost, placed=tuple(tuple(tiers) for tiers in placed))
 
     def _submit_to(
         self,

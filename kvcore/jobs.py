@@ -26,11 +26,16 @@ class JobResult:
 
     ``failed`` lists the indices of the job's items that did not complete (for a get: the misses); the
     other items completed. ``ok`` is true only when every item did.
+
+    ``placed``: a publish to a stack of tiers (``kvcore.cascade.CascadeRemote``) tells, for each item, the
+    tiers that stored it (0: the first behind the pool); empty from a single tier, where every item that
+    did not fail is stored in it.
     """
 
     job_id: JobId
     failed: tuple[int, ...] = ()
     error: str | None = None
+    placed: tuple[tuple[int, ...], ...] = ()
 
     @property
     def ok(self) -> bool:

@@ -27,6 +27,7 @@ class InFlightOp:
         "fetched",
         "keys",
         "op",
+        "placed",
         "ranks",
         "request_id",
         "sizes",
@@ -49,9 +50,39 @@ class InFlightOp:
         self.epoch = epoch
         self.fetched = fetched  # a load's chunks fetched from the remote tier (the others are pinned)
         self.ranks: set[int] = set()
+        self.placed: dict[int, tuple[tuple[int, ...], ...]] = {}  # rank -> its ``OpReport.placed``
         self.failed: set[int] = set()
         self.suspect = False  # a rank's failure may mean bad chunk bytes (not a refusal or a fence)
         self.fenced = False
+
+    def remote_keys(self) -> tuple[ChunkKey, ...]:
+        """The key of each of the op's ``remote`` chunks, in order: a write-back's are its keys, another
+        op's the keys whose blocks each remote chunk starts at."""
+        if self.op.write_back:
+            return self.keys
+        first_block: dict[int, ChunkKey] = {}
+        start = 0
+        for key, size in zip(self.keys, self.sizes, strict=True):
+            first_block[start] = key
+            start += size
+        return tuple(first_block[chunk.first] for chunk in self.op.remote)
+
+    def tiers_holding(self) -> dict[int, list[ChunkKey]]:
+        """The remote tiers (0: the first behind the pool) that now hold every shard of some of the op's
+        chunks, each with those chunks' keys: a shard is held where its writing rank said it stored it."""
+        held: dict[int, list[ChunkKey]] = {}
+        if not self.placed:
+            return held
+        for i, (key, chunk) in enumerate(zip(self.remote_keys(), self.op.remote, strict=True)):
+            writers = [rank for rank, shard in enumerate(chunk.keys) if shard is not None]
+            tiers: set[int] | None = None
+            for rank in writers:
+                placed = self.placed.get(rank, ())
+                mine = set(placed[i]) if i < len(placed) else set()
+                tiers = mine if tiers is None else tiers & mine
+            for tier in sorted(tiers or ()):
+                held.setdefault(tier, []).append(key)
+        return held
 
     def failed_chunks(self) -> tuple[ChunkKey, ...]:
         """Keys of the op's chunks holding a failed block (the op's blocks run chunk after chunk)."""
@@ -101,6 +132,8 @@ class OpLedger:
             return None
         entry.ranks.add(report.rank)
         entry.failed.update(report.failed)
+        if report.placed:
+            entry.placed[report.rank] = report.placed
         entry.suspect |= bool(report.failed) and not report.chunks_intact
         if len(entry.ranks) < self._world_size:
             return None

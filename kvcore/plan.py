@@ -106,6 +106,9 @@ class OpReport:
     ``chunks_intact``: the failure says nothing of the chunks' bytes (the op was refused before any byte
     moved, or fenced): the scheduler keeps serving them. Otherwise a failed load's chunks are suspect
     (a copy error, a checksum mismatch) and are never served again.
+
+    ``placed``: for an op that published (a save or a write-back), for each of its ``remote`` chunks, the
+    remote tiers that now hold this rank's shard of it (0: the first behind the pool); empty otherwise.
     """
 
     op_id: int
@@ -113,3 +116,4 @@ class OpReport:
     failed: tuple[int, ...] = ()
     error: str | None = None
     chunks_intact: bool = False
+    placed: tuple[tuple[int, ...], ...] = ()

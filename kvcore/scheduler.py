@@ -31,7 +31,7 @@ import attrs
 from attrs import frozen
 
 from kvcore.admission import Sightings
-from kvcore.block_pool import BlockPool, PoolEvent, PoolUsage
+from kvcore.block_pool import BlockPool, PoolEvent, PoolEventKind, PoolUsage
 from kvcore.cascade import CascadeIndex, tier_usage
 from kvcore.checks import check_block_table, is_int_in
 from kvcore.config import KVCoreConfig
@@ -75,6 +75,9 @@ class SchedulerStats:
     ops_in_flight: int
     tier_found: tuple[int, ...] = ()  # chunks each remote tier's lookups found beyond the pool, in order
     tier_usage: tuple[TierUsage | None, ...] = ()  # how full each remote tier is, where it can tell
+    tier_stored: tuple[
+        int, ...
+    ] = ()  # chunks each remote tier stored (every shard) from saves and write-backs
     written_back_chunks: int = 0  # pool chunks written back to the tiers written back (``Tier.write``)
     failed_write_back_chunks: int = 0  # of those, chunks that no tier stored
 
@@ -209,6 +212,8 @@ class CacheScheduler:
         self._ended: list[RequestId] = []  # with a remote tier: requests whose sessions may end
         self._finished: list[RequestId] = []
         self._sightings = Sightings(config.save_after_sightings, num_slots)
+        self._tier_events: list[PoolEvent] = []
+        self._tier_stored: dict[int, int] = {}  # remote tier (0: the first) -> chunks it stored
         stack = config.backend
         written_back = isinstance(stack, TierStack) and stack.writes_back and remote is not None
         self._write_back = WriteBack(self.pool) if written_back and num_slots else None
@@ -633,7 +638,13 @@ class CacheScheduler:
             req.chain_sent = 0  # the chain is resent under the new keys
 
     def take_events(self) -> tuple[PoolEvent, ...]:
-        return self.pool.take_events()
+        """The pool's events since the last call, then the remote tiers' (``PoolEvent.tier``): chunks
+        whose every shard a save or write-back stored there. A remote tier's evictions are its own (other
+        engines share it, or its server evicts): no event says a chunk left one."""
+        events = self.pool.take_events()
+        if self._tier_events:
+            events, self._tier_events = (*events, *self._tier_events), []
+        return events
 
     def close(self) -> None:
         """Release the remote index (its threads and connections); the scheduler answers misses after."""
@@ -645,13 +656,15 @@ class CacheScheduler:
         return len(self._ops)
 
     def stats(self) -> SchedulerStats:
+        found = self._tier_found()
         return SchedulerStats(
             **self._counters,
             pool=self.pool.usage(),
             requests=len(self._requests),
             ops_in_flight=len(self._ops),
-            tier_found=self._tier_found(),
+            tier_found=found,
             tier_usage=self._tier_usage(),
+            tier_stored=tuple(self._tier_stored.get(t, 0) for t in range(len(found))),
         )
 
     def _tier_usage(self) -> tuple[TierUsage | None, ...]:
@@ -811,6 +824,10 @@ class CacheScheduler:
 
     def _finish_op(self, entry: InFlightOp) -> None:
         op = entry.op
+        if op.remote and op.direction is Direction.SAVE and entry.epoch == self._resets:
+            for tier, keys in sorted(entry.tiers_holding().items()):
+                self._tier_events.append(PoolEvent(PoolEventKind.STORED, tuple(keys), tier + 1))
+                self._tier_stored[tier] = self._tier_stored.get(tier, 0) + len(keys)
         if op.write_back and self._write_back is not None:
             self._write_back.finish(entry.keys)
             self._counters["written_back_chunks"] += len(entry.keys)
@@ -841,7 +858,7 @@ class CacheScheduler:
             good = tuple(k for k in entry.keys if k not in failed)
             dropped = tuple(k for k in entry.keys if k in failed)
             if self._write_back is not None:
-                self._write_back.store(op, entry.keys, entry.sizes, set(good))
+                self._write_back.store(entry, set(good))
             else:
                 self.pool.complete_store(good, success=True)
             if dropped:

@@ -49,7 +49,18 @@ class _Stage(enum.Enum):
 class _Run:
     """One op on its way through its stages."""
 
-    __slots__ = ("abandoned", "chain", "copied", "error", "failed", "op", "refused", "stage", "staged")
+    __slots__ = (
+        "abandoned",
+        "chain",
+        "copied",
+        "error",
+        "failed",
+        "op",
+        "placed",
+        "refused",
+        "stage",
+        "staged",
+    )
 
     def __init__(self, op: BlockOp, chain: tuple[ChunkKey, ...]) -> None:
         self.op = op
@@ -61,6 +72,7 @@ class _Run:
         self.failed: set[int] = set()
         self.error: str | None = None
         self.staged: tuple[RemoteChunk, ...] = ()  # the chunks of the current remote job, in item order
+        self.placed: dict[int, tuple[int, ...]] = {}  # published chunk (index in op.remote) -> its tiers
         self.copied: tuple[int, ...] = ()  # the op's block indices in the mover job, in its order
 
 
@@ -441,6 +453,8 @@ class BlockWorker:
                 self._fail_chunks(run, [run.staged[i] for i in bad])
                 if result.error is not None:
                     self._warnings.warn(f"remote {run.stage.value} failed: {result.error}")
+                if run.stage is _Stage.PUBLISH:
+                    self._place(run, result, set(bad))
             self._next(run)
 
     def _next(self, run: _Run) -> None:
@@ -460,6 +474,16 @@ class BlockWorker:
         else:
             self._done(run)
 
+    def _place(self, run: _Run, result: JobResult, bad: set[int]) -> None:
+        """Record the tiers that stored each chunk of a finished publish (one tier: those not failed)."""
+        position = {chunk.first: i for i, chunk in enumerate(run.op.remote)}
+        for j, chunk in enumerate(run.staged):
+            if result.placed and j < len(result.placed):
+                tiers = result.placed[j] if j not in bad else ()
+            else:
+                tiers = () if j in bad else (0,)
+            run.placed[position[chunk.first]] = tiers
+
     def _fail_chunks(self, run: _Run, chunks: Iterable[RemoteChunk]) -> None:
         for chunk in chunks:
             run.failed.update(range(chunk.first, chunk.first + chunk.count))
@@ -468,7 +492,8 @@ class BlockWorker:
         del self._runs[run.op.op_id]
         error = run.error or ("fenced" if run.abandoned else None)
         intact = run.refused or run.abandoned  # its failure says nothing of the chunks' bytes
-        report = OpReport(run.op.op_id, self._rank, tuple(sorted(run.failed)), error, intact)
+        placed = tuple(run.placed.get(i, ()) for i in range(len(run.op.remote))) if run.placed else ()
+        report = OpReport(run.op.op_id, self._rank, tuple(sorted(run.failed)), error, intact, placed)
         self._ready.append(report)
         if run.op.request_id in self._ending:
             self._end_session(run.op.request_id)

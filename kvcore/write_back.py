@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvcore.block_pool import BlockPool
 from kvcore.ids import ChunkKey, RequestId
+from kvcore.ledger import InFlightOp
 from kvcore.plan import BlockOp, RemoteChunk
 from kvcore.ports import Direction
 
@@ -40,19 +41,11 @@ class WriteBack:
         self._targets: dict[ChunkKey, _Target] = {}  # the pool's dirty chunks (not those being written)
         self._writing = 0  # chunks in write-back ops in flight
 
-    def store(
-        self, op: BlockOp, keys: Sequence[ChunkKey], sizes: Sequence[int], good: Collection[ChunkKey]
-    ) -> None:
-        """Complete a save's ``good`` chunks in the pool: dirty where they cross to the remote tiers
-        (``op.remote``), clean otherwise."""
-        first_block: dict[int, ChunkKey] = {}
-        start = 0
-        for key, size in zip(keys, sizes, strict=True):
-            first_block[start] = key
-            start += size
+    def store(self, entry: InFlightOp, good: Collection[ChunkKey]) -> None:
+        """Complete a finished save's ``good`` chunks in the pool: dirty where they cross to the remote
+        tiers (its op's ``remote`` chunks), clean otherwise."""
         crossing: dict[ChunkKey, _Target] = {}
-        for chunk in op.remote:
-            key = first_block[chunk.first]
+        for key, chunk in zip(entry.remote_keys(), entry.op.remote, strict=True):
             if key in good:
                 crossing[key] = (chunk.keys, chunk.value_blocks)
         for key in self._pool.complete_store(list(crossing), success=True, dirty=True):

@@ -11,6 +11,13 @@ vLLM converts its own (64-bit ints under ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``
 chunk's last block hash is also its kvcore chunk hash: the key's chunk part is its hex form unless a
 deployment ``secret`` is set.
 
+A chunk that a save or a write-back stored in a remote tier behind the pool (every shard of it) is
+published once more as a ``BlockStored`` of medium ``"STORAGE"`` (``vllm.distributed.kv_events.
+MEDIUM_STORAGE``, as vLLM's own offloading tiers beyond CPU memory publish theirs), while its name is
+known (it is in the pool, or was just offered). Remote tiers publish no ``BlockRemoved``: they are
+shared with other engines and evict on their own (a Mooncake master, another engine filling a shared
+directory), so what they hold later is a hint, not a promise; a lookup finds out.
+
 Names of chunks not (yet) in the pool are bounded, oldest dropped first; a chunk whose name was dropped
 before it was stored publishes nothing (a missed event, never a wrong one).
 """
@@ -29,9 +36,10 @@ from kvcore.keys import Keyspace
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
 
-__all__ = ["MEDIUM", "ChunkNames"]
+__all__ = ["MEDIUM", "REMOTE_MEDIUM", "ChunkNames"]
 
 MEDIUM = "CPU"  # vllm.distributed.kv_events.MEDIUM_CPU: where kvcore's CPU tier keeps the chunks
+REMOTE_MEDIUM = "STORAGE"  # vllm.distributed.kv_events.MEDIUM_STORAGE: every remote tier behind the pool
 
 _Name = tuple[tuple[bytes, ...], bytes | None]  # the chunk's block hashes, the hash before them
 
@@ -75,28 +83,33 @@ class ChunkNames:
         from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_convert_block_hash
 
         out: list[KVCacheEvent] = []
+
+        def stored(name: _Name, medium: str) -> BlockStored:
+            hashes, parent = name
+            return BlockStored(
+                block_hashes=[maybe_convert_block_hash(BlockHash(h)) for h in hashes],
+                parent_block_hash=None if parent is None else maybe_convert_block_hash(BlockHash(parent)),
+                token_ids=[],
+                block_size=self._hash_block_tokens,
+                lora_id=None,
+                medium=medium,
+                lora_name=None,
+                group_idx=0,
+            )
+
         for event in pool_events:
-            if event.kind is PoolEventKind.STORED:
+            if event.tier:  # a remote tier holds them now (stores only: it tells of no removal)
+                for key in event.keys if event.kind is PoolEventKind.STORED else ():
+                    known = self._stored.get(key) or self._offered.get(key)
+                    if known is not None:
+                        out.append(stored(known, REMOTE_MEDIUM))
+            elif event.kind is PoolEventKind.STORED:
                 for key in event.keys:
                     name = self._offered.pop(key, None)
                     if name is None:
                         continue
                     self._stored[key] = name
-                    hashes, parent = name
-                    out.append(
-                        BlockStored(
-                            block_hashes=[maybe_convert_block_hash(BlockHash(h)) for h in hashes],
-                            parent_block_hash=None
-                            if parent is None
-                            else maybe_convert_block_hash(BlockHash(parent)),
-                            token_ids=[],
-                            block_size=self._hash_block_tokens,
-                            lora_id=None,
-                            medium=MEDIUM,
-                            lora_name=None,
-                            group_idx=0,
-                        )
-                    )
+                    out.append(stored(name, MEDIUM))
             else:
                 removed: list[ExternalBlockHash] = []
                 for key in event.keys:

@@ -2,9 +2,10 @@
 
 The scheduler side reports, each step, the counters that moved since the previous step (lookups, hit
 tokens, loaded and saved blocks, failures) and the pool's current usage (gauges, named ``pool_*``); per
-remote tier ``n`` (1: the first behind the pool), the chunks its lookups found and its evictions
-(counters ``tier_found_<n>``, ``tier_evictions_<n>``) and, for a tier that can tell, its bytes in use
-and its size (gauges ``tier_used_bytes_<n>``, ``tier_capacity_bytes_<n>``). Aggregating adds counters
+remote tier ``n`` (1: the first behind the pool), the chunks its lookups found, the chunks it stored
+and its evictions (counters ``tier_found_<n>``, ``tier_stored_<n>``, ``tier_evictions_<n>``) and, for
+a tier that can tell, its bytes in use and its size (gauges ``tier_used_bytes_<n>``,
+``tier_capacity_bytes_<n>``). Aggregating adds counters
 and keeps the latest gauges. Prometheus shows each per-tier figure as one metric labelled ``tier``
 (``vllm:kvcore_tier_found_chunks{tier="1"}``).
 """
@@ -57,6 +58,7 @@ GAUGES = {
 
 TIER_COUNTERS = {
     "tier_found": "chunks each remote tier's lookups found beyond the pool (tier 1 first)",
+    "tier_stored": "chunks each remote tier stored (every shard), from saves and write-backs",
     "tier_evictions": "values each remote tier evicted (every process sharing it)",
 }
 TIER_GAUGES = {
@@ -108,6 +110,7 @@ class StatsDelta:
     def __call__(self, stats: SchedulerStats, halted_ranks: int = 0) -> KVCoreStats:
         totals = {k: v for k, v in asdict(stats).items() if k in COUNTERS}
         totals.update((f"tier_found_{i}", found) for i, found in enumerate(stats.tier_found, start=1))
+        totals.update((f"tier_stored_{i}", n) for i, n in enumerate(stats.tier_stored, start=1))
         usage = {i: u for i, u in enumerate(stats.tier_usage, start=1) if u is not None}
         evictions = {f"tier_evictions_{i}": u.evictions for i, u in usage.items()}
         totals.update(evictions)
@@ -166,7 +169,10 @@ class KVCorePromMetrics(KVConnectorPromMetrics):
             for key, doc in COUNTERS.items()
         }
         # per tier: one metric each, labelled by tier too (children made as tiers report)
-        names = {"tier_found": "vllm:kvcore_tier_found_chunks"}
+        names = {
+            "tier_found": "vllm:kvcore_tier_found_chunks",
+            "tier_stored": "vllm:kvcore_tier_stored_chunks",
+        }
         tiered = [*labelnames, "tier"]
         self._tiers: dict[str, prometheus_client.Counter | prometheus_client.Gauge] = {
             key: counter_cls(name=names.get(key, f"vllm:kvcore_{key}"), documentation=doc, labelnames=tiered)

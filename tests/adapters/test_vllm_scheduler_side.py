@@ -104,3 +104,37 @@ def test_pool_events_become_vllm_events_named_by_vllm_hashes() -> None:
     assert side.take_events() == []
     assert side.core.stats().requests == 0
     assert RequestId("b") not in side.core.take_finished()
+
+
+def test_a_chunk_stored_in_a_remote_tier_is_published_again_as_storage(tmp_path: Any) -> None:
+    extra = {
+        "tiers": [{"kind": "cpu", "size": "8MiB"}, {"kind": "disk", "path": str(tmp_path), "size": "64MiB"}],
+        "chunk_tokens": BLOCK,
+    }
+    side = SchedulerSide(read_extra_config(extra), ENGINE, BLOCK, "vllm/sha256/test")
+    try:
+        hashes = _hashes(3, "c")
+        request = _request("c", hashes, num_tokens=3 * BLOCK + 1, placeholders=0)
+        while side.get_num_new_matched_tokens(request, 0)[0] is None:  # the disk answers at once
+            pass
+        meta = side.build_connector_meta(_step("c", [1, 2, 3, 4], computed=0, scheduled=3 * BLOCK + 1))
+        (op,) = meta.plan.ops
+        assert len(op.remote) == 3
+        # the worker stored the first two chunks' shards in the disk (tier 0 behind the pool), not the third
+        report = OpReport(op.op_id, 0, (), placed=((0,), (0,), ()))
+        reports = KVCoreWorkerMetadata((report,))
+        side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=reports, finished_recving=None))  # type: ignore[arg-type]
+        events = side.take_events()
+        published = [maybe_convert_block_hash(BlockHash(h)) for h in hashes]
+        cpu = [e.block_hashes for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+        storage = [e for e in events if isinstance(e, BlockStored) and e.medium == "STORAGE"]
+        assert cpu == [[h] for h in published]
+        assert [e.block_hashes for e in storage] == [[published[0]], [published[1]]]
+        assert [e.parent_block_hash for e in storage] == [None, published[0]]
+        side.request_finished(request, [1, 2, 3, 4])
+        side.reset_cache()
+        (removed,) = side.take_events()  # the pool's chunks left it; the disk says nothing of its own
+        assert isinstance(removed, BlockRemoved)
+        assert removed.medium == "CPU"
+    finally:
+        side.core.close()

@@ -80,8 +80,11 @@ def test_each_remote_tiers_figures_reach_prometheus_labelled_by_tier() -> None:
     disk = TierUsage(used_bytes=100, capacity_bytes=1000, evictions=7)  # 7 evictions before this engine
     metrics.observe(delta(evolve(stats, tier_found=(2, 0), tier_usage=(disk, None))).data)
     disk = TierUsage(used_bytes=300, capacity_bytes=1000, evictions=9)
-    step = delta(evolve(stats, lookups=2, tier_found=(2, 3), tier_usage=(disk, None))).data
+    step = delta(
+        evolve(stats, lookups=2, tier_found=(2, 3), tier_stored=(4, 0), tier_usage=(disk, None))
+    ).data
     assert (step["tier_found_1"], step["tier_found_2"], step["tier_evictions_1"]) == (0, 3, 2)
+    assert (step["tier_stored_1"], step["tier_stored_2"]) == (4, 0)
     assert "tier_used_bytes_2" not in step  # the store cannot tell its usage
     both = KVCoreStats(data=dict(step))
     both.aggregate(KVCoreStats(data={"tier_used_bytes_1": 250, "tier_found_2": 1}))
@@ -99,6 +102,7 @@ def test_each_remote_tiers_figures_reach_prometheus_labelled_by_tier() -> None:
         sample("vllm:kvcore_tier_found_chunks_total", "2"),
     ) == (2.0, 3.0)
     assert sample("vllm:kvcore_tier_evictions_total", "1") == 2.0
+    assert sample("vllm:kvcore_tier_stored_chunks_total", "1") == 4.0
     assert sample("vllm:kvcore_tier_used_bytes", "1") == 300.0
     assert sample("vllm:kvcore_tier_capacity_bytes", "1") == 1000.0
     assert sample("vllm:kvcore_tier_used_bytes", "2") is None

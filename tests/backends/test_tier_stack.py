@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kvcore.block_pool import PoolEventKind
 from kvcore.compose import open_scheduler
 from kvcore.config import load_config
 from kvcore.errors import ConfigError
@@ -58,6 +59,12 @@ def test_hits_come_from_the_pool_then_each_disk_tier_in_turn_byte_for_byte(tmp_p
         first, second = prompt(41), prompt(42)
         save(a, "first", first)
         assert files(tmp_path / "nvme") == files(tmp_path / "shared") == CHUNKS * tp  # written through
+        # every rank's shard reached both disks: the scheduler says so, per tier, once per chunk
+        stored = {e.tier: e.keys for e in a.sched.take_events() if e.kind is PoolEventKind.STORED}
+        assert sorted(stored) == [0, 1, 2]
+        assert stored[1] == stored[2] == stored[0]
+        assert len(stored[0]) == CHUNKS
+        assert a.sched.stats().tier_stored == (CHUNKS, CHUNKS)
         nvme, shared = a.sched.stats().tier_usage
         assert nvme is not None
         assert shared is not None
@@ -108,6 +115,7 @@ def test_a_tier_takes_a_chunk_at_the_save_its_rule_names(tmp_path: Path) -> None
         tokens = prompt(61)
         save(a, "once", tokens)
         assert (files(tmp_path / "nvme"), files(tmp_path / "shared")) == (0, CHUNKS)
+        assert sorted(e.tier for e in a.sched.take_events()) == [0, 2]  # the first disk admitted none
         save(a, "other", prompt(62))  # pushes the first out of the pool
         shutil.rmtree(tmp_path / "shared" / "chunks")  # and the second disk lost it: recomputed, saved again
         save(a, "twice", tokens)
@@ -187,6 +195,7 @@ def test_a_disk_written_back_gets_only_the_chunks_the_pool_is_about_to_evict(tmp
         assert a.sched.stats().tier_found == (CHUNKS,)
         # p0's promotion into the pool evicted p1 (clean): the next step wrote p2 back
         assert a.sched.stats().written_back_chunks == 3 * CHUNKS
+        assert a.sched.stats().tier_stored == (3 * CHUNKS,)
     finally:
         a.close()
     b = Engine(load_config(config), spec, seed=92)  # a restart: what was written back is on the disk

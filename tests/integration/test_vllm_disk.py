@@ -97,6 +97,7 @@ def test_a_new_engine_process_reuses_the_chunks_the_last_one_left_on_disk(
         before = external_hits(first)
         recomputed = list(generate(first, PROMPT).outputs[0].token_ids)
         assert external_hits(first) == before
+        assert _metric(first, "tier_stored_chunks", tier="1") == 4  # written through at the save
     finally:
         stop_engine(first)
     files = _file_values(store)
@@ -117,8 +118,10 @@ def test_a_disk_written_back_gets_the_chunks_the_pool_evicts_and_a_new_engine_re
         assert _file_values(store) == {}  # the pool has room: nothing is written back yet
         for i in range(4):  # other prompts fill the pool: the prompt's chunks, least recently used, go
             generate(first, prompt(600 + i, 4 * BLOCK + 40))
-        assert _metric(first, "written_back_chunks") >= 4
+        written = _metric(first, "written_back_chunks")
+        assert written >= 4
         assert _metric(first, "failed_write_back_chunks") == 0
+        assert _metric(first, "tier_stored_chunks", tier="1") == written
     finally:
         stop_engine(first)
     files = _file_values(store)

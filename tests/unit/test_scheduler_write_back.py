@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from kvcore.block_pool import PoolEventKind
 from kvcore.cascade import CascadeRemote
 from kvcore.config import load_config
 from kvcore.engine import EngineSpec
@@ -103,6 +104,8 @@ def test_dirty_chunks_reach_the_tier_only_under_pressure_least_recently_used_fir
         0,
     )
     assert rig.store.exists(shard_keys(rig, prompt(0))) == (True, True)  # r0's, the oldest
+    (written,) = [e for e in rig.sched.take_events() if e.tier]
+    assert (written.kind, written.tier, len(written.keys)) == (PoolEventKind.STORED, 1, 2)
     assert answer(rig.sched, "again", prompt(0)) == 16  # still in the pool, clean now
     assert not any(op.write_back for op in rig.step().ops)  # two clean slots: room enough
 
@@ -117,6 +120,7 @@ def test_a_failed_write_back_leaves_the_chunk_clean_in_the_pool() -> None:
     assert (stats.written_back_chunks, stats.failed_write_back_chunks) == (2, 2)
     assert (stats.pool.dirty, stats.pool.evictable, stats.pool.pinned) == (6, 2, 0)
     assert len(rig.store) == 0
+    assert not [e for e in rig.sched.take_events() if e.tier]  # stored nowhere: no event
 
 
 def test_a_reset_drops_dirty_chunks_and_a_write_back_in_flight_frees_its_slots() -> None:
