@@ -302,6 +302,10 @@ class CascadeRemote:
             tiers = tuple(self._admitted(item.key, count=True, back=False) for item in items)
         return self._submit(self._publishes, self._publish, session, items, chain, tiers)
 
+    @property
+    def writes_back(self) -> bool:
+        return any(self._back)
+
     def submit_write_back(self, session: str, items: Sequence[StoreItem]) -> JobId:
         with self._lock:
             tiers = tuple(self._admitted(item.key, count=False, back=True) for item in items)

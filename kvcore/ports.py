@@ -609,6 +609,11 @@ class SupportsWriteBack(RemoteTier, Protocol):
     """A remote tier with tiers written back (``kvcore.tiers``): ``submit_publish`` writes a save to the
     tiers written through, ``submit_write_back`` a chunk the pool is about to evict to the others."""
 
+    @property
+    def writes_back(self) -> bool:
+        """Whether any of its tiers is written back (else ``submit_write_back`` stores nothing)."""
+        ...
+
     def submit_write_back(self, session: str, items: Sequence[StoreItem]) -> JobId:
         """Store each item's host bytes under its key in the tiers written back that admit it (a chunk
         they do not admit is no failure); a failed item is stored in none of them."""

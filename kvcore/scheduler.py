@@ -75,9 +75,7 @@ class SchedulerStats:
     ops_in_flight: int
     tier_found: tuple[int, ...] = ()  # chunks each remote tier's lookups found beyond the pool, in order
     tier_usage: tuple[TierUsage | None, ...] = ()  # how full each remote tier is, where it can tell
-    tier_stored: tuple[
-        int, ...
-    ] = ()  # chunks each remote tier stored (every shard) from saves and write-backs
+    tier_stored: tuple[int, ...] = ()  # chunks each remote tier stored (every shard of them)
     written_back_chunks: int = 0  # pool chunks written back to the tiers written back (``Tier.write``)
     failed_write_back_chunks: int = 0  # of those, chunks that no tier stored
 

@@ -13,10 +13,10 @@ Each remote tier may carry ``admit_after``: the saves of a chunk this engine's r
 tier takes it (1, the default: every save; 2: only chunks saved twice, e.g. recomputed after every tier
 before lost them, reach it), and ``write``: ``"through"`` (the default) writes each save to the tier at
 once, side by side with the pool; ``"back"`` writes a chunk to it only when the pool is about to evict
-the chunk (``CacheScheduler``: a chunk not yet written back is never evicted), so chunks that the pool
-keeps cost the tier no write. A tier that moves engine blocks itself (``DIRECT``, e.g. LMCache's) is
-written through only: it may address chunks by their request's chain, which a write-back, long after the
-request, does not carry.
+the chunk (``CacheScheduler``: a chunk not yet written back is never evicted), or as the workers close
+(``kvcore.write_back``): saves cost the tier nothing until the pool needs room. A tier that moves engine
+blocks itself (``DIRECT``, e.g. LMCache's) is written through only: it may address chunks by their
+request's chain, which a write-back, long after the request, does not carry.
 """
 
 from __future__ import annotations

@@ -34,8 +34,12 @@ from kvcore.ports import (
     SupportsWriteBack,
 )
 from kvcore.remote import close_quietly
+from kvcore.write_back import SESSION as WRITE_BACK_SESSION
 
-__all__ = ["BlockWorker"]
+__all__ = ["FLUSH_TIMEOUT_S", "BlockWorker"]
+
+FLUSH_TIMEOUT_S = 30.0
+"""How long ``BlockWorker.close`` gives the chunks not yet written back to reach the tiers written back."""
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +107,14 @@ class BlockWorker:
 
     ``remote`` attaches a remote tier whose values are one host slot (``slot_bytes``, ``slot_blocks``
     host blocks) of this rank each, or a tail's leading blocks of one; ops without remote chunks never
-    touch it. With it, the worker keeps each request's chain (this rank's
-    keys from the request's first chunk on, pieced together from the ops' ``chain`` deltas) until the
-    request's session ends, and names it in every fetch and publish, as a chained tier needs. ``mover``
-    is ``None`` for a worker with no host slots: the remote tier moves every op's blocks itself.
+    touch it. With it, the worker keeps each request's chain (this rank's keys from the request's first
+    chunk on, pieced together from the ops' ``chain`` deltas) until the request's session ends, and
+    names it in every fetch and publish, as a chained tier needs. ``mover`` is ``None`` for a worker with
+    no host slots: the remote tier moves every op's blocks itself.
+
+    With tiers written back (``SupportsWriteBack``), the worker also knows which of its slots hold
+    chunks saved but not yet written back (a write-back, or a later op that writes the slot, ends that),
+    and ``close`` writes them back before anything closes: the pool's last chunks survive a restart.
     """
 
     def __init__(
@@ -143,6 +151,10 @@ class BlockWorker:
         self._ready: list[OpReport] = []
         self._ending: set[str] = set()  # ended requests whose sessions end after their last op
         self._chains: dict[str, list[ChunkKey]] = {}  # request id -> this rank's chain, with a remote tier
+        # slot -> the chunk saved into it and not yet written back, with tiers written back
+        self._dirty: dict[int, RemoteChunk] | None = (
+            {} if isinstance(remote, SupportsWriteBack) and remote.writes_back else None
+        )
 
     def execute(self, plan: StepPlan) -> None:
         """Fence the plan's ``fenced`` ops, then start every op of the plan; returns at once (unless a
@@ -151,6 +163,8 @@ class BlockWorker:
         if fenced:
             self.fence(fenced)
         for op in plan.ops:
+            if self._dirty:
+                self._overwritten(op)
             if op.chain and self._remote is not None:
                 self._extend_chain(op)
             if op.held is not None:
@@ -275,12 +289,47 @@ class BlockWorker:
             for op_id, (queue, _) in self._current.items()
         )
 
-    def close(self) -> None:
-        """Stop the remote tier, then the mover (a failure is logged, never raised). Jobs not yet run
-        fail; ops executed later fail (cache misses); reports keep coming until every op is reported."""
+    def close(self, flush_timeout: float = FLUSH_TIMEOUT_S) -> None:
+        """Write the chunks not yet written back to the tiers written back (at most ``flush_timeout``
+        seconds), then stop the remote tier, then the mover (a failure is logged, never raised). Jobs
+        not yet run fail; ops executed later fail (cache misses); reports keep coming until every op is
+        reported."""
+        if not self._closed:
+            self._flush(flush_timeout)
         self._closed = True
         close_quietly(self._remote)
         close_quietly(self._mover)
+
+    def _flush(self, timeout: float) -> None:
+        """Write back what this rank's slots hold dirty, once the saves still publishing have ended."""
+        remote = self._remote
+        if self._dirty is None or not isinstance(remote, SupportsWriteBack):
+            return
+        deadline = time.monotonic() + timeout
+        publishing = [
+            i for i, run in self._runs.items() if run.stage is _Stage.PUBLISH and not run.op.write_back
+        ]
+        if publishing:
+            self._ready.extend(self.wait(publishing, timeout))  # ``wait`` takes the ready reports: kept
+        if not self._dirty:
+            return
+        chunks = list(self._dirty.values())
+        self._dirty.clear()
+        try:
+            job = remote.submit_write_back(WRITE_BACK_SESSION, [self._store_item(c) for c in chunks])
+            results = remote.wait([job], max(0.0, deadline - time.monotonic()))
+        except (BackendError, UsageError, TransferTimeout) as exc:
+            log.warning(
+                "kvcore: rank %d: %d chunks not written back at close: %s", self._rank, len(chunks), exc
+            )
+            return
+        lost = len(chunks) if not results or results[0].error else len(results[0].failed)
+        if lost:
+            log.warning(
+                "kvcore: rank %d: %d of %d chunks not written back at close", self._rank, lost, len(chunks)
+            )
+        else:
+            log.info("kvcore: rank %d wrote %d chunks back at close", self._rank, len(chunks))
 
     def reports(self) -> tuple[OpReport, ...]:
         """Ops finished since the last call (never blocks)."""
@@ -455,6 +504,8 @@ class BlockWorker:
                     self._warnings.warn(f"remote {run.stage.value} failed: {result.error}")
                 if run.stage is _Stage.PUBLISH:
                     self._place(run, result, set(bad))
+                    if self._dirty is not None:
+                        _track_dirty(self._dirty, run, set(bad))
             self._next(run)
 
     def _next(self, run: _Run) -> None:
@@ -483,6 +534,20 @@ class BlockWorker:
             else:
                 tiers = () if j in bad else (0,)
             run.placed[position[chunk.first]] = tiers
+
+    def _overwritten(self, op: BlockOp) -> None:
+        """Slots the op writes (a save's, a fetch's) no longer hold the chunk that was dirty there: the pool
+        gave it up, written back or dropped."""
+        dirty = self._dirty
+        if dirty is None or op.write_back:
+            return
+        if op.direction is Direction.SAVE:
+            for block in op.host_blocks:
+                dirty.pop(block // self._slot_blocks, None)
+        else:
+            for chunk in op.remote:
+                if chunk.slot is not None:
+                    dirty.pop(chunk.slot, None)
 
     def _fail_chunks(self, run: _Run, chunks: Iterable[RemoteChunk]) -> None:
         for chunk in chunks:
@@ -513,6 +578,18 @@ class BlockWorker:
     def _take(self) -> tuple[OpReport, ...]:
         out, self._ready = tuple(self._ready), []
         return out
+
+
+def _track_dirty(dirty: dict[int, RemoteChunk], run: _Run, bad: set[int]) -> None:
+    """A save's published chunks are dirty in their slots; a write-back's are not, whatever its outcome
+    (the scheduler counts them clean)."""
+    for j, chunk in enumerate(run.staged):
+        if chunk.slot is None:
+            continue
+        if run.op.write_back:
+            dirty.pop(chunk.slot, None)
+        elif j not in bad:
+            dirty[chunk.slot] = chunk
 
 
 def _direct(op: BlockOp) -> bool:

@@ -8,8 +8,9 @@ recently used dirty chunks are written back: one op of at most ``BATCH`` chunks 
 in it (``BlockOp.write_back``). Their pin is released when every rank reported, whatever the outcome:
 a chunk that no tier stored stays in the pool, clean (a cache may lose what it never wrote back).
 
-So a chunk that the pool keeps costs the tiers written back no write, and one the pool would evict
-reaches them first. Chunks still dirty when the engine stops are not written back.
+So a step's saves cost the tiers written back nothing until the pool needs room, and a chunk the pool
+would evict reaches them first. What is still dirty when the engine stops, each worker writes back as it
+closes (``BlockWorker.close``: it knows which of its slots hold chunks saved and not yet written back).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from kvcore.faults import FaultHooks
 from kvcore.plugins import RemoteOpener
 from kvcore.ports import RemoteTier
 from kvcore.sizing import check_world, host_field, pool_slots, slot_bytes
-from kvcore.worker import BlockWorker
+from kvcore.worker import FLUSH_TIMEOUT_S, BlockWorker
 from kvcore_cpu.amx import claim_amx
 from kvcore_cpu.checksums import ChecksummedMover
 from kvcore_cpu.cuda_lane import stream_mark
@@ -148,9 +148,9 @@ class CPUWorker(BlockWorker):
             raise UsageError("this worker has no host pool")
         return bytes(self.host.blocks[block].numpy().tobytes())
 
-    def close(self) -> None:
-        """Stop the remote tier, then the mover, then free the memory both use."""
-        super().close()
+    def close(self, flush_timeout: float = FLUSH_TIMEOUT_S) -> None:
+        """Write back what is dirty, stop the remote tier, then the mover, then free the memory they use."""
+        super().close(flush_timeout)
         if self.host is not None:
             self.host.close()
 

@@ -198,10 +198,12 @@ def test_a_disk_written_back_gets_only_the_chunks_the_pool_is_about_to_evict(tmp
         assert a.sched.stats().tier_stored == (3 * CHUNKS,)
     finally:
         a.close()
-    b = Engine(load_config(config), spec, seed=92)  # a restart: what was written back is on the disk
+    # closing wrote back what was still dirty (p3's and p4's): a restart finds every prompt on the disk
+    assert files(tmp_path / "kv") == 5 * CHUNKS * tp
+    b = Engine(load_config(config), spec, seed=92)
     try:
-        found = [load(b, f"b{i}", prompts[i], at=10) for i in range(5)]
-        assert found == [CHUNKS * CHUNK_TOKENS] * 3 + [0, 0]  # p3 and p4 were never written back
+        assert [load(b, f"b{i}", prompts[i], at=10) for i in range(5)] == [CHUNKS * CHUNK_TOKENS] * 5
+        assert b.sched.stats().tier_found == (5 * CHUNKS,)
     finally:
         b.close()
 

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import pytest
 
-from kvcore.config import load_config
+from kvcore.config import KVCoreConfig, load_config
 from kvcore.engine import EngineSpec
 from kvcore.errors import BackendUnavailable
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.layout import KVLayout, LayoutKind
 from kvcore.lookup import leading_complete
 from kvcore.plan import BlockOp, RemoteChunk, StepPlan
-from kvcore.ports import Direction, StoreItem
+from kvcore.ports import Direction, RemoteTier, StoreItem
 from kvcore.remote import StoreRemote
 from kvcore.scheduler import CacheScheduler
 from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkIndex, InMemoryChunkStore
@@ -70,7 +70,15 @@ def answer(sched: CacheScheduler, rid: str, tokens: Sequence[int]) -> int:
 
 
 class Rig:
-    def __init__(self, slots: int = 3) -> None:
+    """A scheduler and one worker over an in-memory mover, the store behind them as the remote tier
+    (``tier`` wraps it: ``StoreRemote``, or a cascade of it)."""
+
+    def __init__(
+        self,
+        slots: int = 3,
+        config: KVCoreConfig = CONFIG,
+        tier: Callable[[InMemoryChunkStore], RemoteTier] = StoreRemote,
+    ) -> None:
         self.mover = InMemoryBlockMover(
             num_engine_blocks=64,
             num_host_blocks=slots * 2,
@@ -79,11 +87,9 @@ class Rig:
         )
         self.store = InMemoryChunkStore(self.mover.host)
         self.index = StoreIndex(self.store)
-        self.sched = CacheScheduler(CONFIG, ENGINE, slots, remote=self.index)
+        self.sched = CacheScheduler(config, ENGINE, slots, remote=self.index)
         slot_bytes = 2 * self.mover.host_block_bytes
-        self.worker = BlockWorker(
-            self.mover, remote=StoreRemote(self.store), slot_bytes=slot_bytes, slot_blocks=2
-        )
+        self.worker = BlockWorker(self.mover, remote=tier(self.store), slot_bytes=slot_bytes, slot_blocks=2)
 
     def step(self) -> StepPlan:
         plan = self.sched.take_plan()

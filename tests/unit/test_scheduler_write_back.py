@@ -11,22 +11,14 @@ from collections.abc import Sequence
 from kvcore.block_pool import PoolEventKind
 from kvcore.cascade import CascadeRemote
 from kvcore.config import load_config
-from kvcore.engine import EngineSpec
 from kvcore.hashing import NO_EXTRA
 from kvcore.ids import ChunkKey, RequestId
-from kvcore.layout import KVLayout, LayoutKind
 from kvcore.plan import StepPlan
 from kvcore.remote import StoreRemote
-from kvcore.scheduler import CacheScheduler
-from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore
-from kvcore.worker import BlockWorker
 from kvcore.write_back import SESSION
-from tests.unit.test_scheduler_remote import StoreIndex, answer
+from tests.unit import test_scheduler_remote as remote
+from tests.unit.test_scheduler_remote import answer
 
-LAYOUT = KVLayout(
-    kind=LayoutKind.VLLM_CPU, num_blocks=64, block_tokens=4, num_kv_heads=2, head_size=2, dtype_size=1
-)
-ENGINE = EngineSpec(model_id="tiny", kv_dtype="int8", num_layers=2, total_kv_heads=2, layout=LAYOUT)
 SLOTS = 8  # write-back keeps two of them free or clean
 # the scheduler learns from the config that its tier is written back; the rig's store plays that tier
 CONFIG = load_config(
@@ -45,27 +37,12 @@ def prompt(seed: int) -> list[int]:
     return [seed * 1000 + i for i in range(17)]  # two chunks of 8 tokens and a token
 
 
-class Rig:
-    def __init__(self) -> None:
-        self.mover = InMemoryBlockMover(
-            num_engine_blocks=64,
-            num_host_blocks=SLOTS * 2,
-            layer_block_bytes=LAYOUT.block_bytes,
-            num_layers=2,
-        )
-        self.store = InMemoryChunkStore(self.mover.host)
-        self.sched = CacheScheduler(CONFIG, ENGINE, SLOTS, remote=StoreIndex(self.store))
-        tier = CascadeRemote([StoreRemote(self.store)], [1], [True])
-        self.worker = BlockWorker(
-            self.mover, remote=tier, slot_bytes=2 * self.mover.host_block_bytes, slot_blocks=2
-        )
-        self.blocks = 0
+class Rig(remote.Rig):
+    """The remote tests' rig with eight slots, its store a tier written back (a cascade of one)."""
 
-    def step(self) -> StepPlan:
-        plan = self.sched.take_plan()
-        self.worker.execute(plan)
-        self.sched.complete(self.worker.wait(plan.op_ids(), 5.0))
-        return plan
+    def __init__(self) -> None:
+        super().__init__(SLOTS, CONFIG, lambda store: CascadeRemote([StoreRemote(store)], [1], [True]))
+        self.blocks = 0
 
     def queue_save(self, rid: str, tokens: Sequence[int]) -> None:
         """The request's KV computed in its next four engine blocks, its two chunks' saves queued."""
@@ -108,6 +85,35 @@ def test_dirty_chunks_reach_the_tier_only_under_pressure_least_recently_used_fir
     assert (written.kind, written.tier, len(written.keys)) == (PoolEventKind.STORED, 1, 2)
     assert answer(rig.sched, "again", prompt(0)) == 16  # still in the pool, clean now
     assert not any(op.write_back for op in rig.step().ops)  # two clean slots: room enough
+
+
+def test_closing_the_worker_writes_back_what_is_still_dirty() -> None:
+    rig = Rig()
+    for i in range(3):
+        rig.save(f"r{i}", prompt(i))
+    rig.save("r3", prompt(3))  # r0's chunks written back at this step; the others still dirty
+    assert len(rig.store) == 2
+    rig.worker.close()
+    assert len(rig.store) == 8  # every chunk saved, once
+    for i in range(4):
+        assert rig.store.exists(shard_keys(rig, prompt(i))) == (True, True)
+
+
+def test_a_slot_written_again_is_never_written_back_under_its_old_chunks_key() -> None:
+    rig = Rig()
+    rig.save("r0", prompt(0))  # dirty in the worker's slots
+    old = shard_keys(rig, prompt(0))
+    rig.sched.reset()  # the scheduler drops r0's dirty chunks and frees their slots; the worker is not told
+    fetched = shard_keys(rig, prompt(9))  # chunks another engine left in the tier
+    for key in fetched:
+        rig.store.poke(key, os.urandom(2 * rig.mover.host_block_bytes))
+    assert answer(rig.sched, "c", prompt(9)) == 16
+    rig.sched.start_load(RequestId("c"), range(40, 44))
+    plan = rig.step()  # fetched into the freed slots, r0's
+    (load,) = plan.ops
+    assert {chunk.slot for chunk in load.remote} == {0, 1}
+    rig.worker.close()
+    assert rig.store.exists(old) == (False, False)  # those slots hold prompt 9's KV: never written as r0's
 
 
 def test_a_failed_write_back_leaves_the_chunk_clean_in_the_pool() -> None:
