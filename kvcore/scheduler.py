@@ -347,6 +347,7 @@ class CacheScheduler:
                 break  # the chunk left the pool since the lookup
         pinned = [key for _, key, local in sources if local]
         self.pool.pin(pinned)
+        why = "left the pool before loading"
         for n, (piece, key, local) in enumerate(sources):
             tail = req.tail if req.tail is not None and req.tail.key == key else None
             slot: int | None = None
@@ -356,6 +357,7 @@ class CacheScheduler:
                 reserved = self.pool.prepare_store((key,)).slots
                 if not reserved:  # no free slot, or the chunk is being saved now: recompute from here
                     self.pool.unpin([k for _, k, loc in sources[n:] if loc])
+                    why = "not fetched: no pool slot free (all pinned or being stored), or it is being saved"
                     break
                 slot = reserved[0][1]
             draft.add(
@@ -372,7 +374,7 @@ class CacheScheduler:
         loaded = len(draft.engine_blocks)
         lost = spec.num_blocks - loaded
         if lost:
-            log.warning("kvcore: request %s: %d blocks left the pool before loading", request_id, lost)
+            log.warning("kvcore: request %s: %d blocks %s", request_id, lost, why)
             lost_from = spec.first_block + loaded
             req.unloaded = (self._plans, lost_from)
             req.stop_answer_at(lost_from // self.blocks_per_chunk)

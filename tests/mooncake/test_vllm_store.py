@@ -142,8 +142,10 @@ def _check_failing_store(llm: Any, holder: subprocess.Popen[str]) -> None:
         reference.append(list(generate(llm, tokens).outputs[0].token_ids))  # vLLM's own hit
     for seed in range(3):
         generate(llm, prompt(4500 + seed, 1500), max_tokens=1)
+    # the fillers' publishes end before the freeze: a publish still waiting on the frozen holder keeps its
+    # slot (of the 16) until its transfer times out, and the loads below need slots for their fetches
+    _settle(llm)
     failed = kvcore_metric(llm, "failed_load_blocks")
-    loaded = kvcore_metric(llm, "loaded_blocks")
     loads = kvcore_metric(llm, "async_loads")
 
     os.kill(holder.pid, signal.SIGSTOP)
@@ -163,6 +165,7 @@ def _check_failing_store(llm: Any, holder: subprocess.Popen[str]) -> None:
     assert list(stalled.outputs[0].token_ids) == reference[0]
     assert kvcore_metric(llm, "async_loads") == loads + 2
     assert TRANSFER_TIMEOUT_S <= took < TRANSFER_TIMEOUT_S + 15
+    _settle(llm)  # likewise: the thawed holder ends the copies that waited on it
 
     # killed while a load waits on it (frozen first, so that the load is surely under way)
     os.kill(holder.pid, signal.SIGSTOP)
@@ -177,14 +180,16 @@ def _check_failing_store(llm: Any, holder: subprocess.Popen[str]) -> None:
         dead = next((list(o.outputs[0].token_ids) for o in engine.step() if o.finished), dead)
     assert dead == reference[1]
 
-    gauges = ("pool_pinned", "ops_in_flight", "requests")
+    _settle(llm)
+    # every block of the three loads failed (a frozen fetch fails once it ends), none loaded
+    assert kvcore_metric(llm, "failed_load_blocks") - failed == 3 * 4
+
+
+def _settle(llm: Any) -> None:
+    """Run steps until kvcore holds nothing: no slot pinned or being stored, no op in flight, no request
+    (a step with a prompt shorter than a block loads and saves nothing, and reports the gauges)."""
+    gauges = ("pool_pinned", "pool_storing", "ops_in_flight", "requests")
     deadline = time.monotonic() + 30
     while any(kvcore_metric(llm, g) for g in gauges) and time.monotonic() < deadline:
-        generate(llm, prompt(4600, BLOCK - 20), max_tokens=1)  # a step reports the gauges
+        generate(llm, prompt(4600, BLOCK - 20), max_tokens=1)
     assert {g: kvcore_metric(llm, g) for g in gauges} == dict.fromkeys(gauges, 0.0)
-    # every block of the aborted and the frozen loads failed (a frozen fetch fails once it ends), and of
-    # the last, those in the killed holder: the aborted load's fetch may have ended after the holder
-    # thawed, putting some of the same prompt's chunks in the pool, which the last one then loaded
-    failed_blocks = kvcore_metric(llm, "failed_load_blocks") - failed
-    assert failed_blocks + kvcore_metric(llm, "loaded_blocks") - loaded == 3 * 4
-    assert failed_blocks >= 2 * 4 + 1
