@@ -80,20 +80,24 @@ def _fuzz(args: argparse.Namespace) -> int:
 
     if not args.verbose:  # the faults are injected on purpose: kvcore's warnings about them are expected
         logging.getLogger("kvcore").setLevel(logging.ERROR)
-    options = FuzzOptions(
-        remote=args.remote,
-        disk=args.disk,
-        stack=args.stack,
-        write_back=args.write_back,
-        preempt=not args.no_preempt,
-        reset=not args.no_reset,
-        faults=not args.no_faults,
-        recompute_late=not args.hold_late_loads,
-        tails=not args.no_tails,
-        engine_blocks=args.engine_blocks,
-        pool_slots=args.pool_slots,
-        trace=args.trace,
-    )
+    try:
+        options = FuzzOptions(
+            remote=args.remote,
+            disk=args.disk,
+            stack=args.stack,
+            write_back=args.write_back,
+            preempt=not args.no_preempt,
+            reset=not args.no_reset,
+            faults=not args.no_faults,
+            recompute_late=not args.hold_late_loads,
+            tails=not args.no_tails,
+            engine_blocks=args.engine_blocks,
+            pool_slots=args.pool_slots,
+            trace=args.trace,
+        )
+    except KVCoreError as exc:
+        print(f"kvcore fuzz: {exc}", file=sys.stderr)
+        return 2
     failed = 0
     for seed in range(args.seed, args.seed + args.runs):
         try:

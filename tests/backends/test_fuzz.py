@@ -63,6 +63,11 @@ def test_a_seed_replays_exactly() -> None:
     assert _outcome(7) == _outcome(7)
 
 
+def test_the_cli_refuses_write_back_without_a_disk(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fuzz", "--steps", "1", "--write-back"]) == 2
+    assert "write_back: the disk tier is written back, give disk or stack too" in capsys.readouterr().err
+
+
 def test_the_cli_prints_a_summary_and_replays_failures(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fuzz", "--steps", "40", "--seed", "4", "--no-faults"]) == 0
     out = capsys.readouterr().out
