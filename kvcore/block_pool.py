@@ -237,10 +237,10 @@ class BlockPool:
                 ready[key] = slot
                 done.append(key)
         if done:
-            if dirty:
+            self._policy.insert(done)
+            if dirty:  # held out of the policy as a pin holds a key (ARC still learns from its ghosts)
+                self._policy.discard(done)
                 self._dirty.update(dict.fromkeys(done))
-            else:
-                self._policy.insert(done)
             if self._events is not None:
                 self._events.append(PoolEvent(PoolEventKind.STORED, tuple(done)))
         return tuple(done)
