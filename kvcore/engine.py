@@ -7,7 +7,7 @@ from typing import Any
 
 from attrs import Attribute, field, frozen
 
-from kvcore.checks import SIZE_LIMIT, is_int_in, positive_count, text
+from kvcore.checks import SIZE_LIMIT, int_in, is_int_in, positive_count, text
 from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguration
 from kvcore.keys import Shard
 from kvcore.layout import KVLayout, LayoutKind
@@ -52,6 +52,12 @@ class EngineSpec:
     ``total_kv_heads`` by vLLM's rule (``total / tp`` heads, or one replicated head when there are fewer
     heads than ranks; MLA: one latent); the KV of every layer is at most ``2**62`` bytes. Counts are ints
     in ``[1, 2**62]``.
+
+    A model whose layers keep KV of several kinds (vLLM's KV-cache groups: sliding-window and full
+    attention layers) is one ``EngineSpec`` per group, each keyed apart (``model_id`` names the group).
+    ``sibling_block_bytes`` is then what one block of every other group of the engine takes in host
+    memory: the groups share the backend's host memory, each with as many slots as the others (a prompt
+    needs a chunk of each group), so the pool is sized over all of them (``kvcore.sizing.pool_slots``).
     """
 
     model_id: str = field(validator=text)
@@ -60,6 +66,7 @@ class EngineSpec:
     total_kv_heads: int = field(validator=positive_count)
     layout: KVLayout = field(validator=_a_layout)
     tp_size: int = field(default=1, validator=positive_count)
+    sibling_block_bytes: int = field(default=0, validator=int_in(0))
 
     def __attrs_post_init__(self) -> None:
         layout = self.layout

@@ -306,9 +306,12 @@ class CacheScheduler:
         vLLM's ``WAITING_FOR_REMOTE_KVS``); it is counted in ``SchedulerStats.async_loads``.
 
         ``block_ids`` are the request's blocks from its first token on (``None`` for a block the engine
-        does not hold; the load never writes one). Chunks that left the pool since the lookup are not
-        loaded: their blocks are reported by ``take_load_errors`` for recompute. Bad block ids raise
-        ``InvalidSpecError`` and leave the decided load in place; a request that has ended loads nothing.
+        does not hold; the load never writes one). The load's leading blocks the engine does not hold are
+        blocks it does not need (a sliding-window group keeps only the blocks of its last window): they
+        are not loaded, and count as served. Chunks that left the pool since the lookup are not loaded:
+        their blocks are reported by ``take_load_errors`` for recompute. Bad block ids (a hole after a
+        held block of the load) raise ``InvalidSpecError`` and leave the decided load in place; a request
+        that has ended loads nothing.
         """
         table = check_block_table("block_ids", block_ids, self.engine.layout.num_blocks)
         req = self._requests.get(request_id)
@@ -319,22 +322,25 @@ class CacheScheduler:
                 req.load = None
             return 0
         needed = table[spec.first_block : spec.first_block + spec.num_blocks]
-        if len(table) < spec.first_block + spec.num_blocks or None in needed:
+        skipped = next((n for n, block in enumerate(needed) if block is not None), len(needed))
+        if len(table) < spec.first_block + spec.num_blocks or None in needed[skipped:]:
             raise InvalidSpecError(
                 f"block_ids: request {request_id}: the load writes blocks {spec.first_block} to "
                 f"{spec.first_block + spec.num_blocks - 1} of the request, got {len(table)} block ids "
-                f"({needed.count(None)} of those missing)"
+                f"({needed[skipped:].count(None)} of those missing after the first held one)"
             )
-        ids = cast(tuple[int, ...], table)  # no hole in the load's range (checked above)
+        ids = cast(tuple[int, ...], table)  # no hole in the load's range after its skipped blocks
         req.load = None
         spec = attrs.evolve(spec, is_async=is_async)
         req.loaded = spec
         req.failed_blocks = set()  # a new load: what failed in an earlier one no longer counts
+        # the blocks written: from the first block the engine holds
+        written = attrs.evolve(spec, start=max(spec.start, (spec.first_block + skipped) * self.block_tokens))
         draft = OpDraft(self.blocks_per_chunk)
         # Which pieces come from the pool and which from the remote tier; the pool's are pinned before
         # any fetch reserves a slot, so that no fetch evicts a chunk this very load needs.
         sources: list[tuple[ChunkPiece, ChunkKey, bool]] = []
-        for piece in spec.pieces(self.config.chunk_tokens):
+        for piece in written.pieces(self.config.chunk_tokens) if skipped < len(needed) else ():
             tail = req.tail if req.tail is not None and req.tail.chunk == piece.chunk else None
             if tail is None and piece.chunk >= len(req.chain.keys):
                 break  # the tail this load was decided with failed since: its blocks are recomputed
@@ -372,10 +378,10 @@ class CacheScheduler:
                 value_blocks=tail.blocks if tail else None,
             )
         loaded = len(draft.engine_blocks)
-        lost = spec.num_blocks - loaded
+        lost = spec.num_blocks - skipped - loaded
         if lost:
             log.warning("kvcore: request %s: %d blocks %s", request_id, lost, why)
-            lost_from = spec.first_block + loaded
+            lost_from = written.first_block + loaded
             req.unloaded = (self._plans, lost_from)
             req.stop_answer_at(lost_from // self.blocks_per_chunk)
             req.failed_blocks.update(range(lost_from, spec.first_block + spec.num_blocks))
@@ -390,13 +396,33 @@ class CacheScheduler:
                 held = None
             elif not self._remote.hand_over(held):  # too old to hand over: released
                 held = None
-        if not loaded:
+        if not loaded and skipped < len(needed):
             return 0
-        self._submit(request_id, Direction.LOAD, draft, held, req.remote_tail)
-        queued = spec.tokens_in(loaded)
+        if loaded:
+            self._submit(request_id, Direction.LOAD, draft, held, req.remote_tail)
+        queued = spec.tokens_in(skipped + loaded)
         self._counters["hit_tokens"] += queued
         self._counters["async_loads"] += is_async
         return queued
+
+    def cap_load(self, request_id: RequestId, num_tokens: int) -> int:
+        """Lower the load the last ``lookup`` decided to its first ``num_tokens`` tokens; returns the tokens
+        it now covers (never more than it did). For an engine whose caches must all serve one hit: a
+        hybrid model's KV-cache groups, each a ``CacheScheduler``, serve the least any of them found.
+        ``num_tokens`` must be an integer >= 0 (``InvalidSpecError``)."""
+        if not is_int_in(num_tokens, 0):
+            raise InvalidSpecError(f"num_tokens: got {num_tokens!r}, expected an integer >= 0")
+        req = self._requests.get(request_id)
+        if req is None or req.load is None:
+            return 0
+        if num_tokens >= req.load.num_tokens:
+            return req.load.num_tokens
+        if num_tokens == 0:
+            req.load = None
+            self._release_held(req)
+            return 0
+        req.load = attrs.evolve(req.load, stop=req.load.start + num_tokens)
+        return num_tokens
 
     def load_reads_remote(self, request_id: RequestId) -> bool:
         """Whether the load the last ``lookup`` decided reads a chunk the local pool did not hold then (a

@@ -24,23 +24,26 @@ def slot_bytes(config: KVCoreConfig, engine: EngineSpec) -> int:
 
 def pool_slots(config: KVCoreConfig, engine: EngineSpec, world_size: int = 1) -> int:
     """Host slots that the backend's host memory buys per rank (``size`` for the CPU tier, ``local_size``
-    in front of a remote tier). 0 for a backend that moves blocks straight to its own memory and was
-    given no host memory (``DIRECT``).
+    in front of a remote tier); for one KV-cache group of a hybrid model, the slots of every group
+    (``EngineSpec.sibling_block_bytes``) share that memory, each group as many. 0 for a backend that
+    moves blocks straight to its own memory and was given no host memory (``DIRECT``).
 
     Raises ``ConfigError`` for a ``world_size`` other than the engine's ``tp_size``, a ``chunk_tokens``
     that is not a multiple of the block size, or a size below one slot on each rank.
     """
     check_world(engine, world_size)
-    one = slot_bytes(config, engine)
+    siblings = engine.blocks_per_chunk(config.chunk_tokens) * engine.sibling_block_bytes
+    one = slot_bytes(config, engine) + siblings
     backend = config.backend
     if backend.DIRECT and backend.host_bytes == 0:
         return 0
     slots = backend.host_bytes // world_size // one
     if slots < 1:
+        groups = " of every KV-cache group" if engine.sibling_block_bytes else ""
         raise ConfigError(
             host_field(config),
             backend.host_bytes,
-            f"at least {one * world_size} bytes: one chunk of {config.chunk_tokens} tokens "
+            f"at least {one * world_size} bytes: one chunk of {config.chunk_tokens} tokens{groups} "
             f"({one} bytes) on each of {world_size} rank(s)",
         )
     return slots

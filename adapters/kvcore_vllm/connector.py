@@ -8,7 +8,8 @@ configurations stop the engine at start-up with a message naming the field or th
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import vllm
@@ -17,18 +18,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
-from kvcore.errors import InvalidSpecError
+from kvcore.errors import InvalidSpecError, UnsupportedConfiguration
 from kvcore.sizing import staging_shortfall
 from kvcore_vllm.compat import check_vllm
-from kvcore_vllm.engine_spec import engine_spec, hash_identity, layer_names
+from kvcore_vllm.engine_spec import KVGroup, hash_identity, kv_groups
+from kvcore_vllm.grouped_scheduler import GroupedSchedulerSide
+from kvcore_vllm.grouped_worker import GroupedWorkerSide
 from kvcore_vllm.kv_layout import requested_order
-from kvcore_vllm.metadata import KVCoreMetadata
+from kvcore_vllm.metadata import GroupedMetadata, KVCoreMetadata
 from kvcore_vllm.rank_agreement import RankAgreement, alone, over_group
 from kvcore_vllm.roles import require_side
 from kvcore_vllm.scheduler_side import SchedulerSide
-from kvcore_vllm.settings import read_extra_config
+from kvcore_vllm.settings import StorePolicy, read_extra_config
 from kvcore_vllm.stats import KVCorePromMetrics, KVCoreStats, StatsDelta
 from kvcore_vllm.worker_side import WorkerSide
 
@@ -53,9 +57,16 @@ log = logging.getLogger(__name__)
 
 check_vllm(vllm.__version__, KVConnectorBase_V1)
 
+Side = TypeVar("Side")
+Grouped = TypeVar("Grouped")
 
-class KVCoreConnector(KVConnectorBase_V1):
-    """kvcore's connector. Configure it through ``kv_connector_extra_config`` (see ``docs/vllm.md``)."""
+
+class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvcore's connector. Configure it through ``kv_connector_extra_config`` (see ``docs/vllm.md``).
+
+    It supports vLLM's hybrid KV-cache manager (``SupportsHMA``): a model of several KV-cache groups
+    (sliding-window and full attention layers) is served group by group (``GroupedSchedulerSide``,
+    ``GroupedWorkerSide``), so vLLM keeps its hybrid manager on with kvcore configured."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -63,9 +74,15 @@ class KVCoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         settings = read_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         config = settings.core
-        engine = engine_spec(vllm_config, kv_cache_config)
-        self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
+        groups = kv_groups(vllm_config, kv_cache_config)
+        if settings.store_policy is StorePolicy.LAZY and (len(groups) > 1 or groups[0].window is not None):
+            raise UnsupportedConfiguration(
+                "store_policy 'lazy' does not support sliding-window or hybrid models (vLLM frees their "
+                "blocks outside the window, not only at eviction); use 'eager'"
+            )
+        engine = groups[0].engine
+        self._scheduler: SchedulerSide | GroupedSchedulerSide | None = None
+        self._worker: WorkerSide | GroupedWorkerSide | None = None
         self._stats_delta = StatsDelta()
         if role == KVConnectorRole.SCHEDULER:
             identity, random_seed = hash_identity(vllm_config)
@@ -82,10 +99,19 @@ class KVCoreConnector(KVConnectorBase_V1):
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
             hash_block = kv_cache_config.hash_block_size or engine.layout.block_tokens
-            self._scheduler = SchedulerSide(settings, engine, hash_block, identity)
-            shortfall = staging_shortfall(config, engine, vllm_config.scheduler_config.max_num_batched_tokens)
-            if shortfall is not None:
-                log.warning("%s", shortfall)
+            self._scheduler = _per_group(
+                groups,
+                lambda g: SchedulerSide(
+                    settings, g.engine, hash_block, identity, group=g.index, window=g.window
+                ),
+                GroupedSchedulerSide,
+            )
+            for group in groups:
+                shortfall = staging_shortfall(
+                    config, group.engine, vllm_config.scheduler_config.max_num_batched_tokens
+                )
+                if shortfall is not None:
+                    log.warning("%s", shortfall)
             log.info(
                 "kvcore: scheduler side ready (store policy %s, load mode %s): %s",
                 settings.store_policy.value,
@@ -101,8 +127,13 @@ class KVCoreConnector(KVConnectorBase_V1):
                 rank = get_tensor_model_parallel_rank()
                 # each rank reaches the collective after its own wait of at most transfer_timeout_s
                 agree = over_group(get_tp_group().cpu_group, 2 * config.transfer_timeout_s + 5.0)
-            layers = layer_names(kv_cache_config)
-            self._worker = WorkerSide(config, engine, layers, rank, faults=settings.faults, agree=agree)
+            self._worker = _per_group(
+                groups,
+                lambda g: WorkerSide(
+                    config, g.engine, list(g.layers), rank, faults=settings.faults, agree=agree
+                ),
+                GroupedWorkerSide,
+            )
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -113,16 +144,19 @@ class KVCoreConnector(KVConnectorBase_V1):
         return False  # a cache is best effort: a dropped save is a future miss, never lost output
 
     @property
-    def scheduler_side(self) -> SchedulerSide:
-        return require_side(self._scheduler, "scheduler")
+    def scheduler_side(self) -> SchedulerSide | GroupedSchedulerSide:
+        side = self._scheduler
+        return side if side is not None else require_side(side, "scheduler")
 
     @property
-    def worker_side(self) -> WorkerSide:
-        return require_side(self._worker, "worker")
+    def worker_side(self) -> WorkerSide | GroupedWorkerSide:
+        side = self._worker
+        return side if side is not None else require_side(side, "worker")
 
-    def _meta(self) -> KVCoreMetadata:
+    def _meta(self) -> Any:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KVCoreMetadata):
+        expected = GroupedMetadata if isinstance(self._worker, GroupedWorkerSide) else KVCoreMetadata
+        if not isinstance(meta, expected):
             raise InvalidSpecError(f"unexpected connector metadata {type(meta).__name__}")
         return meta
 
@@ -132,8 +166,12 @@ class KVCoreConnector(KVConnectorBase_V1):
         self.worker_side.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        if isinstance(kv_connector_metadata, KVCoreMetadata):
-            self.worker_side.handle_preemptions(kv_connector_metadata)
+        worker = self.worker_side
+        if isinstance(worker, GroupedWorkerSide):
+            if isinstance(kv_connector_metadata, GroupedMetadata):
+                worker.handle_preemptions(kv_connector_metadata)
+        elif isinstance(kv_connector_metadata, KVCoreMetadata):
+            worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker_side.start_load_kv(self._meta())
@@ -162,7 +200,7 @@ class KVCoreConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:
-            self._scheduler.core.close()
+            self._scheduler.close()
 
     # -- scheduler side ----------------------------------------------------------------------------------
 
@@ -174,7 +212,11 @@ class KVCoreConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+        side = self.scheduler_side
+        if isinstance(side, GroupedSchedulerSide):
+            side.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+        else:
+            side.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler_side.build_connector_meta(scheduler_output)
@@ -183,7 +225,19 @@ class KVCoreConnector(KVConnectorBase_V1):
         self.scheduler_side.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler_side.request_finished(request, block_ids)
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        side = self.scheduler_side
+        if isinstance(side, GroupedSchedulerSide):
+            return side.request_finished(request, block_ids)
+        return side.request_finished(request, block_ids[0])
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        side = self.scheduler_side
+        return side.loaded_groups() if isinstance(side, GroupedSchedulerSide) else (0,)
 
     def reset_cache(self) -> bool | None:
         return self.scheduler_side.reset_cache()
@@ -212,3 +266,11 @@ class KVCoreConnector(KVConnectorBase_V1):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         return KVCorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _per_group(
+    groups: tuple[KVGroup, ...], make: Callable[[KVGroup], Side], grouped: Callable[[list[Side]], Grouped]
+) -> Side | Grouped:
+    """The side of a model of one KV-cache group, or the grouped side over one side per group."""
+    sides = [make(group) for group in groups]
+    return sides[0] if len(sides) == 1 else grouped(sides)

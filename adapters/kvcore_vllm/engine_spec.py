@@ -1,16 +1,22 @@
 """What kvcore needs to know of a vLLM engine, read from its config, and the scope it refuses.
 
-Unsupported configurations are refused at start-up with a message that names them, never silently
-mis-keyed: pipeline or context parallelism, several KV-cache groups (hybrid models), and caches whose
-bytes kvcore does not describe (``kv_layout``: attention backends, memory orders, cache dtypes).
+A model may keep KV of several kinds (vLLM's hybrid KV-cache manager: sliding-window and full attention
+layers in groups, each with its own block table): each group is one ``KVGroup``, keyed apart. Unsupported
+configurations are refused at start-up with a message that names them, never silently mis-keyed:
+pipeline or context parallelism, KV-cache groups of other kinds (Mamba state, local or sparse
+attention) or block sizes, and caches whose bytes kvcore does not describe (``kv_layout``: attention
+backends, memory orders, cache dtypes).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import TYPE_CHECKING
 
+import attrs
 import torch
+from attrs import frozen
 
 from kvcore.engine import EngineSpec
 from kvcore.errors import UnsupportedConfiguration
@@ -20,9 +26,22 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["attention_backend", "engine_spec", "hash_identity", "layer_names"]
+__all__ = ["KVGroup", "attention_backend", "engine_spec", "hash_identity", "kv_groups", "layer_names"]
 
 _FIXED_SEED = "vllm-none-hash"
+
+
+@frozen
+class KVGroup:
+    """One of vLLM's KV-cache groups as kvcore keeps it: the layers that share one block table, of one
+    ``kind`` (``full``, ``mla`` or ``sliding_window`` of ``window`` tokens), and the engine kvcore sees for
+    them (its ``model_id`` names the group when the model has several, so groups never share keys)."""
+
+    index: int
+    kind: str
+    window: int | None
+    layers: tuple[str, ...]
+    engine: EngineSpec
 
 
 def layer_names(kv_cache_config: KVCacheConfig) -> list[str]:
@@ -31,24 +50,29 @@ def layer_names(kv_cache_config: KVCacheConfig) -> list[str]:
 
 
 def engine_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineSpec:
-    """The engine as kvcore sees it; raises ``UnsupportedConfiguration`` for what kvcore cannot key."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    """The engine as kvcore sees it, for a model of one KV-cache group of full attention or MLA (what
+    the P/D connectors move); raises ``UnsupportedConfiguration`` for anything else."""
+    groups = kv_groups(vllm_config, kv_cache_config)
+    if len(groups) != 1 or groups[0].kind == "sliding_window":
+        kinds = ", ".join(group.kind for group in groups)
+        raise UnsupportedConfiguration(
+            f"this connector moves one KV-cache group of full attention or MLA; the model has {kinds} "
+            "(sliding-window and hybrid models are served by KVCoreConnector)"
+        )
+    return groups[0].engine
+
+
+def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[KVGroup, ...]:
+    """The model's KV-cache groups as kvcore sees them; raises ``UnsupportedConfiguration`` for what
+    kvcore cannot key: state that is not attention KV (Mamba layers), local or sparse attention kinds,
+    groups of different block sizes, and the configurations ``kv_layout`` refuses."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     parallel = vllm_config.parallel_config
     for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
         size = getattr(parallel, name, 1)
         if size != 1:
             raise UnsupportedConfiguration(f"kvcore does not support {name}={size} yet (only 1)")
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise UnsupportedConfiguration(
-            f"kvcore supports one KV-cache group; this model has {len(groups)} (hybrid attention)"
-        )
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, FullAttentionSpec):  # MLA's spec is one
-        raise UnsupportedConfiguration(
-            f"kvcore's vLLM adapter supports full attention and MLA, not {type(spec).__name__}"
-        )
     cache = vllm_config.cache_config
     if cache.kv_cache_dtype_skip_layers:
         raise UnsupportedConfiguration(
@@ -58,23 +82,59 @@ def engine_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Engi
     model = vllm_config.model_config
     if not isinstance(model.dtype, torch.dtype):  # resolved from "auto" when vLLM builds its config
         raise UnsupportedConfiguration(f"model dtype: got {model.dtype!r}, expected a resolved torch.dtype")
-    backend = attention_backend(vllm_config, list(groups[0].layer_names))
-    packing = ""
-    if backend == CPU_BACKEND:
-        packing = cpu_packing(model.dtype, spec.block_size, spec.head_size, cache.cache_dtype)
     try:
         memory_order = cache.get_resolved_kv_cache_layout().name
     except ValueError as exc:  # vLLM resolves it in the engine core before connectors are built
         raise UnsupportedConfiguration(f"vLLM's KV cache layout is not resolved: {exc}") from None
-    layout = kv_layout(backend, memory_order, spec, kv_cache_config.num_blocks, packing=packing)
-    return EngineSpec(
-        model_id=f"{model.model}@{model.revision or 'default'}",
-        kv_dtype=kv_dtype(cache.cache_dtype, model.dtype),
-        num_layers=len(groups[0].layer_names),
-        total_kv_heads=1 if isinstance(spec, MLAAttentionSpec) else model.get_total_num_kv_heads(),
-        layout=layout,
-        tp_size=parallel.tensor_parallel_size,
-    )
+    kinds = {FullAttentionSpec: "full", MLAAttentionSpec: "mla", SlidingWindowSpec: "sliding_window"}
+    groups = kv_cache_config.kv_cache_groups
+    specs = [group.kv_cache_spec for group in groups]
+    for group, spec in zip(groups, specs, strict=True):
+        if type(spec) not in kinds:
+            what = "hybrid SSM (Mamba) state" if "Mamba" in type(spec).__name__ else type(spec).__name__
+            raise UnsupportedConfiguration(
+                f"kvcore's vLLM adapter keeps full attention, sliding-window attention and MLA KV, not "
+                f"{what} (layers {', '.join(group.layer_names[:3])}...)"
+            )
+        if not group.enable_kv_transfer or group.is_eagle_group:
+            raise UnsupportedConfiguration(
+                "kvcore's vLLM adapter does not support KV-cache groups that are not transferable or hold "
+                f"draft-model layers (layers {', '.join(group.layer_names[:3])}...)"
+            )
+    if len({spec.block_size for spec in specs}) != 1:
+        raise UnsupportedConfiguration(
+            f"kvcore needs one block size for every KV-cache group; this model's groups have "
+            f"{[spec.block_size for spec in specs]}"
+        )
+    engines = []
+    for group, spec in zip(groups, specs, strict=True):
+        assert isinstance(spec, (FullAttentionSpec, SlidingWindowSpec))  # checked above, for mypy
+        backend = attention_backend(vllm_config, list(group.layer_names))
+        packing = ""
+        if backend == CPU_BACKEND:
+            packing = cpu_packing(model.dtype, spec.block_size, spec.head_size, cache.cache_dtype)
+        layout = kv_layout(backend, memory_order, spec, kv_cache_config.num_blocks, packing=packing)
+        engines.append(
+            EngineSpec(
+                model_id=f"{model.model}@{model.revision or 'default'}",
+                kv_dtype=kv_dtype(cache.cache_dtype, model.dtype),
+                num_layers=len(group.layer_names),
+                total_kv_heads=1 if isinstance(spec, MLAAttentionSpec) else model.get_total_num_kv_heads(),
+                layout=layout,
+                tp_size=parallel.tensor_parallel_size,
+            )
+        )
+    total = sum(engine.host_block_bytes for engine in engines)
+    out = []
+    for n, (group, spec, engine) in enumerate(zip(groups, specs, engines, strict=True)):
+        kind = kinds[type(spec)]
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        if len(groups) > 1 or window is not None:
+            layers = hashlib.sha256("\0".join(group.layer_names).encode()).hexdigest()[:16]
+            named = f"{engine.model_id}#kv-group={kind}{'' if window is None else window}/{layers}"
+            engine = attrs.evolve(engine, model_id=named, sibling_block_bytes=total - engine.host_block_bytes)
+        out.append(KVGroup(n, kind, window, tuple(group.layer_names), engine))
+    return tuple(out)
 
 
 def attention_backend(vllm_config: VllmConfig, layer_names: list[str]) -> str:

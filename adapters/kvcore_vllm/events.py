@@ -47,8 +47,11 @@ _Name = tuple[tuple[bytes, ...], bytes | None]  # the chunk's block hashes, the 
 class ChunkNames:
     """Chunk keys to vLLM block hashes, for the chunks offered to the pool and those it holds."""
 
-    def __init__(self, keyspace: Keyspace, chunk_tokens: int, hash_block_tokens: int, bound: int) -> None:
+    def __init__(
+        self, keyspace: Keyspace, chunk_tokens: int, hash_block_tokens: int, bound: int, group: int = 0
+    ) -> None:
         self._keyspace = keyspace
+        self._group = group  # vLLM's KV-cache group of the chunks
         self._chunk_tokens = chunk_tokens
         self._hash_block_tokens = hash_block_tokens
         self._per_chunk = chunk_tokens // hash_block_tokens
@@ -94,7 +97,7 @@ class ChunkNames:
                 lora_id=None,
                 medium=medium,
                 lora_name=None,
-                group_idx=0,
+                group_idx=self._group,
             )
 
         for event in pool_events:
@@ -117,5 +120,5 @@ class ChunkNames:
                     if gone is not None:
                         removed.extend(maybe_convert_block_hash(BlockHash(h)) for h in gone[0])
                 if removed:
-                    out.append(BlockRemoved(block_hashes=removed, medium=MEDIUM, group_idx=0))
+                    out.append(BlockRemoved(block_hashes=removed, medium=MEDIUM, group_idx=self._group))
         return out

@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvcore.plan import OpReport, StepPlan
 
-__all__ = ["KVCoreMetadata", "KVCoreWorkerMetadata"]
+__all__ = ["GroupedMetadata", "GroupedWorkerMetadata", "KVCoreMetadata", "KVCoreWorkerMetadata"]
 
 
 @frozen
@@ -25,6 +25,9 @@ class KVCoreMetadata(KVConnectorMetadata):
     before the forward pass or any load writes those blocks.
     ``receiving``: requests whose loads of this step are asynchronous (maybe none left to copy): each
     worker reports them in ``get_finished`` once their loads are done, and awaits none of them.
+    ``reused``: blocks of a sliding-window group handed to a request in this step, which vLLM may have
+    freed from another request's window since that request's saves were sent: a save still reading one
+    is waited for (or dropped) before the forward pass writes it.
     """
 
     plan: StepPlan
@@ -32,6 +35,7 @@ class KVCoreMetadata(KVConnectorMetadata):
     failed_blocks: tuple[int, ...] = ()
     evictions: StepPlan = field(factory=lambda: StepPlan(()))
     receiving: tuple[str, ...] = ()
+    reused: tuple[int, ...] = ()
 
 
 @frozen
@@ -52,3 +56,25 @@ class KVCoreWorkerMetadata(KVConnectorWorkerMetadata):
             self.halted_ranks + other.halted_ranks,
             self.resumed_ranks + other.resumed_ranks,
         )
+
+
+@frozen
+class GroupedMetadata(KVConnectorMetadata):
+    """One step's instructions for a model of several KV-cache groups: one ``KVCoreMetadata`` per group,
+    in vLLM's group order."""
+
+    groups: tuple[KVCoreMetadata, ...]
+
+
+@frozen
+class GroupedWorkerMetadata(KVConnectorWorkerMetadata):
+    """The reports of one step for a model of several KV-cache groups: one ``KVCoreWorkerMetadata`` per
+    group, in vLLM's group order, aggregated group by group across ranks."""
+
+    groups: tuple[KVCoreWorkerMetadata, ...]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, GroupedWorkerMetadata) or len(other.groups) != len(self.groups):
+            return self
+        merged = (mine.aggregate(theirs) for mine, theirs in zip(self.groups, other.groups, strict=True))
+        return GroupedWorkerMetadata(tuple(m for m in merged if isinstance(m, KVCoreWorkerMetadata)))

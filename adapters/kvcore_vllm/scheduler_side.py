@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcore.compose import open_scheduler
@@ -36,12 +37,11 @@ from kvcore_vllm.settings import LoadMode, StorePolicy, VLLMSettings
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["EVICTED_PREFIX", "EXTRA_CACHED_KEYS", "SchedulerSide"]
+__all__ = ["EVICTED_PREFIX", "EXTRA_CACHED_KEYS", "NULL_BLOCK", "SchedulerSide", "held_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +51,33 @@ EVICTED_PREFIX = "kvcore-evicted-"  # request ids of lazy saves
 # drop-in compatibility with LMCache's connector).
 EXTRA_CACHED_KEYS = ("num_extra_cached_tokens", "num_lmcache_extra_cached_tokens")
 
+NULL_BLOCK = 0  # vLLM's null block: a block table's place for a block not held (outside a sliding window)
+
+
+def held_blocks(block_ids: Sequence[int]) -> list[int | None]:
+    """A vLLM block table as the core takes it: ``None`` where vLLM holds no block (its null block)."""
+    return [None if block == NULL_BLOCK else block for block in block_ids]
+
 
 class SchedulerSide:
+    """The scheduler side of one KV-cache group (``group``: its index in vLLM's block tables; a
+    sliding-window group has a ``window``: vLLM frees its blocks outside the window while the request
+    runs, and the workers fence saves of blocks handed out again)."""
+
     def __init__(
-        self, settings: VLLMSettings, engine: EngineSpec, hash_block_tokens: int, hash_identity: str
+        self,
+        settings: VLLMSettings,
+        engine: EngineSpec,
+        hash_block_tokens: int,
+        hash_identity: str,
+        *,
+        group: int = 0,
+        window: int | None = None,
     ) -> None:
         config = settings.core
         self.core = open_scheduler(config, engine, hash_identity=hash_identity)
+        self._group = group
+        self._window = window
         self.lazy = settings.store_policy is StorePolicy.LAZY
         if self.lazy and hash_block_tokens != engine.layout.block_tokens:
             raise UnsupportedConfiguration(
@@ -72,7 +92,9 @@ class SchedulerSide:
         self._delayed: list[str] = []
         self._named: dict[str, int] = {}  # chunks of each request named for KV events
         capacity = self.core.stats().pool.capacity
-        self._names = ChunkNames(self.core.keyspace, config.chunk_tokens, hash_block_tokens, 2 * capacity)
+        self._names = ChunkNames(
+            self.core.keyspace, config.chunk_tokens, hash_block_tokens, 2 * capacity, group
+        )
         self.evictions = EvictionWatch()
         self._eviction_ids = itertools.count(1)
         self._unbound_warned = False
@@ -115,23 +137,30 @@ class SchedulerSide:
         is_async = bool(hits) and (
             mode is LoadMode.ASYNC or (mode is LoadMode.AUTO and self.core.load_reads_remote(rid))
         )
-        if is_async:
-            self._async.add(request.request_id)
-        else:
-            self._async.discard(request.request_id)
+        self.settle(request.request_id, hits, is_async)
         return hits, is_async
 
+    def settle(self, rid: str, hits: int | None, is_async: bool) -> None:
+        """The hit vLLM is told, ``hits`` (at most what this group's lookup found: the groups of a hybrid
+        model serve the least any of them found), and whether its load runs asynchronously."""
+        if hits is not None:
+            self.core.cap_load(RequestId(rid), hits)
+        if is_async:
+            self._async.add(rid)
+        else:
+            self._async.discard(rid)
+
     def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+        self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
         rid = request.request_id
         self._requests[rid] = request
         is_async = rid in self._async
         self._async.discard(rid)
         if num_external_tokens > 0:
-            self.core.start_load(RequestId(rid), blocks.get_block_ids()[0], is_async=is_async)
+            self.core.start_load(RequestId(rid), held_blocks(block_ids), is_async=is_async)
             if is_async:  # vLLM waits for it to be reported, whatever the load became
-                self._receiving[rid] = tuple(blocks.get_block_ids()[0])
+                self._receiving[rid] = tuple(b for b in block_ids if b != NULL_BLOCK)
                 self._receiving_now.append(rid)
 
     def build_connector_meta(self, out: SchedulerOutput) -> KVCoreMetadata:
@@ -142,28 +171,41 @@ class SchedulerSide:
         for rid in out.preempted_req_ids or ():  # before the scheduled: preempted and resumed at once
             if rid in self._blocks:
                 self._preempted(rid)
+        group = self._group
         allocated: list[int] = []  # every block handed to a scheduled request in this step
         for new in out.scheduled_new_reqs:
             self._received.discard(new.req_id)
-            self._blocks[new.req_id] = list(new.block_ids[0])
-            allocated.extend(new.block_ids[0])
+            self._blocks[new.req_id] = self._current(out, new.req_id, new.block_ids[group])
+            allocated.extend(new.block_ids[group])
             self._save(new.req_id, new.num_computed_tokens + out.num_scheduled_tokens.get(new.req_id, 0))
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
-                allocated.extend(new_ids[0])
+                allocated.extend(new_ids[group])
             if rid in cached.resumed_req_ids:
-                self._blocks[rid] = list(new_ids[0]) if new_ids is not None else []
+                self._blocks[rid] = list(new_ids[group]) if new_ids is not None else []
             elif new_ids is not None:
-                self._blocks.setdefault(rid, []).extend(new_ids[0])
+                self._blocks.setdefault(rid, []).extend(new_ids[group])
+            self._blocks[rid] = self._current(out, rid, self._blocks.get(rid, []))
             self._save(rid, cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(rid, 0))
         plan = self.core.take_plan()
         evictions = self._save_evicted(allocated) if self.lazy else StepPlan(())
-        meta = KVCoreMetadata(plan, tuple(self._delayed), lost, evictions, tuple(self._receiving_now))
+        reused = tuple(b for b in allocated if b != NULL_BLOCK) if self._window is not None else ()
+        meta = KVCoreMetadata(
+            plan, tuple(self._delayed), lost, evictions, tuple(self._receiving_now), reused=reused
+        )
         self._delayed.clear()
         self._receiving_now.clear()
         return meta
+
+    def _current(self, out: SchedulerOutput, rid: str, mirrored: list[int]) -> list[int]:
+        """The request's block table of this group as vLLM holds it now, where vLLM offers it (a
+        sliding-window group's blocks outside the window are then the null block), else the table kept
+        from the step's allocations."""
+        state = getattr(out, "kv_connector_block_state", None)
+        current = state.get_block_ids(rid) if state is not None else None
+        return list(current[self._group]) if current is not None else list(mirrored)
 
     def _preempted(self, rid: str) -> None:
         """The request was preempted and its blocks freed: the core fences its copies in flight (in the
@@ -185,7 +227,7 @@ class SchedulerSide:
         self._named[rid] = self._names.name(request.block_hashes, named, real // self._chunk_tokens)
         self.core.save(
             RequestId(rid),
-            blocks,
+            held_blocks(blocks),
             num_tokens=real,
             block_hashes=request.block_hashes,
             hash_block_tokens=self._hash_block_tokens,
@@ -237,7 +279,11 @@ class SchedulerSide:
         self.core.finish(rid)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        meta = output.kv_connector_worker_meta
+        self.take_output(output.kv_connector_worker_meta, output.finished_recving)
+
+    def take_output(self, meta: object, finished_recving: Iterable[str] | None) -> None:
+        """The workers' reports of the step (``KVCoreWorkerMetadata``) and the requests whose
+        asynchronous loads every worker reported done."""
         if isinstance(meta, KVCoreWorkerMetadata):
             self.core.complete(meta.reports)
             for rank in set(meta.halted_ranks) - self.halted_ranks:
@@ -250,7 +296,7 @@ class SchedulerSide:
             for rank in set(meta.resumed_ranks) & self.halted_ranks:
                 log.warning("kvcore: rank %d copies again", rank)
                 self.halted_ranks.discard(rank)
-        received = set(output.finished_recving or ()) & self._receiving.keys()
+        received = set(finished_recving or ()) & self._receiving.keys()
         for rid in received:
             del self._receiving[rid]
         self._received |= {rid for rid in received if rid in self._requests}  # not those ended since
@@ -265,6 +311,8 @@ class SchedulerSide:
             extra = self.core.extra_cached_tokens(rid)
             params = dict.fromkeys(wanted, extra)
         if self.core.keyer.tails and request.request_id not in self._receiving:
+            if request.request_id in self._blocks:
+                self._blocks[request.request_id] = list(block_ids)  # as vLLM holds them now
             self._save(request.request_id, request.num_computed_tokens, final=True)  # its last tail
         # a request that ends while its asynchronous load runs: vLLM keeps its blocks until the workers
         # report the load (finished_recving) and frees them then; a second report would free them twice
@@ -294,3 +342,6 @@ class SchedulerSide:
 
     def stats(self) -> SchedulerStats:
         return self.core.stats()
+
+    def close(self) -> None:
+        self.core.close()

@@ -121,12 +121,17 @@ class WorkerSide:
             for op in late:
                 self._load_errors.update(op.engine_blocks)
 
-    def wait_for_save(self, meta: KVCoreMetadata) -> None:
-        """Start the step's saves, but none of a request whose load failed in this step: vLLM computed
-        its blocks from that load's on over KV that is not the request's (and recomputes them), so what
-        those saves would read is wrong. They are reported failed at once; the request's next saves
-        store its recomputed blocks."""
-        unloaded, self._unloaded = self._unloaded, set()
+    @property
+    def unloaded(self) -> frozenset[str]:
+        """Requests whose synchronous load failed in this step, on any rank."""
+        return frozenset(self._unloaded)
+
+    def wait_for_save(self, meta: KVCoreMetadata, unloaded_elsewhere: Iterable[str] = ()) -> None:
+        """Start the step's saves, but none of a request whose load failed in this step (here, or in
+        ``unloaded_elsewhere``: another KV-cache group's): vLLM computed its blocks from that load's on
+        over KV that is not the request's (and recomputes them), so what those saves would read is
+        wrong. They are reported failed at once; the request's next saves store its recomputed blocks."""
+        unloaded, self._unloaded = self._unloaded | set(unloaded_elsewhere), set()
         saves: list[BlockOp] = []
         for op in meta.plan.ops:
             if op.direction is Direction.SAVE and op.request_id in unloaded:
@@ -149,6 +154,15 @@ class WorkerSide:
                 self._abandon(late)
         fenced_ids = (*meta.plan.fenced, *meta.evictions.fenced)
         fenced = [self._inflight[i] for i in fenced_ids if i in self._inflight]
+        reused = set(meta.reused)
+        if reused:  # sliding-window blocks freed from a request's window and handed out again
+            fenced += [
+                op
+                for op in self._inflight.values()
+                if op.direction is Direction.SAVE
+                and op.op_id not in fenced_ids
+                and reused.intersection(op.engine_blocks)
+            ]
         if fenced and self._worker is not None:
             # copies of preempted requests that finish in time keep what they moved
             self._collect(self._worker.wait([op.op_id for op in fenced], self._timeout))

@@ -119,7 +119,7 @@ def test_load_errors_of_a_request_preempted_in_the_same_step_reach_the_workers()
     side.core.pool.remove(
         side.core.keyer.chain(ExtraKeys(), None, b.block_hashes, BLOCK).keys
     )  # an operator drops the chunks
-    side.update_state_after_alloc(b, SimpleNamespace(get_block_ids=lambda: ([30, 31, 32, 33],)), 3 * BLOCK)  # type: ignore[arg-type]
+    side.update_state_after_alloc(b, [30, 31, 32, 33], 3 * BLOCK)
     meta = side.build_connector_meta(
         _output(cached=[("b", [30, 31, 32, 33], 0)], resumed=["b"], scheduled={"b": 1}, preempted=["b"])
     )
@@ -162,7 +162,7 @@ def _saved(side: SchedulerSide, rid: str, chunks: int) -> Any:
 
 
 def _allocated(side: SchedulerSide, request: Any, blocks: list[int], external: int) -> None:
-    side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: (blocks,)), external)  # type: ignore[arg-type]
+    side.update_state_after_alloc(request, blocks, external)
 
 
 def _waiting(chunks: int, extra_tokens: int) -> tuple[SchedulerSide, Any, KVCoreMetadata]:

@@ -9,6 +9,7 @@ from typing import Any
 from kvcore.testing.faults import TransferDelays
 from kvcore_cpu.host_memory import HostMemory
 from kvcore_cpu.tier import CPUWorker
+from kvcore_vllm.grouped_worker import GroupedWorkerSide
 from kvcore_vllm.worker_side import WorkerSide
 
 __all__ = [
@@ -16,6 +17,8 @@ __all__ = [
     "damage_pool",
     "engine_digests",
     "external_hits",
+    "group_loads",
+    "group_sides",
     "host_digests",
     "kvcore_metric",
     "loaded_digests",
@@ -44,21 +47,27 @@ def kvcore_metric(llm: Any, name: str) -> float:
 
 
 def worker_side(worker: Any) -> WorkerSide:
-    """In the worker process: kvcore's worker side of the engine's connector."""
+    """In the worker process: kvcore's worker side of the engine's connector (a model of one KV-cache
+    group)."""
+    (side,) = group_sides(worker)
+    return side
+
+
+def group_sides(worker: Any) -> tuple[WorkerSide, ...]:
+    """In the worker process: kvcore's worker side of each KV-cache group, in vLLM's group order."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from kvcore_vllm.connector import KVCoreConnector
 
     connector = get_kv_transfer_group()
     assert isinstance(connector, KVCoreConnector)
-    return connector.worker_side
+    side = connector.worker_side
+    return side.sides if isinstance(side, GroupedWorkerSide) else (side,)
 
 
 def rank_worker(worker: Any) -> CPUWorker:
     """In the worker process: kvcore's worker of the rank (every backend here runs on torch's)."""
-    tier = worker_side(worker).worker
-    assert isinstance(tier, CPUWorker), tier
-    return tier
+    return _tier(worker_side(worker))
 
 
 def rank_pool(worker: Any) -> HostMemory:
@@ -89,11 +98,26 @@ def engine_digests(worker: Any) -> set[str]:
 def loaded_digests(worker: Any) -> tuple[list[str], bool]:
     """In the worker process: digests of the last loaded engine blocks, and whether they hold exactly the
     host bytes they were loaded from (with no host pool, the tier moved them itself: true)."""
-    side = worker_side(worker)
+    return _last_load(worker_side(worker))
+
+
+def group_loads(worker: Any) -> list[tuple[list[str], bool, int]]:
+    """In the worker process, for each KV-cache group: ``loaded_digests`` of its last load, and the bytes
+    of one engine block of the group (every layer of it)."""
+    return [(*_last_load(side), _tier(side).engine_kv.host_block_bytes) for side in group_sides(worker)]
+
+
+def _last_load(side: WorkerSide) -> tuple[list[str], bool]:
     engine_blocks, host_blocks = side.last_load
-    tier = rank_worker(worker)
+    tier = _tier(side)
     same = not host_blocks or all(
         tier.engine_block_bytes(e) == tier.host_block_bytes(h)
         for e, h in zip(engine_blocks, host_blocks, strict=True)
     )
     return [hashlib.sha256(tier.engine_block_bytes(e)).hexdigest() for e in engine_blocks], same
+
+
+def _tier(side: WorkerSide) -> CPUWorker:
+    tier = side.worker
+    assert isinstance(tier, CPUWorker), tier
+    return tier

@@ -1,5 +1,5 @@
-"""Build a tiny random-weight Llama model, or a DeepSeek-V2-style MLA one (and their BPE tokenizer), on
-local disk.
+"""Build a tiny random-weight Llama model, a DeepSeek-V2-style MLA one or a Gemma-3-style hybrid one
+(sliding-window and full attention layers), and their BPE tokenizer, on local disk.
 
 The model is meant for tests: it loads in vLLM's CPU build in seconds and needs no
 download. Weights are random (bf16, normal(0, 0.2)), so generations are gibberish but
@@ -20,6 +20,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     DeepseekV2Config,
     DeepseekV2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -175,6 +177,33 @@ def make_tiny_mla_model(out_dir: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model: DeepseekV2ForCausalLM = DeepseekV2ForCausalLM(config)  # type: ignore[no-untyped-call]
     return _write(out_dir, tokenizer, _randomized(model, MLA_WEIGHT_STD))
+
+
+HYBRID_WINDOW: Final[int] = 200
+"""The sliding window of ``make_tiny_hybrid_model``'s sliding-window layers, in tokens."""
+
+
+def make_tiny_hybrid_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """A four-layer Gemma-3-style model (sliding-window and full attention layers alternating, a window of
+    ``HYBRID_WINDOW`` tokens) with random bf16 weights, written to ``out_dir``: vLLM's hybrid KV-cache
+    manager keeps it as two KV-cache groups. Head size 64, one vLLM's CPU attention takes."""
+    tokenizer = build_tokenizer()
+    config = Gemma3TextConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=HYBRID_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=4096,
+        **_shared_fields(tokenizer),
+    )
+    torch.manual_seed(seed)
+    model: Gemma3ForCausalLM = Gemma3ForCausalLM(config)
+    return _write(out_dir, tokenizer, _randomized(model, WEIGHT_STD))
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ from kvcore.errors import ConfigError, InvalidSpecError
 from kvcore.hashing import NO_EXTRA
 from kvcore.ids import RequestId
 from kvcore.layout import KVLayout, LayoutKind
+from kvcore.plan import StepPlan
 from kvcore.scheduler import CacheScheduler
 from kvcore.testing.memory import InMemoryBlockMover
 from kvcore.worker import BlockWorker
@@ -296,3 +297,44 @@ def test_chunks_gone_before_the_load_are_lost_blocks() -> None:
     assert rig.sched.take_lost_blocks() == tuple(range(20, 26))
     assert rig.sched.take_load_errors() == {}  # taken once, by either form
     assert rig.sched.extra_cached_tokens(c) == 0
+
+
+def test_a_sliding_window_load_skips_the_blocks_the_engine_no_longer_holds() -> None:
+    # the engine holds only the last two blocks of the hit (a sliding window): the load writes exactly
+    # those, with the bytes saved, and the hit still counts every token of it
+    rig = Rig()
+    saved = rig.serve_and_save("a", TOKENS, range(8))
+    assert rig.sched.lookup(RequestId("b"), tokens=TOKENS) == 24
+    window: list[int | None] = [None, None, None, None, 40, 41]
+    assert rig.sched.start_load(RequestId("b"), window) == 24
+    (op,) = rig.sched.take_plan().ops
+    assert op.engine_blocks == (40, 41)
+    rig.worker.execute(StepPlan((op,)))
+    rig.sched.complete(rig.worker.wait([op.op_id], 5.0))
+    assert [rig.mover.read_engine_block(b)[: len(saved[4])] for b in (40, 41)] == [saved[4], saved[5]]
+    assert rig.sched.extra_cached_tokens(RequestId("b")) == 24
+
+
+def test_a_hole_after_a_held_block_of_a_load_is_refused() -> None:
+    rig = Rig()
+    rig.serve_and_save("a", TOKENS, range(8))
+    assert rig.sched.lookup(RequestId("b"), tokens=TOKENS) == 24
+    with pytest.raises(InvalidSpecError, match=r"block_ids: request b: .*1 of those missing after"):
+        rig.sched.start_load(RequestId("b"), [None, 30, None, 32, 33, 34])
+
+
+def test_cap_load_lowers_the_decided_load_never_raises_it() -> None:
+    rig = Rig()
+    rig.serve_and_save("a", TOKENS, range(8))
+    assert rig.sched.lookup(RequestId("b"), tokens=TOKENS) == 24
+    assert rig.sched.cap_load(RequestId("b"), 100) == 24
+    assert rig.sched.cap_load(RequestId("b"), 8) == 8
+    assert rig.sched.start_load(RequestId("b"), range(20, 26)) == 8
+    (op,) = rig.sched.take_plan().ops
+    assert op.engine_blocks == (20, 21)
+    assert rig.sched.lookup(RequestId("c"), tokens=TOKENS) == 24
+    assert rig.sched.cap_load(RequestId("c"), 0) == 0
+    assert rig.sched.start_load(RequestId("c"), range(30, 36)) == 0
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(InvalidSpecError, match=r"num_tokens: got"):
+            rig.sched.cap_load(RequestId("c"), bad)  # type: ignore[arg-type]  # wrong on purpose

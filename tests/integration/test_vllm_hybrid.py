@@ -1,0 +1,121 @@
+"""A hybrid model (Gemma-3 style: sliding-window and full attention layers, made locally) through kvcore on
+a real vLLM CPU engine, with vLLM's hybrid KV-cache manager on.
+
+vLLM keeps the model as two KV-cache groups: the sliding-window layers, whose blocks outside the window
+of 200 tokens are given back (vLLM's null block), and the full attention layers. kvcore serves each group
+under its own keys; a hit is one both groups serve. A prompt pushed out of vLLM's cache comes back from
+kvcore with the greedy tokens of vLLM's own prefix hit of the same length; the sliding-window group loads
+only the blocks of the hit's last window, and every loaded block holds exactly the bytes kvcore saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import BLOCK, VLLM_MARKS, generate, prompt, stop_engine
+from tests.integration.probes import external_hits, group_loads, kvcore_metric
+from tests.integration.tiny_model import HYBRID_WINDOW, make_tiny_hybrid_model
+
+pytestmark = [*VLLM_MARKS, pytest.mark.slow]
+
+CHUNK = BLOCK
+# bf16 K and V of 2 heads of 64 per token and layer; 2 layers per group, 2 groups
+TOKEN_BYTES = 2 * 2 * 64 * 2 * 2 * 2
+ENGINE_BLOCKS = 24  # per group: vLLM must evict its own prefix cache
+SWA_GROUP, FULL_GROUP = 0, 1  # vLLM's group order for layer_types [S, F, S, F]
+
+
+@pytest.fixture(scope="module")
+def hybrid_engine(vllm_env: Path) -> Iterator[Any]:
+    from vllm import LLM
+
+    config = {
+        "kv_connector": "KVCoreConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"backend": {"kind": "cpu", "size": "64MiB"}, "chunk_tokens": CHUNK},
+    }
+    llm = LLM(
+        model=str(make_tiny_hybrid_model(vllm_env / "tiny-hybrid")),
+        max_model_len=2048,
+        enforce_eager=True,
+        kv_cache_memory_bytes=ENGINE_BLOCKS * BLOCK * TOKEN_BYTES,
+        kv_transfer_config=config,
+        disable_log_stats=False,
+        seed=0,
+    )
+    yield llm
+    stop_engine(llm)
+
+
+def _push_out(llm: Any) -> None:
+    """Serve prompts that take more than all of vLLM's blocks, evicting its own prefix cache (a
+    1500-token prompt holds 12 blocks of the full attention group and 3 of the sliding-window one)."""
+    for seed in range(5):
+        generate(llm, prompt(100 + seed, 1500), max_tokens=1)
+
+
+def test_vllm_keeps_its_hybrid_manager_with_kvcore(hybrid_engine: Any) -> None:
+    config = hybrid_engine.llm_engine.vllm_config
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
+    generate(hybrid_engine, prompt(3, 50), max_tokens=1)  # the gauges are published with a step
+    # the two groups share the 64 MiB: a chunk of each per slot pair
+    assert kvcore_metric(hybrid_engine, "pool_capacity") == 2 * (64 << 20) // (CHUNK * TOKEN_BYTES)
+
+
+@pytest.mark.parametrize("length", [1000, 150])
+def test_a_hybrid_prompt_comes_back_from_kvcore_as_from_vllms_own_prefix_hit(
+    hybrid_engine: Any, length: int
+) -> None:
+    # served, served again from vLLM's own prefix cache, pushed out, served from kvcore: the same hit
+    # length and the same greedy tokens as vLLM's own hit
+    tokens = prompt(length, length)
+    generate(hybrid_engine, tokens)
+    own = generate(hybrid_engine, tokens)
+    expected = (length - 1) // BLOCK * BLOCK
+    assert own.num_cached_tokens == expected
+    _push_out(hybrid_engine)
+    before = external_hits(hybrid_engine)
+    reused = generate(hybrid_engine, tokens)
+    assert external_hits(hybrid_engine) - before == expected
+    assert reused.num_cached_tokens == expected
+    assert list(reused.outputs[0].token_ids) == list(own.outputs[0].token_ids)
+    if not expected:
+        return
+    ((swa, full),) = hybrid_engine.collective_rpc(group_loads)
+    for digests, same, _ in (swa, full):
+        assert same  # every loaded block holds the bytes of the slot it was loaded from
+        assert len(set(digests)) == len(digests)  # and each the KV of its own tokens
+    full_blocks = len(full[0])
+    assert full_blocks == expected // BLOCK
+    # the sliding-window group loads the blocks of the hit's last window only: those holding tokens
+    # [expected - window, expected)
+    window_blocks = expected // BLOCK - max(expected - HYBRID_WINDOW, 0) // BLOCK
+    assert len(swa[0]) == window_blocks
+    assert len(swa[0]) < full_blocks or expected <= HYBRID_WINDOW + BLOCK
+    assert swa[2] == full[2] == BLOCK * TOKEN_BYTES // 2  # one group's block: its two layers
+
+
+def test_a_turn_that_extends_a_hybrid_conversation_reuses_its_decoded_blocks(hybrid_engine: Any) -> None:
+    # the first turn decodes 150 tokens past its 500-token prompt: the chunk [512, 640) is computed token
+    # by token while the sliding window moves on, and saved once full. Pushed out of vLLM's cache, the
+    # next turn (5 tokens more) loads it from kvcore, then gets the same hit from vLLM's own cache: the
+    # same greedy tokens
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    first = prompt(7, 500)
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    (out,) = hybrid_engine.generate([TokensPrompt(prompt_token_ids=first)], params, use_tqdm=False)
+    second = [*first, *out.outputs[0].token_ids, *prompt(8, 5)]
+    _push_out(hybrid_engine)
+    before = external_hits(hybrid_engine)
+    reused = generate(hybrid_engine, second)
+    assert external_hits(hybrid_engine) - before == reused.num_cached_tokens == 640
+    own = generate(hybrid_engine, second)
+    assert own.num_cached_tokens == 640
+    assert list(reused.outputs[0].token_ids) == list(own.outputs[0].token_ids)
