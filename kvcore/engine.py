@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from attrs import Attribute, field, frozen
+from attrs.validators import optional
 
 from kvcore.checks import SIZE_LIMIT, int_in, is_int_in, positive_count, text
 from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguration
@@ -58,6 +59,11 @@ class EngineSpec:
     ``sibling_block_bytes`` is then what one block of every other group of the engine takes in host
     memory: the groups share the backend's host memory, each with as many slots as the others (a prompt
     needs a chunk of each group), so the pool is sized over all of them (``kvcore.sizing.pool_slots``).
+
+    ``window_tokens``: the layers attend to a sliding window of that many tokens (the next token's
+    included), so a hit of ``H`` tokens needs only the KV of tokens ``[H - window_tokens + 1, H)``: the
+    engine gives no block before them (``None`` in a load's block table), and the scheduler's lookup
+    asks the pool only for the chunks of the hit's last window.
     """
 
     model_id: str = field(validator=text)
@@ -67,6 +73,7 @@ class EngineSpec:
     layout: KVLayout = field(validator=_a_layout)
     tp_size: int = field(default=1, validator=positive_count)
     sibling_block_bytes: int = field(default=0, validator=int_in(0))
+    window_tokens: int | None = field(default=None, validator=optional(positive_count))
 
     def __attrs_post_init__(self) -> None:
         layout = self.layout

@@ -200,6 +200,9 @@ class CacheScheduler:
         self._index = PoolIndex(self.pool)
         self._remote = PrefixLookup(remote, config.lookup_timeout_s) if remote is not None else None
         self._remote_index = remote
+        # a sliding-window engine's pool alone looks up the hit's last window only; with a remote tier,
+        # whose index answers leading chunks, the lookup is a prefix lookup (a hit as long or shorter)
+        self._windowed = engine.window_tokens is not None and remote is None
         self._remote_found = 0  # chunks the remote index found beyond the pool (one tier's count)
         self._table = RequestTable()
         self._requests: dict[RequestId, _Request] = {}
@@ -287,11 +290,14 @@ class CacheScheduler:
         external = hit_tokens(req.answer, req.chain.counts)
         if req.tail is not None:
             external += req.tail.blocks * self.block_tokens
-        req.load = plan_load(
-            prompt_tokens=total,
-            local_tokens=local_tokens,
-            external_tokens=external,
-            block_tokens=self.block_tokens,
+        req.load = self._fit_window(
+            req,
+            plan_load(
+                prompt_tokens=total,
+                local_tokens=local_tokens,
+                external_tokens=external,
+                block_tokens=self.block_tokens,
+            ),
         )
         if req.load is None:
             self._release_held(req)
@@ -408,8 +414,10 @@ class CacheScheduler:
     def cap_load(self, request_id: RequestId, num_tokens: int) -> int:
         """Lower the load the last ``lookup`` decided to its first ``num_tokens`` tokens; returns the tokens
         it now covers (never more than it did). For an engine whose caches must all serve one hit: a
-        hybrid model's KV-cache groups, each a ``CacheScheduler``, serve the least any of them found.
-        ``num_tokens`` must be an integer >= 0 (``InvalidSpecError``)."""
+        hybrid model's KV-cache groups, each a ``CacheScheduler``, serve the least any of them found. With
+        a sliding window, it may lower the load further, to a stop whose window the pool holds: call it
+        again with the answer until every group agrees. ``num_tokens`` must be an integer >= 0
+        (``InvalidSpecError``)."""
         if not is_int_in(num_tokens, 0):
             raise InvalidSpecError(f"num_tokens: got {num_tokens!r}, expected an integer >= 0")
         req = self._requests.get(request_id)
@@ -417,12 +425,12 @@ class CacheScheduler:
             return 0
         if num_tokens >= req.load.num_tokens:
             return req.load.num_tokens
-        if num_tokens == 0:
-            req.load = None
+        capped = attrs.evolve(req.load, stop=req.load.start + num_tokens) if num_tokens else None
+        req.load = self._fit_window(req, capped)
+        if req.load is None:
             self._release_held(req)
             return 0
-        req.load = attrs.evolve(req.load, stop=req.load.start + num_tokens)
-        return num_tokens
+        return req.load.num_tokens
 
     def load_reads_remote(self, request_id: RequestId) -> bool:
         """Whether the load the last ``lookup`` decided reads a chunk the local pool did not hold then (a
@@ -706,8 +714,14 @@ class CacheScheduler:
     # -- internals ---------------------------------------------------------------------------------------
 
     def _answer(self, req: _Request) -> int | None:
-        """Leading chunks the tiers hold, or ``None`` while the remote lookup is pending."""
+        """Leading chunks the tiers hold, or ``None`` while the remote lookup is pending. A sliding-window
+        engine's pool alone: the chunks up to the last one it holds (``_fit_window`` then finds a stop
+        whose window it holds)."""
         keys = req.chain.keys
+        if req.pending is None and self._windowed:
+            pooled = [i for i, key in enumerate(keys) if self.pool.lookup((key,))]
+            req.local_hits = pooled[-1] + 1 if pooled else 0
+            return req.local_hits
         if req.pending is None:
             req.local_hits = self._index.lookup([(k,) for k in keys])
             req.remote_tail = None
@@ -741,6 +755,30 @@ class CacheScheduler:
             req.remote_tail = None  # not found
         self._remote_found += max(begun, 0)
         return min(req.local_hits + begun, len(keys))
+
+    def _fit_window(self, req: _Request, load: LoadSpec | None) -> LoadSpec | None:
+        """A sliding-window engine's pool alone: ``load`` lowered to the highest stop whose window (the
+        chunks holding tokens ``[stop - window_tokens, stop)`` past the engine's own hit) the pool holds,
+        or ``None``; any other engine's ``load`` as it is."""
+        window = self.engine.window_tokens
+        if load is None or window is None or not self._windowed:
+            return load
+        chunk = self.config.chunk_tokens
+        stop = load.stop
+        while stop > load.start:
+            needed = range(max(load.start, stop - window) // chunk, (stop - 1) // chunk + 1)
+            missing = [i for i in needed if not self._chunk_held(req, i)]
+            if not missing:
+                return attrs.evolve(load, stop=stop)
+            stop = missing[-1] * chunk  # every stop above it needs that chunk too
+        return None
+
+    def _chunk_held(self, req: _Request, chunk: int) -> bool:
+        """Whether the pool holds request chunk ``chunk`` (a full chunk, or the tail the lookup found)."""
+        keys = req.chain.keys
+        if chunk < len(keys):
+            return bool(self.pool.lookup((keys[chunk],)))
+        return req.tail is not None and req.tail.chunk == chunk
 
     def _tail_span(self, num_tokens: int) -> tuple[int, int]:
         """``(chunk, blocks)``: the whole blocks of the chunk that ``num_tokens`` tokens end in."""

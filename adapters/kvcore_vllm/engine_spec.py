@@ -132,7 +132,12 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
         if len(groups) > 1 or window is not None:
             layers = hashlib.sha256("\0".join(group.layer_names).encode()).hexdigest()[:16]
             named = f"{engine.model_id}#kv-group={kind}{'' if window is None else window}/{layers}"
-            engine = attrs.evolve(engine, model_id=named, sibling_block_bytes=total - engine.host_block_bytes)
+            engine = attrs.evolve(
+                engine,
+                model_id=named,
+                sibling_block_bytes=total - engine.host_block_bytes,
+                window_tokens=window,
+            )
         out.append(KVGroup(n, kind, window, tuple(group.layer_names), engine))
     return tuple(out)
 

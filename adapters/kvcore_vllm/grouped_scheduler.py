@@ -4,9 +4,11 @@ A hybrid model (Gemma 3, gpt-oss: sliding-window and full attention layers) keep
 group. Each group is served by its own ``SchedulerSide``: its own core, keys (``KVGroup.engine`` names the
 group), slots and block tables. This side makes them answer vLLM as one:
 
-- **one hit every group serves**: each group's lookup finds its leading chunks, and vLLM is told the
-  least of them (a group that holds less lowers the hit, never serves a block it does not have); every
-  group's load is capped to it (``CacheScheduler.cap_load``), and it is asynchronous if any group's is.
+- **one hit every group serves**: each group's lookup finds what it can load (a full attention group its
+  leading chunks; a sliding-window group over a pool alone, the highest stop whose last window it holds,
+  ``EngineSpec.window_tokens``), and vLLM is told the least of them, lowered until every group serves it
+  (``CacheScheduler.cap_load``; a group that holds less lowers the hit, never serves a block it does not
+  have); it is asynchronous if any group's load is.
 - a sliding-window group loads only the blocks vLLM holds for it, those of the hit's last window: vLLM
   gives the blocks before the window as its null block, which the load skips; its saves skip chunks with
   a block vLLM freed (read from vLLM's current tables), and a save reading a block that vLLM hands out
@@ -72,6 +74,10 @@ class GroupedSchedulerSide:
         if None in found:
             return None, False  # a group's remote lookup is pending; every group's answer is kept
         hit = min(hits for hits in found if hits is not None)
+        agreed = None
+        while agreed != hit:  # a sliding-window group may serve less than asked: ask every group again
+            agreed = hit
+            hit = min(side.cap(request.request_id, hit) for side in self.sides)
         is_async = hit > 0 and any(is_async for _, is_async in answers)
         for side in self.sides:
             side.settle(request.request_id, hit, is_async)

@@ -140,11 +140,16 @@ class SchedulerSide:
         self.settle(request.request_id, hits, is_async)
         return hits, is_async
 
+    def cap(self, rid: str, hits: int) -> int:
+        """Lower the load the lookup decided to ``hits`` tokens, or below where this group (a sliding
+        window) cannot serve that; returns the tokens it now loads."""
+        return self.core.cap_load(RequestId(rid), hits)
+
     def settle(self, rid: str, hits: int | None, is_async: bool) -> None:
-        """The hit vLLM is told, ``hits`` (at most what this group's lookup found: the groups of a hybrid
-        model serve the least any of them found), and whether its load runs asynchronously."""
+        """The hit vLLM is told, ``hits`` (one every group of a hybrid model serves: ``cap`` agreed on
+        it), and whether its load runs asynchronously."""
         if hits is not None:
-            self.core.cap_load(RequestId(rid), hits)
+            self.cap(rid, hits)
         if is_async:
             self._async.add(rid)
         else:

@@ -46,14 +46,18 @@ def _grouped() -> GroupedSchedulerSide:
     settings = read_extra_config({"backend": {"kind": "cpu", "size": "8MiB"}, "chunk_tokens": BLOCK})
     identity = "vllm/sha256/test"
     full = SchedulerSide(settings, attrs.evolve(ENGINE, model_id="tiny#full"), BLOCK, identity, group=FULL)
-    swa = SchedulerSide(
-        settings, attrs.evolve(ENGINE, model_id="tiny#swa"), BLOCK, identity, group=SWA, window=BLOCK
-    )
+    swa_engine = attrs.evolve(ENGINE, model_id="tiny#swa", window_tokens=BLOCK)
+    swa = SchedulerSide(settings, swa_engine, BLOCK, identity, group=SWA, window=BLOCK)
     return GroupedSchedulerSide([full, swa])
 
 
-def _request(rid: str, num_tokens: int) -> Any:
-    hashes = [hashlib.sha256(f"h/{i}".encode()).digest() for i in range(num_tokens // BLOCK)]
+def _request(rid: str, num_tokens: int, diverge_at: int | None = None) -> Any:
+    """A request of ``num_tokens`` tokens, whose blocks are those of every other request's up to block
+    ``diverge_at``."""
+    hashes = [
+        hashlib.sha256(f"h/{i}/{rid if diverge_at is not None and i >= diverge_at else ''}".encode()).digest()
+        for i in range(num_tokens // BLOCK)
+    ]
     return SimpleNamespace(
         request_id=rid,
         block_hashes=hashes,
@@ -114,16 +118,26 @@ def test_the_hit_is_what_every_group_serves_and_sliding_window_saves_skip_freed_
     assert second.groups[FULL].reused == ()
     assert _complete(side, second) == [[(6, 7)], [(10,)]]
     side.request_finished(a, ([5, 6, 7], [0, 0, 10]))
-    # the full group holds 3 chunks, the sliding-window group chunks 0 and 2: a prefix of one chunk
+    # the full group holds chunks 0 to 2, the sliding-window group chunks 0 and 2: a hit of 3 chunks
+    # needs only chunk 2 of the window (its last 128 tokens)
     b = _request("b", 4 * BLOCK)
-    assert side.get_num_new_matched_tokens(b, 0) == (BLOCK, False)
+    assert side.get_num_new_matched_tokens(b, 0) == (3 * BLOCK, False)
     assert side.loaded_groups() == (FULL, SWA)
-    side.update_state_after_alloc(b, ([20, 21, 22, 23], [30, 31, 32, 33]), BLOCK)
+    tables = ([20, 21, 22, 23], [0, 0, 32, 33])  # vLLM holds the window's blocks only
+    side.update_state_after_alloc(b, tables, 3 * BLOCK)
+    meta = side.build_connector_meta(_step("b", True, ([20, 21, 22, 23], [32, 33]), tables, 3 * BLOCK, 1))
+    loads = [[op.engine_blocks for op in m.plan.ops if op.direction.name == "LOAD"] for m in meta.groups]
+    assert loads == [[(20, 21, 22)], [(32,)]]
+    # a prompt that shares chunks 0 and 1 only: the full group serves both, the sliding-window group the
+    # window of chunk 0 alone (it never held chunk 1): one chunk, the full group's load lowered to it
+    c = _request("c", 4 * BLOCK, diverge_at=2)
+    assert side.get_num_new_matched_tokens(c, 0) == (BLOCK, False)
+    side.update_state_after_alloc(c, ([40, 41, 42, 43], [50, 51, 52, 53]), BLOCK)
     meta = side.build_connector_meta(
-        _step("b", True, ([20, 21, 22, 23], [30, 31, 32, 33]), ([20, 21, 22, 23], [30, 31, 32, 33]), BLOCK, 0)
+        _step("c", True, ([40, 41, 42, 43], [50, 51, 52, 53]), ([40, 41, 42, 43], [50, 51, 52, 53]), BLOCK, 0)
     )
     loads = [[op.engine_blocks for op in m.plan.ops if op.direction.name == "LOAD"] for m in meta.groups]
-    assert loads == [[(20,)], [(30,)]]  # the full group's load capped to the one chunk both serve
+    assert loads == [[(40,)], [(50,)]]
 
 
 def test_a_sliding_window_group_loads_only_the_blocks_vllm_holds() -> None:

@@ -16,7 +16,14 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import BLOCK, VLLM_MARKS, generate, prompt, stop_engine
+from tests.integration.conftest import (
+    BLOCK,
+    VLLM_MARKS,
+    generate,
+    kvcore_transfer_config,
+    prompt,
+    stop_engine,
+)
 from tests.integration.probes import external_hits, group_loads, kvcore_metric
 from tests.integration.tiny_model import HYBRID_WINDOW, make_tiny_hybrid_model
 
@@ -29,30 +36,35 @@ ENGINE_BLOCKS = 24  # per group: vLLM must evict its own prefix cache
 SWA_GROUP, FULL_GROUP = 0, 1  # vLLM's group order for layer_types [S, F, S, F]
 
 
-@pytest.fixture(scope="module")
-def hybrid_engine(vllm_env: Path) -> Iterator[Any]:
+def start_hybrid_engine(model: Path, kv_transfer_config: dict[str, Any]) -> Any:
+    """A vLLM engine on the hybrid model, with ``ENGINE_BLOCKS`` blocks of each group."""
     from vllm import LLM
 
-    config = {
-        "kv_connector": "KVCoreConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"backend": {"kind": "cpu", "size": "64MiB"}, "chunk_tokens": CHUNK},
-    }
-    llm = LLM(
-        model=str(make_tiny_hybrid_model(vllm_env / "tiny-hybrid")),
+    return LLM(
+        model=str(model),
         max_model_len=2048,
         enforce_eager=True,
         kv_cache_memory_bytes=ENGINE_BLOCKS * BLOCK * TOKEN_BYTES,
-        kv_transfer_config=config,
+        kv_transfer_config=kv_transfer_config,
         disable_log_stats=False,
         seed=0,
     )
+
+
+@pytest.fixture(scope="module")
+def hybrid_engine(vllm_env: Path) -> Iterator[Any]:
+    config = kvcore_transfer_config(backend={"kind": "cpu", "size": "64MiB"}, chunk_tokens=CHUNK)
+    llm = start_hybrid_engine(make_tiny_hybrid_model(vllm_env / "tiny-hybrid"), config)
     yield llm
     stop_engine(llm)
 
 
-def _push_out(llm: Any) -> None:
+def window_blocks(hit: int) -> int:
+    """Blocks of the sliding-window group a hit of ``hit`` tokens loads: those of its last window."""
+    return hit // BLOCK - max(hit - HYBRID_WINDOW, 0) // BLOCK
+
+
+def push_out(llm: Any) -> None:
     """Serve prompts that take more than all of vLLM's blocks, evicting its own prefix cache (a
     1500-token prompt holds 12 blocks of the full attention group and 3 of the sliding-window one)."""
     for seed in range(5):
@@ -78,7 +90,7 @@ def test_a_hybrid_prompt_comes_back_from_kvcore_as_from_vllms_own_prefix_hit(
     own = generate(hybrid_engine, tokens)
     expected = (length - 1) // BLOCK * BLOCK
     assert own.num_cached_tokens == expected
-    _push_out(hybrid_engine)
+    push_out(hybrid_engine)
     before = external_hits(hybrid_engine)
     reused = generate(hybrid_engine, tokens)
     assert external_hits(hybrid_engine) - before == expected
@@ -94,8 +106,7 @@ def test_a_hybrid_prompt_comes_back_from_kvcore_as_from_vllms_own_prefix_hit(
     assert full_blocks == expected // BLOCK
     # the sliding-window group loads the blocks of the hit's last window only: those holding tokens
     # [expected - window, expected)
-    window_blocks = expected // BLOCK - max(expected - HYBRID_WINDOW, 0) // BLOCK
-    assert len(swa[0]) == window_blocks
+    assert len(swa[0]) == window_blocks(expected)
     assert len(swa[0]) < full_blocks or expected <= HYBRID_WINDOW + BLOCK
     assert swa[2] == full[2] == BLOCK * TOKEN_BYTES // 2  # one group's block: its two layers
 
@@ -112,7 +123,7 @@ def test_a_turn_that_extends_a_hybrid_conversation_reuses_its_decoded_blocks(hyb
     params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
     (out,) = hybrid_engine.generate([TokensPrompt(prompt_token_ids=first)], params, use_tqdm=False)
     second = [*first, *out.outputs[0].token_ids, *prompt(8, 5)]
-    _push_out(hybrid_engine)
+    push_out(hybrid_engine)
     before = external_hits(hybrid_engine)
     reused = generate(hybrid_engine, second)
     assert external_hits(hybrid_engine) - before == reused.num_cached_tokens == 640

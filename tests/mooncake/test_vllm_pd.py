@@ -25,6 +25,7 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     vllm_env,
 )
 from tests.integration.probes import external_hits
+from tests.integration.tiny_model import make_tiny_mla_model
 from tests.mooncake.conftest import free_port
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
@@ -105,6 +106,49 @@ def test_decode_engine_continues_the_prefill_engines_prompt(tiny_model: Path) ->
             assert recomputed.num_cached_tokens == 0
             # vLLM counts external hits at admission, before the load failed.
             assert external_hits(consumer) - before == len(other)
+        finally:
+            stop_engine(consumer)
+    finally:
+        stop_engine(producer)
+
+
+MLA_BLOCK = 16  # the only block size vLLM's CPU MLA kernels take
+MLA_LATENT_BYTES = 576 * 4  # per token and layer, float32
+
+
+def _mla_engine(model: Path, config: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model=str(model),
+        dtype="float32",  # as tests/integration/test_vllm_mla.py: bf16 rounding moves near-tied tokens
+        max_model_len=1024,
+        enforce_eager=True,
+        kv_cache_memory_bytes=96 * MLA_BLOCK * MLA_LATENT_BYTES * 2,
+        kv_transfer_config=config,
+        disable_log_stats=False,
+        seed=0,
+    )
+
+
+def test_an_mla_decode_engine_continues_the_prefill_engines_prompt(vllm_env: Path) -> None:
+    # MLA engines keep one latent per token, the same bytes on every rank: the decode engine pulls the
+    # prompt's latents and computes its last token, with the tokens of the prefill engine's own full
+    # recompute (vLLM keeps no prefix cache for MLA on the CPU: there is no prefix hit to compare with)
+    model = make_tiny_mla_model(vllm_env / "tiny-mla-pd")
+    producer = _mla_engine(model, pd_transfer_config("kv_producer", "prefill-mla", free_port()))
+    try:
+        consumer = _mla_engine(model, pd_transfer_config("kv_consumer", "decode-mla", 0))
+        try:
+            tokens = prompt(7101, 20 * MLA_BLOCK + 1)
+            prefill = generate(producer, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            params = prefill.kv_transfer_params
+            assert params is not None
+            assert len(params["remote_block_ids"][0]) == 21
+            before = external_hits(consumer)
+            decoded = generate(consumer, tokens, kv_transfer_params=params)
+            assert external_hits(consumer) - before == len(tokens)
+            assert _tokens(decoded) == _tokens(generate(producer, tokens))
         finally:
             stop_engine(consumer)
     finally:

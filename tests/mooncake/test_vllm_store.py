@@ -30,7 +30,9 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     tiny_model,
     vllm_env,
 )
-from tests.integration.probes import external_hits, host_digests, kvcore_metric, loaded_digests
+from tests.integration.probes import external_hits, group_loads, host_digests, kvcore_metric, loaded_digests
+from tests.integration.test_vllm_hybrid import start_hybrid_engine, window_blocks
+from tests.integration.tiny_model import make_tiny_hybrid_model
 from tests.mooncake.conftest import Master, MasterFactory
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
@@ -193,3 +195,42 @@ def _settle(llm: Any) -> None:
     while any(kvcore_metric(llm, g) for g in gauges) and time.monotonic() < deadline:
         generate(llm, prompt(4600, BLOCK - 20), max_tokens=1)
     assert {g: kvcore_metric(llm, g) for g in gauges} == dict.fromkeys(gauges, 0.0)
+
+
+def test_two_hybrid_engines_share_their_chunks_through_the_store(vllm_env: Path, master: Master) -> None:
+    # a Gemma-3-style model, vLLM's hybrid KV-cache manager on: engine A saves both KV-cache groups of a
+    # prompt in the store; engine B, its caches empty, loads them (the sliding-window group only its last
+    # window) with the tokens of A's own prefix hit, every block the bytes of the slot it came through
+    model = make_tiny_hybrid_model(vllm_env / "tiny-hybrid-store")
+    holder = _start_holder(master)
+    try:
+        backend = {
+            "kind": "mooncake_store",
+            "master": master.address,
+            "segment_size": 0,
+            "local_size": "64MiB",
+        }
+        config = kvcore_transfer_config(backend=backend, chunk_tokens=BLOCK)
+        tokens = prompt(4343, 7 * BLOCK + 60)
+        a = start_hybrid_engine(model, config)
+        try:
+            generate(a, tokens)
+            local = generate(a, tokens)
+            assert local.num_cached_tokens == 7 * BLOCK
+        finally:
+            stop_engine(a)
+        b = start_hybrid_engine(model, config)
+        try:
+            before = external_hits(b)
+            again = generate(b, tokens)
+            assert external_hits(b) - before == again.num_cached_tokens == 7 * BLOCK
+            assert list(again.outputs[0].token_ids) == list(local.outputs[0].token_ids)
+            ((swa, full),) = b.collective_rpc(group_loads)
+            assert swa[1]
+            assert full[1]
+            assert (len(swa[0]), len(full[0])) == (window_blocks(7 * BLOCK), 7)
+        finally:
+            stop_engine(b)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+import attrs
 import pytest
 
 from kvcore.config import KVCoreConfig, load_config
 from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError
 from kvcore.hashing import NO_EXTRA
-from kvcore.ids import RequestId
+from kvcore.ids import ChunkKey, RequestId
 from kvcore.layout import KVLayout, LayoutKind
 from kvcore.plan import StepPlan
 from kvcore.scheduler import CacheScheduler
@@ -338,3 +339,39 @@ def test_cap_load_lowers_the_decided_load_never_raises_it() -> None:
     for bad in (-1, 1.5, True, "8"):
         with pytest.raises(InvalidSpecError, match=r"num_tokens: got"):
             rig.sched.cap_load(RequestId("c"), bad)  # type: ignore[arg-type]  # wrong on purpose
+
+
+def _pool_keys(rig: Rig) -> list[ChunkKey]:
+    """The pool's keys of ``TOKENS``' three chunks."""
+    return list(rig.sched.keyer.chain(NO_EXTRA, TOKENS, None, None).keys)
+
+
+@pytest.mark.parametrize(
+    ("dropped", "hit"), [((0, 1), 24), ((1,), 24), ((2,), 16), ((1, 2), 8), ((0, 1, 2), 0)]
+)
+def test_a_sliding_window_lookup_asks_only_for_the_hits_last_window(
+    dropped: tuple[int, ...], hit: int
+) -> None:
+    # a window of 8 tokens: a hit of 24 needs chunk 2 alone, one of 16 chunk 1 alone (tokens 8 to 15);
+    # chunks before the window may be gone. A full attention engine needs them all
+    rig = Rig()
+    rig.sched = CacheScheduler(rig.config, attrs.evolve(ENGINE, window_tokens=8), 8)
+    rig.serve_and_save("a", TOKENS, range(8))
+    keys = _pool_keys(rig)
+    assert rig.sched.pool.remove([keys[i] for i in dropped]) == len(dropped)
+    assert rig.sched.lookup(RequestId("b"), tokens=TOKENS) == hit
+    full = Rig()
+    full.serve_and_save("a", TOKENS, range(8))
+    full.sched.pool.remove([keys[i] for i in dropped])
+    assert full.sched.lookup(RequestId("b"), tokens=TOKENS) == 8 * min(dropped)
+
+
+def test_a_capped_sliding_window_load_stops_where_its_window_is_held() -> None:
+    rig = Rig()
+    rig.sched = CacheScheduler(rig.config, attrs.evolve(ENGINE, window_tokens=8), 8)
+    rig.serve_and_save("a", TOKENS, range(8))
+    keys = _pool_keys(rig)
+    rig.sched.pool.remove([keys[1]])
+    assert rig.sched.lookup(RequestId("b"), tokens=TOKENS) == 24
+    # asked to serve 20 tokens, it needs chunks 1 and 2 (tokens 12 to 19): chunk 1 is gone, so 8 it is
+    assert rig.sched.cap_load(RequestId("b"), 20) == 8
