@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -102,7 +103,13 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = _per_group(
                 groups,
                 lambda g: SchedulerSide(
-                    settings, g.engine, hash_block, identity, group=g.index, window=g.window
+                    settings,
+                    g.engine,
+                    hash_block,
+                    identity,
+                    group=g.index,
+                    window=g.window,
+                    failures_by_request=len(groups) > 1,
                 ),
                 GroupedSchedulerSide,
             )
@@ -188,10 +195,21 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_side.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker_side.get_finished()
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        worker = self.worker_side
+        if isinstance(worker, GroupedWorkerSide):
+            sent, received, failed = worker.transfer_results()
+            return KVConnectorTransferResults(sent, received, failed)
+        sending, receiving = worker.get_finished()
+        worker.take_failed_loads(receiving or ())  # one group: failed blocks tell vLLM, by block
+        return KVConnectorTransferResults(set(sending or ()), set(receiving or ()))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker_side.take_load_errors()
+        worker = self.worker_side
+        return set() if isinstance(worker, GroupedWorkerSide) else worker.take_load_errors()
 
     def build_connector_worker_meta(self) -> Any:
         return self.worker_side.build_worker_meta()

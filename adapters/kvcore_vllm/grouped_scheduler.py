@@ -8,7 +8,8 @@ group), slots and block tables. This side makes them answer vLLM as one:
   leading chunks; a sliding-window group over a pool alone, the highest stop whose last window it holds,
   ``EngineSpec.window_tokens``), and vLLM is told the least of them, lowered until every group serves it
   (``CacheScheduler.cap_load``; a group that holds less lowers the hit, never serves a block it does not
-  have); it is asynchronous if any group's load is.
+  have); every load is asynchronous: vLLM takes load failures of a model of several groups by request
+  only (``failed_recving``, for a request waiting for its load), and recomputes the request.
 - a sliding-window group loads only the blocks vLLM holds for it, those of the hit's last window: vLLM
   gives the blocks before the window as its null block, which the load skips; its saves skip chunks with
   a block vLLM freed (read from vLLM's current tables), and a save reading a block that vLLM hands out
@@ -78,7 +79,7 @@ class GroupedSchedulerSide:
         while agreed != hit:  # a sliding-window group may serve less than asked: ask every group again
             agreed = hit
             hit = min(side.cap(request.request_id, hit) for side in self.sides)
-        is_async = hit > 0 and any(is_async for _, is_async in answers)
+        is_async = hit > 0  # vLLM takes a failure by request only from an asynchronous load
         for side in self.sides:
             side.settle(request.request_id, hit, is_async)
         return hit, is_async

@@ -4,7 +4,9 @@ layers, run step by step together.
 A request's load failed in one group fails its saves of the step in every group (the forward pass read
 the failed blocks through the hidden states every layer shares). vLLM hears of a finished request once
 every group that kept its blocks reported its saves done, and of an asynchronous load once every group
-loading it reported it.
+loading it reported it, with ``failed_recving`` when it failed in any group: vLLM takes load failures of
+a model of several groups by request only (its block ids are not unique across groups), so every load
+of such a model is asynchronous and a failed one is recomputed whole.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class GroupedWorkerSide:
         # request id -> the groups yet to report it: finished (saves done) / received (loads done)
         self._sending: dict[str, set[int]] = {}
         self._receiving: dict[str, set[int]] = {}
+        self._failed: set[str] = set()  # requests whose load failed in a group, until every group reported
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         for side in self.sides:
@@ -50,17 +53,22 @@ class GroupedWorkerSide:
         for side, group_meta in zip(self.sides, self._groups(meta), strict=True):
             side.wait_for_save(group_meta, unloaded)
 
-    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """Finished requests whose saves are done in every group, requests whose asynchronous loads are
+        done in every group, and those of them whose load failed in any group (vLLM recomputes them:
+        with several KV-cache groups it takes failures by request only, never by block)."""
         sent: set[str] = set()
         received: set[str] = set()
         for n, side in enumerate(self.sides):
             sending, receiving = side.get_finished()
             sent |= _reported(self._sending, n, sending or ())
+            self._failed |= side.take_failed_loads(receiving or ())
             received |= _reported(self._receiving, n, receiving or ())
-        return sent or None, received or None
-
-    def take_load_errors(self) -> set[int]:
-        return set().union(*(side.take_load_errors() for side in self.sides))
+            side.take_load_errors()  # the blocks of those failures: told by request instead
+        failed = self._failed & received
+        self._failed -= failed
+        self._failed &= self._receiving.keys()
+        return sent, received, failed
 
     def build_worker_meta(self) -> GroupedWorkerMetadata | None:
         metas = [side.build_worker_meta() for side in self.sides]

@@ -28,6 +28,8 @@ class KVCoreMetadata(KVConnectorMetadata):
     ``reused``: blocks of a sliding-window group handed to a request in this step, which vLLM may have
     freed from another request's window since that request's saves were sent: a save still reading one
     is waited for (or dropped) before the forward pass writes it.
+    ``failed_requests``: asynchronous loads the scheduler gave up before any copy (its chunks gone, or a
+    reset made them stale), where failures are told by request (a model of several KV-cache groups).
     """
 
     plan: StepPlan
@@ -36,6 +38,7 @@ class KVCoreMetadata(KVConnectorMetadata):
     evictions: StepPlan = field(factory=lambda: StepPlan(()))
     receiving: tuple[str, ...] = ()
     reused: tuple[int, ...] = ()
+    failed_requests: tuple[str, ...] = ()
 
 
 @frozen

@@ -62,7 +62,9 @@ def held_blocks(block_ids: Sequence[int]) -> list[int | None]:
 class SchedulerSide:
     """The scheduler side of one KV-cache group (``group``: its index in vLLM's block tables; a
     sliding-window group has a ``window``: vLLM frees its blocks outside the window while the request
-    runs, and the workers fence saves of blocks handed out again)."""
+    runs, and the workers fence saves of blocks handed out again). ``failures_by_request``: a load that
+    fails is told to vLLM by its request (``failed_recving``), not by its blocks, which vLLM cannot map
+    back to requests when a model has several groups; every load is then asynchronous."""
 
     def __init__(
         self,
@@ -73,11 +75,14 @@ class SchedulerSide:
         *,
         group: int = 0,
         window: int | None = None,
+        failures_by_request: bool = False,
     ) -> None:
         config = settings.core
         self.core = open_scheduler(config, engine, hash_identity=hash_identity)
         self._group = group
         self._window = window
+        self._by_request = failures_by_request
+        self._failed_now: list[str] = []  # (by request) loads that failed before any copy, for the workers
         self.lazy = settings.store_policy is StorePolicy.LAZY
         if self.lazy and hash_block_tokens != engine.layout.block_tokens:
             raise UnsupportedConfiguration(
@@ -163,16 +168,20 @@ class SchedulerSide:
         is_async = rid in self._async
         self._async.discard(rid)
         if num_external_tokens > 0:
-            self.core.start_load(RequestId(rid), held_blocks(block_ids), is_async=is_async)
+            queued = self.core.start_load(RequestId(rid), held_blocks(block_ids), is_async=is_async)
             if is_async:  # vLLM waits for it to be reported, whatever the load became
                 self._receiving[rid] = tuple(b for b in block_ids if b != NULL_BLOCK)
                 self._receiving_now.append(rid)
+                if self._by_request and queued < num_external_tokens:
+                    self._failed_now.append(rid)  # chunks gone since the lookup: recomputed whole
 
     def build_connector_meta(self, out: SchedulerOutput) -> KVCoreMetadata:
         # workers report their own failed copies in the step that detects them; only the blocks the
         # scheduler gave up on before any copy travel to them, taken before a preemption drops them
         lost = self.core.take_lost_blocks() + tuple(self._stale)
         self._stale.clear()
+        if self._by_request:  # told by request (``_failed_now``), never by block
+            lost = ()
         for rid in out.preempted_req_ids or ():  # before the scheduled: preempted and resumed at once
             if rid in self._blocks:
                 self._preempted(rid)
@@ -198,8 +207,15 @@ class SchedulerSide:
         evictions = self._save_evicted(allocated) if self.lazy else StepPlan(())
         reused = tuple(b for b in allocated if b != NULL_BLOCK) if self._window is not None else ()
         meta = KVCoreMetadata(
-            plan, tuple(self._delayed), lost, evictions, tuple(self._receiving_now), reused=reused
+            plan,
+            tuple(self._delayed),
+            lost,
+            evictions,
+            tuple(self._receiving_now),
+            reused=reused,
+            failed_requests=tuple(self._failed_now),
         )
+        self._failed_now.clear()
         self._delayed.clear()
         self._receiving_now.clear()
         return meta
@@ -343,6 +359,8 @@ class SchedulerSide:
         self.evictions.clear()
         for blocks in self._receiving.values():
             self._stale.extend(blocks)
+        if self._by_request:
+            self._failed_now.extend(self._receiving)
         return True
 
     def stats(self) -> SchedulerStats:

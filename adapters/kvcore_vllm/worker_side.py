@@ -80,6 +80,7 @@ class WorkerSide:
         # asynchronous loads: request id -> (deadline, its load ops), until named in finished_recving
         self._receiving: dict[str, tuple[float, tuple[int, ...]]] = {}
         self._writing: set[int] = set()  # abandoned asynchronous loads whose copy into vLLM's blocks may run
+        self._failed_loads: set[str] = set()  # asynchronous loads that failed, any cause, until reported
         self.last_load: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # for out-of-band checks
 
     @property
@@ -102,6 +103,7 @@ class WorkerSide:
         deadline = time.monotonic() + self._timeout
         for rid in meta.receiving:
             self._receiving[rid] = (deadline, tuple(op.op_id for op in every if op.request_id == rid))
+        self._failed_loads.update(rid for rid in meta.failed_requests if rid in self._receiving)
         loads = [op for op in every if op.request_id not in receiving]
         if not loads:
             return
@@ -192,6 +194,7 @@ class WorkerSide:
                 log.warning("kvcore: the load of %s not done after %.1fs; recomputing it", rid, self._timeout)
                 self._abandoned.update(running)
                 self._writing.update(self.worker.abandon(running))
+                self._failed_loads.add(rid)
                 for i in running:
                     if i not in self._writing:  # its blocks are safe now: vLLM may recompute them
                         self._load_errors.update(self._inflight[i].engine_blocks)
@@ -208,6 +211,14 @@ class WorkerSide:
                 self._worker.halt()
                 self._receiving[rid] = (float("inf"), op_ids)
         return received
+
+    def take_failed_loads(self, received: Iterable[str]) -> set[str]:
+        """Which of the ``received`` requests (just named by ``get_finished``) had a load fail, any cause:
+        for engines told of failures by request (vLLM's ``failed_recving``)."""
+        failed = self._failed_loads.intersection(received)
+        self._failed_loads -= failed
+        self._failed_loads &= self._receiving.keys()  # the rest were reported before: nothing to tell
+        return failed
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -257,4 +268,6 @@ class WorkerSide:
                 awaited = op is not None and op.direction is Direction.LOAD
             if awaited and op is not None and report.failed:
                 self._load_errors.update(op.engine_blocks[i] for i in report.failed)
+                if op.request_id in self._receiving:
+                    self._failed_loads.add(op.request_id)
             self._reports.append(report)

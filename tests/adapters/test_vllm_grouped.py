@@ -121,7 +121,7 @@ def test_the_hit_is_what_every_group_serves_and_sliding_window_saves_skip_freed_
     # the full group holds chunks 0 to 2, the sliding-window group chunks 0 and 2: a hit of 3 chunks
     # needs only chunk 2 of the window (its last 128 tokens)
     b = _request("b", 4 * BLOCK)
-    assert side.get_num_new_matched_tokens(b, 0) == (3 * BLOCK, False)
+    assert side.get_num_new_matched_tokens(b, 0) == (3 * BLOCK, True)  # every load asynchronous
     assert side.loaded_groups() == (FULL, SWA)
     tables = ([20, 21, 22, 23], [0, 0, 32, 33])  # vLLM holds the window's blocks only
     side.update_state_after_alloc(b, tables, 3 * BLOCK)
@@ -131,7 +131,7 @@ def test_the_hit_is_what_every_group_serves_and_sliding_window_saves_skip_freed_
     # a prompt that shares chunks 0 and 1 only: the full group serves both, the sliding-window group the
     # window of chunk 0 alone (it never held chunk 1): one chunk, the full group's load lowered to it
     c = _request("c", 4 * BLOCK, diverge_at=2)
-    assert side.get_num_new_matched_tokens(c, 0) == (BLOCK, False)
+    assert side.get_num_new_matched_tokens(c, 0) == (BLOCK, True)
     side.update_state_after_alloc(c, ([40, 41, 42, 43], [50, 51, 52, 53]), BLOCK)
     meta = side.build_connector_meta(
         _step("c", True, ([40, 41, 42, 43], [50, 51, 52, 53]), ([40, 41, 42, 43], [50, 51, 52, 53]), BLOCK, 0)
@@ -150,7 +150,7 @@ def test_a_sliding_window_group_loads_only_the_blocks_vllm_holds() -> None:
     )
     side.request_finished(a, tables)
     b = _request("b", 4 * BLOCK)
-    assert side.get_num_new_matched_tokens(b, 0) == (3 * BLOCK, False)
+    assert side.get_num_new_matched_tokens(b, 0) == (3 * BLOCK, True)  # every load asynchronous
     side.update_state_after_alloc(b, ([20, 21, 22, 23], [0, 0, 32, 33]), 3 * BLOCK)
     meta = side.build_connector_meta(
         _step("b", True, ([20, 21, 22, 23], [32, 33]), ([20, 21, 22, 23], [0, 0, 32, 33]), 3 * BLOCK, 1)
@@ -166,13 +166,22 @@ def test_a_finished_request_is_reported_once_every_group_that_kept_it_did() -> N
     class Side:
         def __init__(self) -> None:
             self.sending: set[str] = set()
+            self.receiving: set[str] = set()
+            self.failed: set[str] = set()
 
         def start_load_kv(self, meta: KVCoreMetadata) -> None:
             return
 
         def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
             done, self.sending = self.sending, set()
-            return done or None, None
+            received, self.receiving = self.receiving, set()
+            return done or None, received or None
+
+        def take_failed_loads(self, received: set[str]) -> set[str]:
+            return self.failed & set(received)
+
+        def take_load_errors(self) -> set[int]:
+            return set()
 
     one, two = Side(), Side()
     grouped = GroupedWorkerSide([one, two])  # type: ignore[list-item]  # stand-ins with the hooks used
@@ -181,10 +190,16 @@ def test_a_finished_request_is_reported_once_every_group_that_kept_it_did() -> N
         GroupedMetadata((attrs.evolve(empty, delayed=("a", "b")), attrs.evolve(empty, delayed=("a",))))
     )
     one.sending = {"a", "b"}
-    assert grouped.get_finished() == ({"b"}, None)  # "a" still saves in the second group
+    assert grouped.transfer_results() == ({"b"}, set(), set())  # "a" still saves in the second group
     two.sending = {"a"}
-    assert grouped.get_finished() == ({"a"}, None)
-    assert grouped.get_finished() == (None, None)
+    assert grouped.transfer_results() == ({"a"}, set(), set())
+    assert grouped.transfer_results() == (set(), set(), set())
+    # a load in both groups that failed in the first: told once both are done, as failed
+    grouped.start_load_kv(GroupedMetadata((attrs.evolve(empty, receiving=("c",)),) * 2))
+    one.receiving, one.failed = {"c"}, {"c"}
+    assert grouped.transfer_results() == (set(), set(), set())
+    two.receiving = {"c"}
+    assert grouped.transfer_results() == (set(), {"c"}, {"c"})
 
 
 def test_merged_stats_sum_blocks_and_count_requests_once() -> None:

@@ -24,7 +24,7 @@ from tests.integration.conftest import (
     prompt,
     stop_engine,
 )
-from tests.integration.probes import external_hits, group_loads, kvcore_metric
+from tests.integration.probes import external_hits, group_loads, group_sides, kvcore_metric
 from tests.integration.tiny_model import HYBRID_WINDOW, make_tiny_hybrid_model
 
 pytestmark = [*VLLM_MARKS, pytest.mark.slow]
@@ -129,4 +129,31 @@ def test_a_turn_that_extends_a_hybrid_conversation_reuses_its_decoded_blocks(hyb
     assert external_hits(hybrid_engine) - before == reused.num_cached_tokens == 640
     own = generate(hybrid_engine, second)
     assert own.num_cached_tokens == 640
+    assert list(reused.outputs[0].token_ids) == list(own.outputs[0].token_ids)
+
+
+def _halt_sliding_window_group(worker: Any) -> bool:
+    """Runs in the worker process: the sliding-window group's tier stops taking copies (a dead backend)."""
+    group_sides(worker)[SWA_GROUP].worker.halt()
+    return True
+
+
+def test_a_load_that_fails_in_one_group_is_recomputed_whole(hybrid_engine: Any) -> None:
+    # vLLM takes load failures of a model of several groups by request only: the failed load is told
+    # as failed_recving, and the request recomputed with vLLM's own tokens, the engine unharmed
+    tokens = prompt(77, 700)
+    generate(hybrid_engine, tokens)
+    own = generate(hybrid_engine, tokens)
+    push_out(hybrid_engine)
+    failed_before = kvcore_metric(hybrid_engine, "failed_load_blocks")
+    assert hybrid_engine.collective_rpc(_halt_sliding_window_group) == [True]
+    again = generate(hybrid_engine, tokens)
+    assert kvcore_metric(hybrid_engine, "failed_load_blocks") > failed_before
+    assert list(again.outputs[0].token_ids) == list(own.outputs[0].token_ids)
+    assert kvcore_metric(hybrid_engine, "pool_pinned") == 0
+    # the halted copies ended, so the group copies again: the next reuse loads
+    push_out(hybrid_engine)
+    before = external_hits(hybrid_engine)
+    reused = generate(hybrid_engine, tokens)
+    assert external_hits(hybrid_engine) - before == reused.num_cached_tokens == 640
     assert list(reused.outputs[0].token_ids) == list(own.outputs[0].token_ids)
