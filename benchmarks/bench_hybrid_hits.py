@@ -279,8 +279,8 @@ def kvcore_workers(moved: Moved) -> Transfers:
     return report
 
 
-def summary(name: str, served: dict[str, Served], moved: Moved, block_bytes: int) -> tuple[int, int]:
-    """Print one connector's totals; returns (external hit tokens, bytes loaded)."""
+def summary(name: str, served: dict[str, Served], moved: Moved, block_bytes: int) -> tuple[int, int, int]:
+    """Print one connector's totals; returns (external hit tokens, bytes loaded, tokens computed)."""
     prompt = sum(s.prompt for s in served.values())
     local = sum(s.local for s in served.values())
     external = sum(s.external for s in served.values())
@@ -293,7 +293,7 @@ def summary(name: str, served: dict[str, Served], moved: Moved, block_bytes: int
         f"{loads[0]:4} + {loads[1]:4} ({loaded >> 10} KiB) | stored {stores[0]:4} + {stores[1]:4} "
         f"({sum(stores) * block_bytes >> 10} KiB)"
     )
-    return external, loaded
+    return external, loaded, prompt - local - external
 
 
 def main() -> None:
@@ -347,7 +347,7 @@ def main() -> None:
             kvcore_workers,
         ),
     }
-    results: dict[str, tuple[int, int]] = {}
+    results: dict[str, tuple[int, int, int]] = {}
     for name, (connector, workers) in connectors.items():
         config = engine_config(model, kv_bytes, connector)
         assert not config.scheduler_config.disable_hybrid_kv_cache_manager, name
@@ -357,9 +357,13 @@ def main() -> None:
         results[name] = summary(name, served, moved, block_bytes)
         if sched.connector is not None:
             sched.connector.shutdown()
-    (hits, loaded), (their_hits, their_loaded) = results["kvcore"], results["OffloadingConnector"]
+    (hits, loaded, computed), (their_hits, their_loaded, their_computed) = (
+        results["kvcore"],
+        results["OffloadingConnector"],
+    )
     print(
-        f"kvcore / OffloadingConnector: hit tokens {hits / max(their_hits, 1):.2f}x, "
+        f"kvcore / OffloadingConnector: hit tokens {hits / max(their_hits, 1):.2f}x, prompt tokens computed "
+        f"{computed / max(their_computed, 1):.2f}x, "
         f"bytes loaded per hit token {loaded / max(hits, 1) / max(their_loaded / max(their_hits, 1), 1):.2f}x"
     )
 
