@@ -82,6 +82,9 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
                 "blocks outside the window, not only at eviction); use 'eager'"
             )
         engine = groups[0].engine
+        # several groups, or a sliding window: served by the grouped sides, whose load failures vLLM takes
+        # by request (a recompute from a failed block would attend to blocks vLLM gave back)
+        grouped = len(groups) > 1 or groups[0].window is not None
         self._scheduler: SchedulerSide | GroupedSchedulerSide | None = None
         self._worker: WorkerSide | GroupedWorkerSide | None = None
         self._stats_delta = StatsDelta()
@@ -101,6 +104,7 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             hash_block = kv_cache_config.hash_block_size or engine.layout.block_tokens
             self._scheduler = _per_group(
+                grouped,
                 groups,
                 lambda g: SchedulerSide(
                     settings,
@@ -109,7 +113,7 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
                     identity,
                     group=g.index,
                     window=g.window,
-                    failures_by_request=len(groups) > 1,
+                    failures_by_request=grouped,
                 ),
                 GroupedSchedulerSide,
             )
@@ -135,6 +139,7 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
                 # each rank reaches the collective after its own wait of at most transfer_timeout_s
                 agree = over_group(get_tp_group().cpu_group, 2 * config.transfer_timeout_s + 5.0)
             self._worker = _per_group(
+                grouped,
                 groups,
                 lambda g: WorkerSide(
                     config, g.engine, list(g.layers), rank, faults=settings.faults, agree=agree
@@ -287,8 +292,11 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 def _per_group(
-    groups: tuple[KVGroup, ...], make: Callable[[KVGroup], Side], grouped: Callable[[list[Side]], Grouped]
+    grouped: bool,
+    groups: tuple[KVGroup, ...],
+    make: Callable[[KVGroup], Side],
+    grouped_side: Callable[[list[Side]], Grouped],
 ) -> Side | Grouped:
-    """The side of a model of one KV-cache group, or the grouped side over one side per group."""
+    """The grouped side over one side per group, or (``grouped`` false) the side of the one group."""
     sides = [make(group) for group in groups]
-    return sides[0] if len(sides) == 1 else grouped(sides)
+    return grouped_side(sides) if grouped else sides[0]

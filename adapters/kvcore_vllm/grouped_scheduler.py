@@ -16,8 +16,9 @@ group), slots and block tables. This side makes them answer vLLM as one:
   again is waited for before the forward pass writes it (``KVCoreMetadata.reused``).
 - a request ends in every group at once; vLLM keeps its blocks while any group's saves run.
 
-Counters of blocks and chunks are the groups' sums; counters of requests (lookups, hit tokens,
-asynchronous loads, live requests) the most any group counted, as every group sees every request.
+Counters of blocks and chunks are the groups' sums; counters of requests (lookups, asynchronous loads,
+live requests) the most any group counted, as every group sees every request; hit tokens the least any
+group loaded.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GroupedSchedulerSide", "merge_stats"]
 
-_PER_REQUEST = ("lookups", "hit_tokens", "async_loads", "requests")
+_PER_REQUEST = ("lookups", "async_loads", "requests")
 _SUMMED = (
     "loaded_blocks",
     "saved_blocks",
@@ -95,7 +96,17 @@ class GroupedSchedulerSide:
             side.update_state_after_alloc(request, ids, num_external_tokens)
 
     def build_connector_meta(self, out: SchedulerOutput) -> GroupedMetadata:
-        return GroupedMetadata(tuple(side.build_connector_meta(out) for side in self.sides))
+        """Every group's instructions. vLLM's groups share one block pool and alias the same memory: a
+        block freed from one group's window may go to any group, so a sliding-window group's saves are
+        fenced against the blocks handed out in every group."""
+        metas = [side.build_connector_meta(out) for side in self.sides]
+        handed_out = tuple(sorted({block for side in self.sides for block in side.allocated_now}))
+        return GroupedMetadata(
+            tuple(
+                attrs.evolve(meta, reused=handed_out) if side.windowed else meta
+                for side, meta in zip(self.sides, metas, strict=True)
+            )
+        )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
@@ -129,13 +140,15 @@ class GroupedSchedulerSide:
 
 def merge_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
     """The groups' stats as one engine's: blocks, chunks, slots and ops summed; requests counted once
-    (the most any group counted); a shared tier's usage as the first group reads it."""
+    (the most any group counted), hit tokens the least any group loaded; a shared tier's usage as the
+    first group reads it."""
     first = stats[0]
     values: dict[str, Any] = {}
     for name in _SUMMED:
         values[name] = sum(getattr(s, name) for s in stats)
     for name in _PER_REQUEST:
         values[name] = max(getattr(s, name) for s in stats)
+    values["hit_tokens"] = min(s.hit_tokens for s in stats)  # what every group loaded
     for name in ("tier_found", "tier_stored"):
         values[name] = tuple(sum(counts) for counts in zip(*(getattr(s, name) for s in stats), strict=True))
     pools = [attrs.astuple(s.pool) for s in stats]

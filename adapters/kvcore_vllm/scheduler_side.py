@@ -82,6 +82,8 @@ class SchedulerSide:
         self._group = group
         self._window = window
         self._by_request = failures_by_request
+        self.allocated_now: tuple[int, ...] = ()  # blocks of this group handed out in the last step
+        self._allocated_async: list[int] = []  # handed to requests whose load runs beside the steps
         self._failed_now: list[str] = []  # (by request) loads that failed before any copy, for the workers
         self.lazy = settings.store_policy is StorePolicy.LAZY
         if self.lazy and hash_block_tokens != engine.layout.block_tokens:
@@ -145,6 +147,11 @@ class SchedulerSide:
         self.settle(request.request_id, hits, is_async)
         return hits, is_async
 
+    @property
+    def windowed(self) -> bool:
+        """Whether this is a sliding-window group (vLLM frees its blocks while its requests run)."""
+        return self._window is not None
+
     def cap(self, rid: str, hits: int) -> int:
         """Lower the load the lookup decided to ``hits`` tokens, or below where this group (a sliding
         window) cannot serve that; returns the tokens it now loads."""
@@ -167,6 +174,8 @@ class SchedulerSide:
         self._requests[rid] = request
         is_async = rid in self._async
         self._async.discard(rid)
+        if is_async:  # not among the step's scheduled requests: its blocks are named here
+            self._allocated_async.extend(block_ids)
         if num_external_tokens > 0:
             queued = self.core.start_load(RequestId(rid), held_blocks(block_ids), is_async=is_async)
             if is_async:  # vLLM waits for it to be reported, whatever the load became
@@ -205,7 +214,9 @@ class SchedulerSide:
             self._save(rid, cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(rid, 0))
         plan = self.core.take_plan()
         evictions = self._save_evicted(allocated) if self.lazy else StepPlan(())
-        reused = tuple(b for b in allocated if b != NULL_BLOCK) if self._window is not None else ()
+        self.allocated_now = tuple(b for b in (*allocated, *self._allocated_async) if b != NULL_BLOCK)
+        self._allocated_async.clear()
+        reused = self.allocated_now if self.windowed else ()
         meta = KVCoreMetadata(
             plan,
             tuple(self._delayed),
