@@ -157,3 +157,26 @@ def test_a_load_that_fails_in_one_group_is_recomputed_whole(hybrid_engine: Any) 
     reused = generate(hybrid_engine, tokens)
     assert external_hits(hybrid_engine) - before == reused.num_cached_tokens == 640
     assert list(reused.outputs[0].token_ids) == list(own.outputs[0].token_ids)
+
+
+def test_a_model_of_sliding_window_layers_only_loads_the_window(vllm_env: Path) -> None:
+    # one KV-cache group, of sliding-window layers: served by the grouped sides too (its failures told
+    # by request), a hit loading the last window's blocks only
+    config = kvcore_transfer_config(backend={"kind": "cpu", "size": "64MiB"}, chunk_tokens=CHUNK)
+    llm = start_hybrid_engine(make_tiny_hybrid_model(vllm_env / "tiny-sliding", sliding_only=True), config)
+    try:
+        tokens = prompt(1000, 1000)
+        generate(llm, tokens)
+        own = generate(llm, tokens)
+        assert own.num_cached_tokens == 896
+        llm.reset_prefix_cache()  # vLLM's own cache only: kvcore keeps its chunks
+        before = external_hits(llm)
+        again = generate(llm, tokens)
+        assert external_hits(llm) - before == again.num_cached_tokens == 896
+        assert list(again.outputs[0].token_ids) == list(own.outputs[0].token_ids)
+        (((digests, same, block_bytes),),) = llm.collective_rpc(group_loads)
+        assert same
+        assert len(digests) == window_blocks(896)
+        assert block_bytes == BLOCK * TOKEN_BYTES  # one block of the group: its four layers
+    finally:
+        stop_engine(llm)

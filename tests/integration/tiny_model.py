@@ -183,10 +183,11 @@ HYBRID_WINDOW: Final[int] = 200
 """The sliding window of ``make_tiny_hybrid_model``'s sliding-window layers, in tokens."""
 
 
-def make_tiny_hybrid_model(out_dir: str | Path, seed: int = 0) -> Path:
+def make_tiny_hybrid_model(out_dir: str | Path, seed: int = 0, *, sliding_only: bool = False) -> Path:
     """A four-layer Gemma-3-style model (sliding-window and full attention layers alternating, a window of
     ``HYBRID_WINDOW`` tokens) with random bf16 weights, written to ``out_dir``: vLLM's hybrid KV-cache
-    manager keeps it as two KV-cache groups. Head size 64, one vLLM's CPU attention takes."""
+    manager keeps it as two KV-cache groups. Head size 64, one vLLM's CPU attention takes.
+    ``sliding_only``: every layer uses the window (a Mistral-style model: one sliding-window group)."""
     tokenizer = build_tokenizer()
     config = Gemma3TextConfig(
         hidden_size=128,
@@ -197,7 +198,9 @@ def make_tiny_hybrid_model(out_dir: str | Path, seed: int = 0) -> Path:
         head_dim=64,
         query_pre_attn_scalar=64,
         sliding_window=HYBRID_WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        layer_types=["sliding_attention"] * 4
+        if sliding_only
+        else ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         max_position_embeddings=4096,
         **_shared_fields(tokenizer),
     )
