@@ -21,24 +21,13 @@ with warnings.catch_warnings():
     from kvcore_vllm.grouped_worker import GroupedWorkerSide
 
 from kvcore.block_pool import PoolUsage
-from kvcore.engine import EngineSpec
-from kvcore.layout import KVLayout, LayoutKind
 from kvcore.plan import OpReport, StepPlan
 from kvcore.scheduler import SchedulerStats
 from kvcore_vllm.metadata import GroupedMetadata, GroupedWorkerMetadata, KVCoreMetadata, KVCoreWorkerMetadata
 from kvcore_vllm.scheduler_side import SchedulerSide
 from kvcore_vllm.settings import read_extra_config
+from tests.adapters.test_vllm_scheduler_side import BLOCK, ENGINE
 
-BLOCK = 128
-ENGINE = EngineSpec(
-    "tiny@default",
-    "bfloat16",
-    num_layers=2,
-    total_kv_heads=2,
-    layout=KVLayout(
-        LayoutKind.VLLM_CPU, num_blocks=64, block_tokens=BLOCK, num_kv_heads=2, head_size=32, dtype_size=2
-    ),
-)
 FULL, SWA = 0, 1
 
 

@@ -78,14 +78,21 @@ def kvcore_transfer_config(**extra: Any) -> dict[str, Any]:
     }
 
 
-def start_engine(model: Path, kv_transfer_config: dict[str, Any] | None, **engine_args: Any) -> Any:
+def start_engine(
+    model: Path,
+    kv_transfer_config: dict[str, Any] | None,
+    *,
+    kv_cache_memory_bytes: int = ENGINE_BLOCKS * BLOCK * 512,  # the tiny Llama's 512 bytes of KV per token
+    max_model_len: int = MAX_MODEL_LEN,
+    **engine_args: Any,
+) -> Any:
     from vllm import LLM
 
     return LLM(
         model=str(model),
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=max_model_len,
         enforce_eager=True,
-        kv_cache_memory_bytes=ENGINE_BLOCKS * BLOCK * 512,  # 512 bytes of KV per token
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
         kv_transfer_config=kv_transfer_config,
         disable_log_stats=False,
         seed=0,

@@ -22,6 +22,7 @@ from tests.integration.conftest import (
     generate,
     kvcore_transfer_config,
     prompt,
+    start_engine,
     stop_engine,
 )
 from tests.integration.probes import external_hits, group_loads, group_sides, kvcore_metric
@@ -38,17 +39,7 @@ SWA_GROUP, FULL_GROUP = 0, 1  # vLLM's group order for layer_types [S, F, S, F]
 
 def start_hybrid_engine(model: Path, kv_transfer_config: dict[str, Any]) -> Any:
     """A vLLM engine on the hybrid model, with ``ENGINE_BLOCKS`` blocks of each group."""
-    from vllm import LLM
-
-    return LLM(
-        model=str(model),
-        max_model_len=2048,
-        enforce_eager=True,
-        kv_cache_memory_bytes=ENGINE_BLOCKS * BLOCK * TOKEN_BYTES,
-        kv_transfer_config=kv_transfer_config,
-        disable_log_stats=False,
-        seed=0,
-    )
+    return start_engine(model, kv_transfer_config, kv_cache_memory_bytes=ENGINE_BLOCKS * BLOCK * TOKEN_BYTES)
 
 
 @pytest.fixture(scope="module")

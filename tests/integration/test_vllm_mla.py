@@ -17,7 +17,14 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import VLLM_MARKS, generate, prompt, stop_engine
+from tests.integration.conftest import (
+    VLLM_MARKS,
+    generate,
+    kvcore_transfer_config,
+    prompt,
+    start_engine,
+    stop_engine,
+)
 from tests.integration.probes import external_hits, host_digests, loaded_digests
 from tests.integration.tiny_model import make_tiny_mla_model
 
@@ -29,26 +36,22 @@ LATENT_BYTES = 576 * 4  # per token and layer, float32
 PROMPTS = {"short": prompt(31, 300), "long": prompt(32, 700)}
 
 
+def start_mla_engine(model: Path, kv_transfer_config: dict[str, Any]) -> Any:
+    """A vLLM engine on the MLA model, in float32: bf16 rounding of MLA's context attention would move
+    greedy tokens of a hit."""
+    return start_engine(
+        model,
+        kv_transfer_config,
+        kv_cache_memory_bytes=96 * BLOCK * LATENT_BYTES * 2,
+        max_model_len=1024,
+        dtype="float32",
+    )
+
+
 @pytest.fixture(scope="module")
 def mla_engine(vllm_env: Path) -> Iterator[Any]:
-    from vllm import LLM
-
-    config = {
-        "kv_connector": "KVCoreConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"backend": {"kind": "cpu", "size": "64MiB"}, "chunk_tokens": CHUNK},
-    }
-    llm = LLM(
-        model=str(make_tiny_mla_model(vllm_env / "tiny-mla")),
-        dtype="float32",  # bf16 rounding of MLA's context attention would move greedy tokens of a hit
-        max_model_len=1024,
-        enforce_eager=True,
-        kv_cache_memory_bytes=96 * BLOCK * LATENT_BYTES * 2,
-        kv_transfer_config=config,
-        disable_log_stats=False,
-        seed=0,
-    )
+    config = kvcore_transfer_config(backend={"kind": "cpu", "size": "64MiB"}, chunk_tokens=CHUNK)
+    llm = start_mla_engine(make_tiny_mla_model(vllm_env / "tiny-mla"), config)
     yield llm
     stop_engine(llm)
 

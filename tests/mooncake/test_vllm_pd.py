@@ -25,6 +25,8 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     vllm_env,
 )
 from tests.integration.probes import external_hits
+from tests.integration.test_vllm_mla import BLOCK as MLA_BLOCK
+from tests.integration.test_vllm_mla import start_mla_engine
 from tests.integration.tiny_model import make_tiny_mla_model
 from tests.mooncake.conftest import free_port
 
@@ -112,33 +114,14 @@ def test_decode_engine_continues_the_prefill_engines_prompt(tiny_model: Path) ->
         stop_engine(producer)
 
 
-MLA_BLOCK = 16  # the only block size vLLM's CPU MLA kernels take
-MLA_LATENT_BYTES = 576 * 4  # per token and layer, float32
-
-
-def _mla_engine(model: Path, config: dict[str, Any]) -> Any:
-    from vllm import LLM
-
-    return LLM(
-        model=str(model),
-        dtype="float32",  # as tests/integration/test_vllm_mla.py: bf16 rounding moves near-tied tokens
-        max_model_len=1024,
-        enforce_eager=True,
-        kv_cache_memory_bytes=96 * MLA_BLOCK * MLA_LATENT_BYTES * 2,
-        kv_transfer_config=config,
-        disable_log_stats=False,
-        seed=0,
-    )
-
-
 def test_an_mla_decode_engine_continues_the_prefill_engines_prompt(vllm_env: Path) -> None:
     # MLA engines keep one latent per token, the same bytes on every rank: the decode engine pulls the
     # prompt's latents and computes its last token, with the tokens of the prefill engine's own full
     # recompute (vLLM keeps no prefix cache for MLA on the CPU: there is no prefix hit to compare with)
     model = make_tiny_mla_model(vllm_env / "tiny-mla-pd")
-    producer = _mla_engine(model, pd_transfer_config("kv_producer", "prefill-mla", free_port()))
+    producer = start_mla_engine(model, pd_transfer_config("kv_producer", "prefill-mla", free_port()))
     try:
-        consumer = _mla_engine(model, pd_transfer_config("kv_consumer", "decode-mla", 0))
+        consumer = start_mla_engine(model, pd_transfer_config("kv_consumer", "decode-mla", 0))
         try:
             tokens = prompt(7101, 20 * MLA_BLOCK + 1)
             prefill = generate(producer, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
