@@ -198,7 +198,7 @@ class SchedulerSide:
         allocated: list[int] = []  # every block handed to a scheduled request in this step
         for new in out.scheduled_new_reqs:
             self._received.discard(new.req_id)
-            self._blocks[new.req_id] = self._current(out, new.req_id, new.block_ids[group])
+            self._blocks[new.req_id] = self._current(out, new.req_id, list(new.block_ids[group]))
             allocated.extend(new.block_ids[group])
             self._save(new.req_id, new.num_computed_tokens + out.num_scheduled_tokens.get(new.req_id, 0))
         cached = out.scheduled_cached_reqs
@@ -210,7 +210,8 @@ class SchedulerSide:
                 self._blocks[rid] = list(new_ids[group]) if new_ids is not None else []
             elif new_ids is not None:
                 self._blocks.setdefault(rid, []).extend(new_ids[group])
-            self._blocks[rid] = self._current(out, rid, self._blocks.get(rid, []))
+            if self.windowed:
+                self._blocks[rid] = self._current(out, rid, self._blocks.get(rid, []))
             self._save(rid, cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(rid, 0))
         plan = self.core.take_plan()
         evictions = self._save_evicted(allocated) if self.lazy else StepPlan(())
@@ -232,9 +233,11 @@ class SchedulerSide:
         return meta
 
     def _current(self, out: SchedulerOutput, rid: str, mirrored: list[int]) -> list[int]:
-        """The request's block table of this group as vLLM holds it now, where vLLM offers it (a
-        sliding-window group's blocks outside the window are then the null block), else the table kept
-        from the step's allocations."""
+        """A sliding-window group: the request's block table as vLLM holds it now, where vLLM offers it
+        (its blocks outside the window are then the null block); else the table kept from the steps'
+        allocations (``mirrored``), which is vLLM's own for a group whose blocks stay until the end."""
+        if not self.windowed:
+            return mirrored
         state = getattr(out, "kv_connector_block_state", None)
         current = state.get_block_ids(rid) if state is not None else None
         return list(current[self._group]) if current is not None else list(mirrored)
