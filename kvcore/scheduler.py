@@ -719,8 +719,8 @@ class CacheScheduler:
         whose window it holds)."""
         keys = req.chain.keys
         if req.pending is None and self._windowed:
-            pooled = [i for i, key in enumerate(keys) if self.pool.lookup((key,))]
-            req.local_hits = pooled[-1] + 1 if pooled else 0
+            last_held = (i + 1 for i in range(len(keys) - 1, -1, -1) if self.pool.lookup((keys[i],)))
+            req.local_hits = next(last_held, 0)
             return req.local_hits
         if req.pending is None:
             req.local_hits = self._index.lookup([(k,) for k in keys])

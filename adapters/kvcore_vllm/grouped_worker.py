@@ -1,12 +1,12 @@
 """The worker side for a model of several KV-cache groups: one ``WorkerSide`` per group, over the group's
 layers, run step by step together.
 
-A request's load failed in one group fails its saves of the step in every group (the forward pass read
-the failed blocks through the hidden states every layer shares). vLLM hears of a finished request once
+vLLM hears of a finished request once
 every group that kept its blocks reported its saves done, and of an asynchronous load once every group
 loading it reported it, with ``failed_recving`` when it failed in any group: vLLM takes load failures of
 a model of several groups by request only (its block ids are not unique across groups), so every load
-of such a model is asynchronous and a failed one is recomputed whole.
+of such a model is asynchronous and a failed one is recomputed whole (a request waiting for its load
+computes nothing meanwhile, so no save of a step reads over a failed load).
 """
 
 from __future__ import annotations
@@ -49,9 +49,8 @@ class GroupedWorkerSide:
             side.start_load_kv(group_meta)
 
     def wait_for_save(self, meta: GroupedMetadata) -> None:
-        unloaded = frozenset().union(*(side.unloaded for side in self.sides))
         for side, group_meta in zip(self.sides, self._groups(meta), strict=True):
-            side.wait_for_save(group_meta, unloaded)
+            side.wait_for_save(group_meta)
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """Finished requests whose saves are done in every group, requests whose asynchronous loads are

@@ -123,17 +123,12 @@ class WorkerSide:
             for op in late:
                 self._load_errors.update(op.engine_blocks)
 
-    @property
-    def unloaded(self) -> frozenset[str]:
-        """Requests whose synchronous load failed in this step, on any rank."""
-        return frozenset(self._unloaded)
-
-    def wait_for_save(self, meta: KVCoreMetadata, unloaded_elsewhere: Iterable[str] = ()) -> None:
-        """Start the step's saves, but none of a request whose load failed in this step (here, or in
-        ``unloaded_elsewhere``: another KV-cache group's): vLLM computed its blocks from that load's on
-        over KV that is not the request's (and recomputes them), so what those saves would read is
-        wrong. They are reported failed at once; the request's next saves store its recomputed blocks."""
-        unloaded, self._unloaded = self._unloaded | set(unloaded_elsewhere), set()
+    def wait_for_save(self, meta: KVCoreMetadata) -> None:
+        """Start the step's saves, but none of a request whose load failed in this step: vLLM computed
+        its blocks from that load's on over KV that is not the request's (and recomputes them), so what
+        those saves would read is wrong. They are reported failed at once; the request's next saves
+        store its recomputed blocks."""
+        unloaded, self._unloaded = self._unloaded, set()
         saves: list[BlockOp] = []
         for op in meta.plan.ops:
             if op.direction is Direction.SAVE and op.request_id in unloaded:
