@@ -6,8 +6,9 @@ tensor's base address.
 
 Every layout splits a block into one or two *segments* (K then V, or a single KV / latent segment) that sit
 at the same offset in every block, ``block_stride`` bytes apart (more than a block's bytes where the engine
-pads its pages). Heads are sliced inside a segment: one run per segment when heads are the outer axis (HND,
-vLLM CPU), one run per token when tokens are (NHD).
+pads its pages, or puts every layer's page of a block together: vLLM's cross-layer "BL*" orders). Heads
+are sliced inside a segment: one run per segment when heads are the outer axis (HND, vLLM CPU), one run
+per token when tokens are (NHD).
 
 Each distinct byte order has a distinct ``name``: it is part of every key and of the P/D handshake, so
 KV written in one order is never read as another.
@@ -104,9 +105,11 @@ class KVLayout:
     ``packing`` names how the engine orders the bytes inside the unit kvcore moves whole, where that
     order is the engine's business (vLLM CPU: its attention ISA, ``"amx"`` or ``"vec"``, orders each
     head's K and V differently); kvcore never reads those bytes, but two packings must never share keys
-    or exchange KV, so it is part of ``name``. ``page_bytes`` is the distance between two blocks where the
-    engine pads its pages (vLLM's ``page_size_padded``); ``None`` when blocks are dense. Padding is not
-    part of ``name``: the bytes kvcore copies are the same.
+    or exchange KV, so it is part of ``name``. ``page_bytes`` is the distance between two blocks of the
+    layer where it is more than a block's bytes: the engine pads its pages (vLLM's ``page_size_padded``),
+    or interleaves layers, block by block (vLLM's block-outermost orders BLHNC and BLNHC, where the bytes
+    between two blocks of a layer are the other layers' pages of the first); ``None`` when blocks are
+    dense. It is not part of ``name``: the bytes kvcore copies, and their order, are the same.
 
     ``kind`` and ``head_order`` take their enum or the enum's value (``"flash_infer"``, ``"nhd"``: what a
     configuration file or a peer's handshake carries); anything else is refused, never read as another
@@ -224,6 +227,14 @@ class KVLayout:
         if self.kind is LayoutKind.FLASH_ATTN:
             return self.num_blocks * self.block_bytes
         return self.num_blocks * self.block_stride
+
+    @property
+    def extent(self) -> int:
+        """Bytes from the layer's first byte to the end of its last block: ``nbytes`` less the last page's
+        padding, which (cross-layer: the other layers' pages) is not the layer's memory."""
+        if self.kind is LayoutKind.FLASH_ATTN:
+            return self.nbytes
+        return (self.num_blocks - 1) * self.block_stride + self.block_bytes
 
     @property
     def block_stride(self) -> int:

@@ -113,7 +113,14 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
         packing = ""
         if backend == CPU_BACKEND:
             packing = cpu_packing(model.dtype, spec.block_size, spec.head_size, cache.cache_dtype)
-        layout = kv_layout(backend, memory_order, spec, kv_cache_config.num_blocks, packing=packing)
+        layout = kv_layout(
+            backend,
+            memory_order,
+            spec,
+            kv_cache_config.num_blocks,
+            packing=packing,
+            block_stride=_block_stride(kv_cache_config, group.layer_names),
+        )
         engines.append(
             EngineSpec(
                 model_id=f"{model.model}@{model.revision or 'default'}",
@@ -140,6 +147,19 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
             )
         out.append(KVGroup(n, kind, window, tuple(group.layer_names), engine))
     return tuple(out)
+
+
+def _block_stride(kv_cache_config: KVCacheConfig, layers: list[str]) -> int | None:
+    """The bytes between two blocks of a layer of ``layers``, as vLLM allocated them (``None`` where its
+    config places no tensor for them). Every layer of a group has the same; ``EngineKV`` checks the
+    views against it."""
+    strides = {t.block_stride for t in kv_cache_config.kv_cache_tensors if set(t.layers) & set(layers)}
+    if len(strides) > 1:
+        raise UnsupportedConfiguration(
+            f"layers {', '.join(layers[:3])}... have blocks {sorted(strides)} bytes apart: kvcore needs one "
+            "block stride for the layers of a KV-cache group"
+        )
+    return strides.pop() if strides else None
 
 
 def attention_backend(vllm_config: VllmConfig, layer_names: list[str]) -> str:

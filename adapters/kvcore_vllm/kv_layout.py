@@ -5,15 +5,17 @@ order is the engine's resolved ``KVCacheLayout`` (one for the whole model) and w
 backend:
 
 - FlashAttention, FlashInfer, Triton and FlexAttention: ``C`` is a head's K then its V for one token
-  (``LayoutKind.PAGED``), in memory order LBNHC (NHD, vLLM's default) or LBHNC (HND);
+  (``LayoutKind.PAGED``), in memory order LBNHC (NHD, vLLM's default) or LBHNC (HND), or their
+  cross-layer forms BLNHC and BLHNC (a block holds every layer's page: the layer's block stride, taken
+  from vLLM's ``KVCacheTensor``, spans them; the bytes of a layer's block are the same as in LB*);
 - CPU attention: LBHNC, and each head's ``block_tokens * C`` elements are its K then its V, packed in
   an order set by the attention ISA (``LayoutKind.VLLM_CPU``, the ISA as ``packing``);
 - MLA: one latent per token, ``heads`` = 1 (``LayoutKind.MLA``; every rank holds the same bytes).
 
 Refused at start-up, with a message naming what and why: another backend, another memory order
-(the cross-layer BL* orders, LHBNC), K and V of different sizes, and cache dtypes that carry scales or
-packed values inside the page (per-token-head, NVFP4, TurboQuant, ...). fp8 caches are stored as bytes
-by vLLM; kvcore names them by their fp8 format, so that e4m3 and e5m2 never share keys.
+(BHLNC, where a layer's heads are apart; LHBNC), K and V of different sizes, and cache dtypes that carry
+scales or packed values inside the page (per-token-head, NVFP4, TurboQuant, ...). fp8 caches are stored
+as bytes by vLLM; kvcore names them by their fp8 format, so that e4m3 and e5m2 never share keys.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import attrs
 import torch
 
 from kvcore.engine import EngineSpec
@@ -58,19 +61,30 @@ MLA_BACKENDS = (
 """Dense MLA backends: one latent per token, ``[blocks, 1, block_tokens, latent]`` (``LayoutKind.MLA``);
 AMX_MLA packs its weights, not the cache. The sparse (indexer) backends keep more than the latent."""
 
-_HEAD_ORDERS = {"LBNHC": HeadOrder.NHD, "LBHNC": HeadOrder.HND}
-"""The per-layer memory orders kvcore describes, by vLLM's ``KVCacheLayout`` name."""
+_HEAD_ORDERS = {
+    "LBNHC": HeadOrder.NHD,
+    "LBHNC": HeadOrder.HND,
+    "BLNHC": HeadOrder.NHD,
+    "BLHNC": HeadOrder.HND,
+}
+"""The memory orders kvcore describes, by vLLM's ``KVCacheLayout`` name, and the order of a layer's block."""
 
 
-def requested_order(use_mla: bool) -> str | None:
-    """What kvcore's connectors ask vLLM for (``get_required_kvcache_layout``): LBHNC, where each head's
-    bytes of a block are one run, so heterogeneous TP moves one range per head group instead of one per
-    token (NHD is refused there), and one order on every backend that takes it lets engines with
-    different defaults share keys (the order is part of them). A whole block of one layer is one run in
-    either order, so same-TP copies cost the same. vLLM drops the request, with a warning, where a backend
-    does not take LBHNC (FlexAttention: LBNHC only); kvcore then describes what vLLM chose. MLA: nothing
-    (one latent head, every order the same bytes)."""
-    return None if use_mla else "LBHNC"
+def requested_order(use_mla: bool, device_type: str) -> str | None:
+    """What kvcore's connectors ask vLLM for (``get_required_kvcache_layout``).
+
+    Heads outside tokens (``*HNC``): each head's bytes of a block are one run, so heterogeneous TP moves
+    one range per head group instead of one per token (NHD is refused there), and one order on every
+    backend that takes it lets engines with different defaults share keys (the order is part of them).
+    On CUDA, BLHNC: a block of every layer is one run of memory, laid out as kvcore's host block, so a
+    run of blocks is one DMA copy each way with no gather kernel (LBHNC needs one copy, or one staged
+    gather, per layer); the bytes are those of LBHNC, so the keys are too. On CPUs, LBHNC (vLLM's CPU
+    attention takes nothing else). vLLM drops the request, with a warning, where a backend does not take
+    it (FlexAttention: LBNHC only), and ``VLLM_KV_CACHE_LAYOUT`` overrides it; kvcore then describes what
+    vLLM chose. MLA: nothing (one latent head, every order the same bytes)."""
+    if use_mla:
+        return None
+    return "BLHNC" if device_type == "cuda" else "LBHNC"
 
 
 _FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -92,10 +106,18 @@ def kv_dtype(cache_dtype: str, model_dtype: torch.dtype) -> str:
 
 
 def kv_layout(
-    backend: str, memory_order: str, spec: AttentionSpec, num_blocks: int, *, packing: str = ""
+    backend: str,
+    memory_order: str,
+    spec: AttentionSpec,
+    num_blocks: int,
+    *,
+    packing: str = "",
+    block_stride: int | None = None,
 ) -> KVLayout:
     """The layout of one layer of ``spec`` under attention ``backend`` (``AttentionBackend.get_name()``)
-    and the resolved ``KVCacheLayout`` name ``memory_order``; ``packing`` is the CPU attention ISA.
+    and the resolved ``KVCacheLayout`` name ``memory_order``; ``packing`` is the CPU attention ISA and
+    ``block_stride`` the bytes between two blocks of a layer as vLLM allocated them (its
+    ``KVCacheTensor.block_stride``; ``None``: the spec's page, padded or not).
 
     Raises ``UnsupportedConfiguration`` naming the backend, order or spec field kvcore cannot describe."""
     if spec.num_head_slots not in (None, spec.num_kv_heads) or spec.state_content_bytes is not None:
@@ -105,7 +127,7 @@ def kv_layout(
         )
     if memory_order not in _HEAD_ORDERS:
         raise UnsupportedConfiguration(
-            f"KV cache layout {memory_order}: kvcore describes {' and '.join(_HEAD_ORDERS)} (unset "
+            f"KV cache layout {memory_order}: kvcore describes {', '.join(_HEAD_ORDERS)} (unset "
             "VLLM_KV_CACHE_LAYOUT, or set it to one of these)"
         )
     head_size_v = getattr(spec, "head_size_v", spec.head_size)
@@ -122,7 +144,7 @@ def kv_layout(
             "of one size"
         )
     elif backend == CPU_BACKEND:
-        if memory_order != "LBHNC":
+        if memory_order != "LBHNC":  # vLLM's CPU attention reads nothing else
             raise UnsupportedConfiguration(f"{backend} with KV cache layout {memory_order}: expected LBHNC")
         kind, order = LayoutKind.VLLM_CPU, HeadOrder.HND
     elif backend in PAGED_BACKENDS:
@@ -132,7 +154,7 @@ def kv_layout(
             f"attention backend {backend}: kvcore describes the caches of "
             f"{', '.join((*PAGED_BACKENDS, CPU_BACKEND, *MLA_BACKENDS))}"
         )
-    return KVLayout(
+    dense = KVLayout(
         kind,
         num_blocks,
         spec.block_size,
@@ -141,8 +163,14 @@ def kv_layout(
         torch.empty((), dtype=spec.dtype).element_size(),
         order,
         packing,
-        spec.page_size_padded,
     )
+    stride = spec.page_size_padded if block_stride is None else block_stride
+    if stride is None or stride == dense.block_bytes:
+        return dense
+    try:
+        return attrs.evolve(dense, page_bytes=stride)
+    except InvalidSpecError as exc:
+        raise UnsupportedConfiguration(f"{memory_order} with blocks {stride} bytes apart: {exc}") from None
 
 
 def cpu_packing(model_dtype: torch.dtype, block_tokens: int, head_size: int, cache_dtype: str) -> str:

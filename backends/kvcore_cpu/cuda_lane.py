@@ -8,8 +8,9 @@ event, so the thread sleeps instead of spinning) and reports the job; ``wait_loa
 stream wait on a load's event without blocking the host.
 
 Blocks are moved in batches: one gather (or scatter) kernel per route into a staging buffer laid out as
-host blocks, then one host copy per run of consecutive host blocks. With one plane and long runs on both
-sides the runs are copied directly, with no staging.
+host blocks, then one host copy per run of consecutive host blocks. Where an engine block is one run laid
+out as a host block (one plane, or vLLM's cross-layer orders) and runs are long on both sides, the runs are
+copied directly, with no staging.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ class CudaLane:
 
     def _enqueue(self, direction: Direction, engine_ids: IntArray, host_ids: IntArray) -> None:
         count = len(engine_ids)
-        if self._routes[0].planes == 1:
+        if len(self._routes) == 1 and self._routes[0].whole_blocks:
             runs = _runs(engine_ids, host_ids)
             if len(runs) * _DIRECT_RUN <= count:
                 self._copy_runs(direction, engine_ids, host_ids, runs)
@@ -179,13 +180,13 @@ class CudaLane:
     ) -> None:
         route = self._routes[0]
         engine, host = route.engine, route.host_view(self._host)
-        first_row = int(route.engine_base[0])
+        first_row, width = int(route.engine_base[0]), len(route.engine_base)
         for a, b in runs:
-            e, h = first_row + int(engine_ids[a]), int(host_ids[a])
+            e, h, n = first_row + int(engine_ids[a]) * width, int(host_ids[a]) * width, (b - a) * width
             if direction is Direction.SAVE:
-                host[h : h + b - a].copy_(engine[e : e + b - a], non_blocking=True)
+                host[h : h + n].copy_(engine[e : e + n], non_blocking=True)
             else:
-                engine[e : e + b - a].copy_(host[h : h + b - a], non_blocking=True)
+                engine[e : e + n].copy_(host[h : h + n], non_blocking=True)
 
     def _staged(self, direction: Direction, engine_ids: IntArray, host_ids: IntArray) -> None:
         count = len(engine_ids)

@@ -5,14 +5,14 @@ Copies move whole blocks, so the mover never needs dtypes or head axes: it needs
 a V plane; every other layout: one plane). A host block is those planes' blocks, layer after layer, K
 before V.
 
-When every plane lives in one storage at offsets that are whole multiples of a plane block (vLLM CPU
-allocates all layers as views into one buffer), the planes are also exposed as a single row view of that
-storage: the mover can then gather one block of every layer with one indexed copy instead of one per layer.
+When every plane lives in one storage at offsets and block strides that are whole multiples of a plane
+block (vLLM allocates all layers as views into one buffer), the planes are also exposed as a single row view
+of that storage: the mover can then gather one block of every layer with one indexed copy instead of one per
+layer. In vLLM's cross-layer orders a block of every layer is one run of that view, copied at once.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import torch
@@ -37,10 +37,13 @@ _SHAPE_NAMES = {
 
 @frozen(eq=False)
 class SharedRows:
-    """All planes as rows of one storage: plane ``q``'s block ``b`` is ``rows[plane_rows[q] + b]``."""
+    """All planes as rows of one storage: plane ``q``'s block ``b`` is
+    ``rows[plane_rows[q] + b * block_step]`` (``block_step`` is 1 where each layer's blocks follow each
+    other, the number of layers where layers interleave block by block)."""
 
     rows: torch.Tensor
     plane_rows: tuple[int, ...]
+    block_step: int = 1
 
 
 @frozen(eq=False)
@@ -167,15 +170,20 @@ def _strides_match(tensor: torch.Tensor, strides: tuple[int, ...]) -> bool:
 
 
 def _check_disjoint(tensors: Sequence[torch.Tensor], layout: KVLayout) -> None:
-    """Two layers sharing bytes would overwrite each other's blocks: refuse them."""
-    padding = 0 if layout.page_bytes is None else layout.page_bytes - layout.block_bytes
-    span = layout.nbytes - padding  # the last page's padding may lie outside the tensor
-    spans = sorted((t.data_ptr(), t.data_ptr() + span, layer) for layer, t in enumerate(tensors))
-    for (_, end, before), (start, _, layer) in itertools.pairwise(spans):
-        if start < end:
-            raise _fail(
-                max(layer, before), "memory", "bytes shared", f"no overlap with layer {min(layer, before)}"
-            )
+    """Two layers sharing bytes would overwrite each other's blocks: refuse them.
+
+    Layers whose spans overlap are taken only where their blocks interleave without touching (cross-layer
+    orders): every block of one sits in the gap between two blocks of the other, at the same distance."""
+    stride, block, span = layout.block_stride, layout.block_bytes, layout.extent
+    spans = sorted((t.data_ptr(), layer) for layer, t in enumerate(tensors))
+    for i, (start, before) in enumerate(spans):
+        for other, layer in spans[i + 1 :]:
+            if other >= start + span:
+                break
+            gap = (other - start) % stride
+            if layout.kind is LayoutKind.FLASH_ATTN or not block <= gap <= stride - block:
+                first, second = sorted((layer, before))
+                raise _fail(second, "memory", "bytes shared", f"no overlap with layer {first}")
 
 
 def _planes(layer: int, tensor: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, ...]:
@@ -198,11 +206,13 @@ def _shared_rows(first: torch.Tensor, planes: Sequence[torch.Tensor]) -> SharedR
     storage = first.untyped_storage()
     base = storage.data_ptr()
     row_bytes = int(planes[0].shape[1])
+    stride = planes[0].stride(0)
     offsets = [p.data_ptr() - base for p in planes]
     same_storage = all(p.untyped_storage().data_ptr() == base for p in planes)
-    dense = all(p.stride(0) == row_bytes for p in planes)
-    if not (same_storage and dense) or any(offset % row_bytes for offset in offsets):
+    if not same_storage or any(p.stride(0) != stride for p in planes):
+        return None
+    if stride % row_bytes or any(offset % row_bytes for offset in offsets):
         return None
     count = storage.nbytes() // row_bytes
     rows = torch.as_strided(planes[0], (count, row_bytes), (row_bytes, 1), 0)
-    return SharedRows(rows, tuple(offset // row_bytes for offset in offsets))
+    return SharedRows(rows, tuple(offset // row_bytes for offset in offsets), stride // row_bytes)

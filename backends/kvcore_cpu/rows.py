@@ -24,13 +24,23 @@ class Route:
     """Engine rows ``engine`` and the host rows they pair with.
 
     ``plane`` is ``None`` when the route covers every plane (a host block's rows are ``h * planes + q``),
-    else the one plane it covers (a host block's row is ``h`` of that plane's column).
+    else the one plane it covers (a host block's row is ``h`` of that plane's column). Engine block ``b``'s
+    rows are ``b * engine_step + engine_base``.
     """
 
     engine: torch.Tensor
     engine_base: IntArray
     plane: int | None
     planes: int
+    engine_step: int = 1
+
+    @property
+    def whole_blocks(self) -> bool:
+        """Whether an engine block's rows are one run laid out as the host block's, and block ``b + 1``'s
+        follow block ``b``'s: a run of consecutive blocks is then one copy on both sides."""
+        width = len(self.engine_base)
+        consecutive = bool((np.diff(self.engine_base) == 1).all())
+        return consecutive and self.engine_step == width and (self.plane is None or self.planes == 1)
 
     def host_view(self, blocks: torch.Tensor) -> torch.Tensor:
         """The rows this route copies to or from in ``blocks`` (contiguous ``[k, host_block_bytes]``)."""
@@ -41,7 +51,7 @@ class Route:
 
     def engine_rows(self, engine_ids: IntArray) -> IntArray:
         """Engine rows of every (block, plane), block-major."""
-        rows: IntArray = (engine_ids[:, None] + self.engine_base[None, :]).ravel()
+        rows: IntArray = (engine_ids[:, None] * self.engine_step + self.engine_base[None, :]).ravel()
         return rows
 
     def host_rows(self, host_ids: IntArray) -> IntArray:
@@ -56,6 +66,6 @@ def routes(engine: EngineKV) -> tuple[Route, ...]:
     planes = engine.planes
     if engine.shared is not None:
         base = np.asarray(engine.shared.plane_rows, dtype=np.int64)
-        return (Route(engine.shared.rows, base, None, len(planes)),)
+        return (Route(engine.shared.rows, base, None, len(planes), engine.shared.block_step),)
     zero = np.zeros(1, dtype=np.int64)
     return tuple(Route(plane, zero, q, len(planes)) for q, plane in enumerate(planes))

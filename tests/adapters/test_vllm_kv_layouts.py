@@ -55,9 +55,12 @@ LAYERS, BLOCKS, HEADS, HEAD, TOKENS = 3, 6, 4, 16, 32
 GPU_BACKENDS: list[Any] = [FlashAttentionBackend, TritonAttentionBackend, FlexAttentionBackend]
 
 
+DESCRIBED = (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLNHC, KVCacheLayout.BLHNC)
+
+
 def _orders(backend: Any) -> list[KVCacheLayout]:
     supported = backend.supported_kv_cache_layouts()
-    return [o for o in (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC) if supported is None or o in supported]
+    return [o for o in DESCRIBED if supported is None or o in supported]
 
 
 CASES = [(b, o) for b in [*GPU_BACKENDS, CPUAttentionBackend] for o in _orders(b)]
@@ -82,7 +85,7 @@ class Engine:
             spec = replace(spec, page_size_padded=padded)
         self.spec, self.backend, self.order = spec, backend, order
         strides = compute_layout_strides(spec, BLOCKS, LAYERS, order)
-        size = strides[0] * LAYERS
+        size = max(strides[0] * LAYERS, strides[1] * BLOCKS)
         generator = torch.Generator().manual_seed(seed)
         self.raw = torch.randint(-128, 128, (size,), dtype=torch.int8, generator=generator)
         names = [f"layer.{i}" for i in range(LAYERS)]
@@ -91,7 +94,9 @@ class Engine:
         self.views = dict(zip(names, views, strict=True))
         self.names = names
         packing = "vec" if backend is CPUAttentionBackend else ""
-        self.layout = kv_layout(backend.get_name(), order.name, spec, BLOCKS, packing=packing)
+        self.layout = kv_layout(
+            backend.get_name(), order.name, spec, BLOCKS, packing=packing, block_stride=strides[1]
+        )
         self.engine = EngineSpec(
             model_id="tiny@default",
             kv_dtype=kv_dtype("auto", torch.bfloat16),
@@ -146,9 +151,14 @@ def test_vllm_views_save_and_load_every_head_k_and_v(backend: Any, order: KVCach
     cpu = backend is CPUAttentionBackend
     expected_kind = LayoutKind.VLLM_CPU if cpu else LayoutKind.PAGED
     assert rig.layout.kind is expected_kind
-    assert rig.layout.head_order is (HeadOrder.NHD if order is KVCacheLayout.LBNHC else HeadOrder.HND)
+    assert rig.layout.head_order is (HeadOrder.NHD if order.name.endswith("NHC") else HeadOrder.HND)
+    cross_layer = order.is_block_outermost
+    assert rig.layout.block_stride == (LAYERS if cross_layer else 1) * rig.layout.block_bytes
     views = connector_views(rig.views, rig.names, rig.engine)
     kv = EngineKV.register(views, rig.layout, kv_dtype=rig.engine.kv_dtype)
+    if cross_layer:  # one row view, a block of every layer in a run
+        assert kv.shared is not None
+        assert kv.shared.block_step == LAYERS
     saved, loaded_into = [4, 1, 2], [0, 5, 3]
     before = [rig.kv(layer) for layer in range(LAYERS)]
     with HostMemory.allocate(8, kv.host_block_bytes, torch.device("cpu")) as host:
@@ -181,19 +191,27 @@ def _run(mover: TorchBlockMover, direction: Direction, engine: list[int], host: 
     assert result.ok, result
 
 
-@pytest.mark.parametrize("backend", GPU_BACKENDS, ids=lambda b: b.get_name())
-def test_heterogeneous_tp_moves_each_ranks_heads_out_of_vllm_views(backend: Any) -> None:
-    # a TP-1 producer's HND views (where the backend takes HND) -> each TP-2 consumer rank gets exactly
-    # its heads' K and V, by the plan's byte ranges; NHD (vLLM's default) is refused for heterogeneous TP,
-    # with the reason
+@pytest.mark.parametrize(
+    ("backend", "producer_order", "consumer_order"),
+    [(b, KVCacheLayout.LBHNC, KVCacheLayout.LBHNC) for b in GPU_BACKENDS]
+    + [(FlashAttentionBackend, KVCacheLayout.BLHNC, KVCacheLayout.LBHNC)]
+    + [(TritonAttentionBackend, KVCacheLayout.LBHNC, KVCacheLayout.BLHNC)],
+    ids=lambda x: getattr(x, "name", None) or x.get_name(),
+)
+def test_heterogeneous_tp_moves_each_ranks_heads_out_of_vllm_views(
+    backend: Any, producer_order: KVCacheLayout, consumer_order: KVCacheLayout
+) -> None:
+    # a TP-1 producer's HND views (where the backend takes HND; per-layer or cross-layer blocks) -> each
+    # TP-2 consumer rank gets exactly its heads' K and V, by the plan's byte ranges; NHD (vLLM's default)
+    # is refused for heterogeneous TP, with the reason
     nhd = Engine(backend, KVCacheLayout.LBNHC).layout
     nhd_half = Engine(backend, KVCacheLayout.LBNHC, heads=HEADS // 2).layout
     with pytest.raises(IncompatibleLayoutError, match="heterogeneous TP needs the HND layout"):
         plan_transfer(TPSide(1, nhd, HEADS, LAYERS), TPSide(2, nhd_half, HEADS, LAYERS))
-    if KVCacheLayout.LBHNC not in _orders(backend):
+    if producer_order not in _orders(backend):
         return
-    producer = Engine(backend, KVCacheLayout.LBHNC, seed=1)
-    consumers = [Engine(backend, KVCacheLayout.LBHNC, heads=HEADS // 2, seed=2 + r) for r in range(2)]
+    producer = Engine(backend, producer_order, seed=1)
+    consumers = [Engine(backend, consumer_order, heads=HEADS // 2, seed=2 + r) for r in range(2)]
     plan = plan_transfer(
         TPSide(1, producer.layout, HEADS, LAYERS), TPSide(2, consumers[0].layout, HEADS, LAYERS)
     )
@@ -268,7 +286,7 @@ def test_padded_pages_are_described_and_their_padding_never_copied() -> None:
     ("backend", "order", "spec_change", "message"),
     [
         ("ROCM_ATTN", "LBNHC", {}, "attention backend ROCM_ATTN"),
-        ("FLASH_ATTN", "BLHNC", {}, "KV cache layout BLHNC"),
+        ("FLASH_ATTN", "BHLNC", {}, "KV cache layout BHLNC"),
         ("FLASH_ATTN", "LHBNC", {}, "KV cache layout LHBNC"),
         ("CPU_ATTN", "LBNHC", {}, "CPU_ATTN with KV cache layout LBNHC"),
         ("FLASH_ATTN", "LBNHC", {"head_size_v": 8}, "head_size_v=8 differs"),
@@ -284,20 +302,57 @@ def test_what_kvcore_cannot_describe_is_refused_by_name(
         kv_layout(backend, order, replace(spec, **spec_change), BLOCKS)
 
 
-@pytest.mark.parametrize("backend", [*GPU_BACKENDS, CPUAttentionBackend], ids=lambda b: b.get_name())
-def test_what_vllm_resolves_for_kvcores_request_is_described(backend: Any) -> None:
+@pytest.mark.parametrize(
+    ("backend", "device", "expected"),
+    [
+        (FlashAttentionBackend, "cuda", KVCacheLayout.BLHNC),
+        (TritonAttentionBackend, "cuda", KVCacheLayout.BLHNC),
+        (FlexAttentionBackend, "cuda", KVCacheLayout.LBNHC),
+        (CPUAttentionBackend, "cpu", KVCacheLayout.LBHNC),
+    ],
+    ids=lambda x: x if isinstance(x, str) else getattr(x, "name", None) or x.get_name(),
+)
+def test_what_vllm_resolves_for_kvcores_request_is_described(
+    backend: Any, device: str, expected: KVCacheLayout
+) -> None:
     # vLLM takes the connector's order where every backend supports it, else its first candidate (the
-    # rule of resolve_kv_cache_layout) -> LBHNC for FlashAttention, Triton and CPU, LBNHC for Flex;
-    # either way a layout kvcore describes
+    # rule of resolve_kv_cache_layout) -> cross-layer BLHNC for FlashAttention and Triton on CUDA, LBHNC
+    # on CPUs, LBNHC for Flex; either way a layout kvcore describes
     candidates = get_supported_kv_cache_layouts([backend])
-    asked = KVCacheLayout[requested_order(use_mla=False) or ""]
+    asked = KVCacheLayout[requested_order(False, device) or ""]
     resolved = asked if asked in candidates else candidates[0]
-    expected = KVCacheLayout.LBNHC if backend is FlexAttentionBackend else KVCacheLayout.LBHNC
     assert resolved is expected
-    base = FullAttentionSpec(block_size=TOKENS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
-    spec = customize_attention_spec(backend, base)
-    assert kv_layout(backend.get_name(), resolved.name, spec, BLOCKS).num_kv_heads == HEADS
-    assert requested_order(use_mla=True) is None
+    rig = Engine(backend, resolved)
+    assert rig.layout.num_kv_heads == HEADS
+    EngineKV.register(connector_views(rig.views, rig.names, rig.engine), rig.layout)
+    assert requested_order(True, device) is None
+
+
+def test_cross_layer_blocks_share_keys_and_bytes_with_per_layer_blocks() -> None:
+    # BLHNC and LBHNC hold a layer's block in the same byte order: the same layout name (keys), and a
+    # block saved from a cross-layer engine loads into a per-layer one with every head's K and V equal
+    cross, per_layer = (
+        Engine(FlashAttentionBackend, KVCacheLayout.BLHNC, seed=3),
+        Engine(FlashAttentionBackend, KVCacheLayout.LBHNC, seed=4),
+    )
+    assert cross.layout.name == per_layer.layout.name
+    assert cross.layout.page_bytes == LAYERS * per_layer.layout.block_bytes
+    kvs = [
+        EngineKV.register(connector_views(rig.views, rig.names, rig.engine), rig.layout)
+        for rig in (cross, per_layer)
+    ]
+    with HostMemory.allocate(2, kvs[0].host_block_bytes, torch.device("cpu")) as host:
+        movers = [TorchBlockMover(kv, host, copy_threads=1) for kv in kvs]
+        try:
+            _run(movers[0], Direction.SAVE, [2, 3], [0, 1])
+            _run(movers[1], Direction.LOAD, [5, 0], [0, 1])
+        finally:
+            for mover in movers:
+                mover.close()
+    for layer in range(LAYERS):
+        for got, want in zip(per_layer.kv(layer), cross.kv(layer), strict=True):
+            assert torch.equal(got[5], want[2])
+            assert torch.equal(got[0], want[3])
 
 
 def test_vllm_mla_views_are_the_mla_layout() -> None:

@@ -313,3 +313,88 @@ def test_layers_at_an_offset_in_one_storage_copy_the_right_blocks(lead: int, sha
     for h, e in enumerate(blocks):
         expected = b"".join(block_bytes(t, lay, e) for t in layers)
         assert host.blocks[h].numpy().tobytes() == expected
+
+
+def interleaved(lay: KVLayout, layers: int, *, gap: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """vLLM's cross-layer order: a buffer of blocks, each holding every layer's block (``gap`` spare
+    elements after each layer's), and one engine view per layer into it."""
+    dense = KVLayout(lay.kind, lay.num_blocks, lay.block_tokens, lay.num_kv_heads, lay.head_size, 2)
+    page = dense.block_bytes // 2 + gap
+    flat = torch.arange(lay.num_blocks * layers * page, dtype=torch.int16).view(torch.bfloat16)
+    stride = tuple(layers * page if axis == 0 else s for axis, s in enumerate(dense.strides))
+    views = [torch.as_strided(flat, dense.shape, stride, layer * page) for layer in range(layers)]
+    return flat, views
+
+
+def cross_layer(kind: LayoutKind, layers: int, gap: int = 0) -> KVLayout:
+    dense = layout(kind)
+    return KVLayout(
+        kind, BLOCKS, 4, dense.num_kv_heads, 8, 2, page_bytes=layers * (dense.block_bytes + 2 * gap)
+    )
+
+
+@pytest.mark.parametrize("kind", [LayoutKind.VLLM_CPU, LayoutKind.PAGED, LayoutKind.MLA])
+def test_interleaved_layers_register_with_a_block_of_every_layer_as_one_run(kind: LayoutKind) -> None:
+    # cross-layer (BL*): layer l's block b is row b * layers + l of one row view; a saved block holds
+    # each layer's block in turn, and loads back into another block of every layer, nothing else written
+    lay = cross_layer(kind, 3)
+    flat, views = interleaved(lay, 3)
+    kv = EngineKV.register(views, lay)
+    assert kv.shared is not None
+    assert (kv.shared.plane_rows, kv.shared.block_step) == ((0, 1, 2), 3)
+    before = flat.clone()
+    host = HostMemory.allocate(4, kv.host_block_bytes, kv.device)
+    mover = TorchBlockMover(kv, host)
+    try:
+        (saved,) = mover.wait([mover.submit(BlockTransfer(Direction.SAVE, [4, 5, 1], [0, 1, 2]))], 10.0)
+        (loaded,) = mover.wait([mover.submit(BlockTransfer(Direction.LOAD, [0, 2], [0, 1]))], 10.0)
+    finally:
+        mover.close()
+    assert saved.ok
+    assert loaded.ok
+    blocks = before.view(BLOCKS, -1)  # a block of every layer, layer after layer: a host block's order
+    for h, e in enumerate([4, 5, 1]):
+        assert host.blocks[h].numpy().tobytes() == blocks[e].view(torch.int16).numpy().tobytes()
+    after = flat.view(BLOCKS, -1)
+    assert torch.equal(after[0], blocks[4])
+    assert torch.equal(after[2], blocks[5])
+    assert torch.equal(after[[1, 3, 4, 5]], blocks[[1, 3, 4, 5]])
+
+
+def test_interleaved_layers_with_spare_bytes_copy_every_block_without_them() -> None:
+    # each layer's page padded by 3 elements: rows cannot address every layer at once (no shared rows);
+    # copies still move exactly each layer's block and never write the spare bytes
+    lay = cross_layer(LayoutKind.PAGED, 2, gap=3)
+    flat, views = interleaved(lay, 2, gap=3)
+    kv = EngineKV.register(views, lay)
+    assert kv.shared is None
+    spare = flat.view(BLOCKS, 2, -1)[:, :, -3:].clone()
+    host = HostMemory.allocate(2, kv.host_block_bytes, kv.device)
+    mover = TorchBlockMover(kv, host)
+    try:
+        (saved,) = mover.wait([mover.submit(BlockTransfer(Direction.SAVE, [3], [0]))], 10.0)
+        host.blocks[1].fill_(7)
+        (loaded,) = mover.wait([mover.submit(BlockTransfer(Direction.LOAD, [5], [1]))], 10.0)
+    finally:
+        mover.close()
+    assert saved.ok
+    assert loaded.ok
+    pages = flat.view(BLOCKS, 2, -1)
+    expected = b"".join(pages[3, layer, :-3].view(torch.int16).numpy().tobytes() for layer in range(2))
+    assert host.blocks[0].numpy().tobytes() == expected
+    assert (pages[5, :, :-3].view(torch.uint8) == 7).all()
+    assert torch.equal(pages[:, :, -3:], spare)
+
+
+@pytest.mark.parametrize("shift", [0, 1, 64, 127], ids=["same", "one-element", "half-block", "last"])
+def test_interleaved_layers_that_share_bytes_are_refused(shift: int) -> None:
+    # layer 1 placed `shift` elements after layer 0 in a buffer whose blocks are two pages apart: any
+    # shift but a whole page puts some byte in both layers
+    lay = cross_layer(LayoutKind.PAGED, 2)
+    flat, views = interleaved(lay, 2)
+    page = lay.block_bytes // 2
+    assert page == 128
+    assert shift < page
+    moved = torch.as_strided(flat, views[1].shape, views[1].stride(), shift)
+    with pytest.raises(InvalidSpecError, match=r"layer 1: memory: got bytes shared, expected no overlap"):
+        EngineKV.register([views[0], moved], lay)

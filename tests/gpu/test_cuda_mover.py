@@ -6,6 +6,7 @@ import mmap
 import threading
 from collections.abc import Iterator
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from kvcore.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.ports import BlockTransfer, Direction
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
+from kvcore_cpu.rows import routes
 from kvcore_cpu.tier import MappedMover
 
 pytestmark = [
@@ -27,12 +29,22 @@ HOST_BLOCKS = 40
 
 class Rig:
     def __init__(
-        self, layout: KVLayout, layers: int, *, shared: bool, host_blocks: int = HOST_BLOCKS
+        self,
+        layout: KVLayout,
+        layers: int,
+        *,
+        shared: bool,
+        host_blocks: int = HOST_BLOCKS,
+        cross_layer: bool = False,
     ) -> None:
         shape = (layers, *layout.physical_shape)
         bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, device="cuda")
         kv = bits.view(torch.bfloat16).unbind(0)
         self.tensors = list(kv) if shared else [t.clone() for t in kv]
+        if cross_layer:  # vLLM's BL* orders: block after block, each holding every layer's
+            blocks = bits.view(torch.bfloat16).transpose(0, 1).contiguous()
+            self.tensors = list(blocks.transpose(0, 1).unbind(0))
+            layout = attrs.evolve(layout, page_bytes=layers * layout.block_bytes)
         self.engine = EngineKV.register(self.tensors, layout)
         self.host = HostMemory.allocate(host_blocks, self.engine.host_block_bytes, self.engine.device)
         self.host.buffer.random_(0, 256)
@@ -101,9 +113,17 @@ def test_save_then_load_round_trip_is_bit_exact(kind: LayoutKind, shared: bool, 
 
 
 @pytest.mark.parametrize("pattern", ["contiguous", "random"])
-def test_one_plane_engine_copies_runs_directly_or_staged(pattern: str) -> None:
-    # one MLA layer: runs on both sides go straight between device and host, random ids through staging
-    rig = Rig(layout(LayoutKind.MLA), 1, shared=True)
+@pytest.mark.parametrize("engine", ["one-plane", "cross-layer"])
+def test_whole_block_engine_copies_runs_directly_or_staged(pattern: str, engine: str) -> None:
+    # one MLA layer, or three layers interleaved block by block (a block of every layer is one run):
+    # runs on both sides go straight between device and host, random ids through staging
+    if engine == "one-plane":
+        rig = Rig(layout(LayoutKind.MLA), 1, shared=True)
+    else:
+        rig = Rig(layout(LayoutKind.PAGED), 3, shared=True, cross_layer=True)
+        (route,) = routes(rig.engine)
+        assert route.whole_blocks
+        assert route.engine_step == 3
     ids = (
         list(range(BLOCKS))
         if pattern == "contiguous"
@@ -112,7 +132,8 @@ def test_one_plane_engine_copies_runs_directly_or_staged(pattern: str) -> None:
     before = [rig.engine_block(b) for b in range(BLOCKS)]
     assert rig.run(Direction.SAVE, ids, list(range(BLOCKS)))
     assert [rig.host_block(h) for h in range(BLOCKS)] == [before[e] for e in ids]
-    rig.tensors[0].zero_()
+    for tensor in rig.tensors:
+        tensor.zero_()
     assert rig.run(Direction.LOAD, ids, list(range(BLOCKS)))
     assert [rig.engine_block(b) for b in range(BLOCKS)] == before
     rig.close()

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, TypeVar
 
+import attrs
 import pytest
 import torch
 from attrs import frozen
@@ -161,7 +162,7 @@ class SimRank:
     """One simulated rank: its KV (all layers in one storage, as vLLM allocates) and its spec."""
 
     spec: RankSpec
-    storage: torch.Tensor  # [layers, *physical_shape], int16 standing in for a 2-byte dtype
+    storage: torch.Tensor  # [layers, *physical_shape] (a view), int16 standing in for a 2-byte dtype
 
     def layer(self, index: int) -> torch.Tensor:
         return blocks_heads(self.storage[index], self.spec.layout.kind)
@@ -178,12 +179,21 @@ def make_rank(
     blocks: int,
     model: str = "tiny",
     order: HeadOrder = HeadOrder.HND,
+    cross_layer: bool = False,
 ) -> SimRank:
+    """A rank's KV in one buffer: layer after layer, or (``cross_layer``, vLLM's BL* orders) block after
+    block, each block holding every layer's."""
     layout = KVLayout(kind, blocks, BLOCK_TOKENS, len(heads_of(rank, tp, total_heads)), HEAD_SIZE, 2, order)
     flat, address = peers.memory(LAYERS * layout.nbytes)
-    storage = flat.view(torch.int16).view(LAYERS, *layout.physical_shape)
+    if cross_layer:
+        layout = attrs.evolve(layout, page_bytes=LAYERS * layout.block_bytes)
+        shape = layout.physical_shape
+        storage = flat.view(torch.int16).view(shape[0], LAYERS, *shape[1:]).transpose(0, 1)
+        bases = [address + i * layout.block_bytes for i in range(LAYERS)]
+    else:
+        storage = flat.view(torch.int16).view(LAYERS, *layout.physical_shape)
+        bases = [address + i * layout.nbytes for i in range(LAYERS)]
     storage.fill_(SENTINEL)
-    bases = [address + i * layout.nbytes for i in range(LAYERS)]
     spec = RankSpec(engine_id, model, "bfloat16", tp, rank, total_heads, layout, bases)
     return SimRank(spec, storage)
 

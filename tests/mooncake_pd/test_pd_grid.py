@@ -59,21 +59,56 @@ def started(
             transport.close()
 
 
+CROSS_LAYER = [  # vLLM's BL* orders on one side or both: (kind, p, d, producer's, consumer's)
+    (LayoutKind.PAGED, 1, 2, True, False),
+    (LayoutKind.PAGED, 2, 1, False, True),
+    (LayoutKind.FLASH_INFER, 2, 4, True, True),
+]
+
+
 @pytest.mark.parametrize(("kind", "p", "d"), GRID, ids=lambda x: x.value if isinstance(x, LayoutKind) else x)
 def test_consumer_ranks_hold_their_head_slices(peers: Peers, kind: LayoutKind, p: int, d: int) -> None:
+    check_pairing(peers, kind, p, d)
+
+
+@pytest.mark.parametrize(
+    ("kind", "p", "d", "cross_producer", "cross_consumer"),
+    CROSS_LAYER,
+    ids=lambda x: x.value if isinstance(x, LayoutKind) else str(x),
+)
+def test_cross_layer_blocks_pair_with_per_layer_blocks(
+    peers: Peers, kind: LayoutKind, p: int, d: int, cross_producer: bool, cross_consumer: bool
+) -> None:
+    # every layer's block of a block together (interleaved layers, registered as one region): each side's
+    # own layout places the bytes, so consumer ranks hold exactly their heads whatever the other side's
+    check_pairing(peers, kind, p, d, (cross_producer, cross_consumer))
+
+
+def check_pairing(
+    peers: Peers, kind: LayoutKind, p: int, d: int, cross: tuple[bool, bool] = (False, False)
+) -> None:
+    """Every head count: consumers hold their heads of the producers' KV; ``cross``: which side's layers
+    interleave block by block (producer's, consumer's)."""
     for heads in HEADS:
-        producers = [
-            make_rank(
-                peers, engine_id="prefill", kind=kind, total_heads=heads, tp=p, rank=r, blocks=PRODUCER_BLOCKS
+        producers, consumers = (
+            [
+                make_rank(
+                    peers,
+                    engine_id=side,
+                    kind=kind,
+                    total_heads=heads,
+                    tp=tp,
+                    rank=r,
+                    blocks=blocks,
+                    cross_layer=interleaved,
+                )
+                for r in range(tp)
+            ]
+            for side, tp, blocks, interleaved in (
+                ("prefill", p, PRODUCER_BLOCKS, cross[0]),
+                ("decode", d, CONSUMER_BLOCKS, cross[1]),
             )
-            for r in range(p)
-        ]
-        consumers = [
-            make_rank(
-                peers, engine_id="decode", kind=kind, total_heads=heads, tp=d, rank=r, blocks=CONSUMER_BLOCKS
-            )
-            for r in range(d)
-        ]
+        )
         kv = global_kv(kind, heads, len(SRC_BLOCKS), seed=heads * 100 + p * 10 + d)
         for sim in producers:
             fill_producer(sim, kv, SRC_BLOCKS)

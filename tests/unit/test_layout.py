@@ -99,6 +99,9 @@ def test_paged_hnd_is_vllm_lbhnc_with_one_run_per_head_range() -> None:
 def test_padded_pages_put_blocks_apart_without_changing_their_bytes_or_name() -> None:
     pg = KVLayout(PG, 4, 16, 4, 8, 2, HND, page_bytes=2560)
     assert (pg.block_bytes, pg.block_stride, pg.nbytes) == (2048, 2560, 4 * 2560)
+    assert pg.extent == 3 * 2560 + 2048  # the last page's padding is not the layer's
+    assert layout(PG, HND).extent == layout(PG, HND).nbytes
+    assert layout(FA, HND).extent == layout(FA, HND).nbytes  # K plane then V plane
     assert pg.strides == (1280, 256, 16, 1)
     assert pg.segments(1) == (ByteRange(2560, 2048),)
     assert pg.head_runs(1, 1, 3) == (ByteRange(3072, 1024),)

@@ -67,5 +67,13 @@ class RankSpec:
 
     @property
     def regions(self) -> tuple[MemoryRegion, ...]:
-        """Every layer's tensor as a region (what a transport registers)."""
-        return tuple(MemoryRegion(base, self.layout.nbytes) for base in self.layer_bases)
+        """The memory of every layer's blocks (what a transport registers): one region per layer, or one
+        for all of them where layers interleave (cross-layer orders)."""
+        spans: list[tuple[int, int]] = []
+        for base in sorted(self.layer_bases):
+            stop = base + self.layout.extent
+            if spans and base < spans[-1][1]:
+                spans[-1] = (spans[-1][0], max(spans[-1][1], stop))
+            else:
+                spans.append((base, stop))
+        return tuple(MemoryRegion(start, stop - start) for start, stop in spans)
