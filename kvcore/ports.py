@@ -54,6 +54,7 @@ __all__ = [
     "SupportsAdoptedLocks",
     "SupportsBlockTransfer",
     "SupportsClear",
+    "SupportsDeviceOrder",
     "SupportsHeldLookups",
     "SupportsImmediateLookup",
     "SupportsReopen",
@@ -325,6 +326,24 @@ class SupportsReopen(Protocol):
         """Take jobs again, once every job submitted before ``close`` has ended; returns whether it does
         (``False``: one still runs, ask again later; an open mover returns ``True``). Job ids go on from
         where they were, and the results of earlier jobs are still handed out by ``poll``/``wait``."""
+        ...
+
+
+@runtime_checkable
+class SupportsDeviceOrder(Protocol):
+    """A ``BlockMover`` whose engine queues its work on a device (a CUDA stream): the engine's next work
+    can be made to wait for a load on the device, so that the host never waits for the copy before the
+    forward pass is queued."""
+
+    @property
+    def orders_on_device(self) -> bool:
+        """Whether ``wait_loaded`` orders on the device without blocking the host (a CUDA engine); where it
+        does not, the host waits for loads itself."""
+        ...
+
+    def wait_loaded(self, job_id: JobId, timeout: float) -> None:
+        """Order the engine's work queued from now on, on the calling thread, after the load ``job_id``
+        (unknown and finished jobs: nothing to order); its result still comes from ``poll``/``wait``."""
         ...
 
 

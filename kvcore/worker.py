@@ -30,6 +30,7 @@ from kvcore.ports import (
     JobQueue,
     RemoteTier,
     StoreItem,
+    SupportsDeviceOrder,
     SupportsReopen,
     SupportsWriteBack,
 )
@@ -338,6 +339,33 @@ class BlockWorker:
         if self._remote is not None:
             self._advance(self._remote.poll(), self._REMOTE)
         return self._take()
+
+    @property
+    def orders_loads_on_device(self) -> bool:
+        """Whether ``order_loads`` orders loads on the engine's device (``SupportsDeviceOrder``: a CUDA
+        engine); where it does not, it orders none and the host waits for loads before the engine's work."""
+        mover: object = self._mover  # a BlockMover may or may not be SupportsDeviceOrder
+        return isinstance(mover, SupportsDeviceOrder) and mover.orders_on_device
+
+    def order_loads(self, op_ids: Collection[int]) -> set[int]:
+        """Make the engine's work queued from now on (its forward pass) wait, on its device, for these
+        loads' copies into its blocks, with no host wait; returns the ops so ordered: loads whose copy is
+        queued on the mover. A load still fetching from the remote tier is not (its copy starts once the
+        fetch ends: the host waits for it), nor is any load where the mover cannot order on the device
+        (``orders_loads_on_device``). Ordered ops are reported as usual; a failed one's blocks hold
+        undefined bytes, as always."""
+        mover: object = self._mover
+        if not isinstance(mover, SupportsDeviceOrder) or not mover.orders_on_device:
+            return set()
+        ordered: set[int] = set()
+        for op_id in op_ids:
+            run, current = self._runs.get(op_id), self._current.get(op_id)
+            if run is None or current is None or current[0] != self._MOVER:
+                continue
+            if run.op.direction is Direction.LOAD and run.stage is _Stage.COPY:
+                mover.wait_loaded(current[1], 0.0)
+                ordered.add(op_id)
+        return ordered
 
     def wait(self, op_ids: Collection[int], timeout: float) -> tuple[OpReport, ...]:
         """Block until the given ops finished (e.g. a synchronous load before the forward pass).

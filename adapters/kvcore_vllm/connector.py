@@ -189,7 +189,7 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_side.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # synchronous loads complete in start_load_kv, before the forward pass
+        return  # synchronous loads are in place before the forward pass reads them (start_load_kv)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any

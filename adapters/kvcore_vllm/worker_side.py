@@ -1,7 +1,13 @@
 """The connector's worker side (one per rank): executes the step's copies on kvcore's CPU tier.
 
 Synchronous loads run in ``start_load_kv``, which vLLM calls before the forward pass whenever a request
-of the step has a synchronous hit, and are awaited there (bounded by ``transfer_timeout_s``).
+of the step has a synchronous hit. On a CPU engine they are awaited there (bounded by
+``transfer_timeout_s``). On a CUDA engine the forward pass waits for their copies on the GPU instead
+(``BlockWorker.order_loads``: the engine's stream waits on each copy's event): the host queues the
+forward pass at once, and takes the loads' results after it, at the first of ``wait_for_save``,
+``get_finished`` and ``get_block_ids_with_load_errors`` — before any save of the step is decided, and in
+time for vLLM to recompute a failed load's blocks (it discards the step's output for that request). Only
+loads still fetching from a remote tier are awaited on the host first.
 Asynchronous loads (the step's ``receiving`` requests) start there too and are awaited by nobody:
 ``get_finished`` names a request in ``finished_recving`` once its loads are reported, their failed blocks
 in the same step (``get_block_ids_with_load_errors``). One not done within ``transfer_timeout_s`` is
@@ -77,6 +83,9 @@ class WorkerSide:
         self._delayed: set[str] = set()
         self._abandoned: set[int] = set()  # ops waited on past their deadline: reported as failed
         self._unloaded: set[str] = set()  # requests whose load failed in this step, before its saves
+        # the step's synchronous loads until their results are taken: (loads, reports so far, the loads
+        # the forward pass waits for on the device)
+        self._settling: tuple[list[BlockOp], list[OpReport], set[int]] | None = None
         # asynchronous loads: request id -> (deadline, its load ops), until named in finished_recving
         self._receiving: dict[str, tuple[float, tuple[int, ...]]] = {}
         self._writing: set[int] = set()  # abandoned asynchronous loads whose copy into vLLM's blocks may run
@@ -107,8 +116,30 @@ class WorkerSide:
         loads = [op for op in every if op.request_id not in receiving]
         if not loads:
             return
-        reports = self.worker.wait([op.op_id for op in loads], self._timeout)
+        ids = [op.op_id for op in loads]
+        ordered = self.worker.order_loads(ids)
+        now = [i for i in ids if i not in ordered]
+        reports = list(self.worker.wait(now, self._timeout)) if now else []
         self._collect(reports)
+        self._settling = (loads, reports, ordered)
+        # Every rank settles at the same call (``agree`` is collective): where loads are ordered on the
+        # device, always after the forward pass, even in a step whose copies all ended already.
+        if not self.worker.orders_loads_on_device:
+            self._settle_loads()
+
+    def _settle_loads(self) -> None:
+        """Take the results of the step's synchronous loads (those the forward pass waited for on the
+        device are awaited now, bounded by ``transfer_timeout_s``): which requests' loads failed on any
+        rank (their saves of the step are dropped), and which blocks vLLM recomputes."""
+        if self._settling is None:
+            return
+        loads, reports, ordered = self._settling
+        self._settling = None
+        waiting = [i for i in ordered if i in self._inflight]
+        if waiting:
+            more = self.worker.wait(waiting, self._timeout)
+            self._collect(more)
+            reports.extend(more)
         done = {r.op_id for r in reports}
         late = [op for op in loads if op.op_id not in done]
         failed = {r.op_id for r in reports if r.failed}
@@ -128,6 +159,7 @@ class WorkerSide:
         its blocks from that load's on over KV that is not the request's (and recomputes them), so what
         those saves would read is wrong. They are reported failed at once; the request's next saves
         store its recomputed blocks."""
+        self._settle_loads()
         unloaded, self._unloaded = self._unloaded, set()
         saves: list[BlockOp] = []
         for op in meta.plan.ops:
@@ -169,6 +201,7 @@ class WorkerSide:
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """Finished requests whose copies are done (``finished_sending``), and requests whose
         asynchronous loads are (``finished_recving``)."""
+        self._settle_loads()
         if self._worker is not None:
             self._collect(self._worker.reports())
         busy = {op.request_id for op in self._inflight.values()}
@@ -216,6 +249,7 @@ class WorkerSide:
         return failed
 
     def take_load_errors(self) -> set[int]:
+        self._settle_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 

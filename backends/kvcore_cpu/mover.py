@@ -169,6 +169,12 @@ class TorchBlockMover:
         (``ConfigError`` unless a finite number >= 0: every wait is bounded)."""
         return self._board.wait(job_ids, _timeout(timeout))
 
+    @property
+    def orders_on_device(self) -> bool:
+        """``SupportsDeviceOrder``: a CUDA engine's stream waits for loads on the GPU; a CPU engine's
+        host waits."""
+        return self._device.type == "cuda"
+
     def wait_loaded(self, job_id: JobId, timeout: float) -> None:
         """Order the engine after the load ``job_id``, without taking its result.
 

@@ -29,6 +29,7 @@ from kvcore.remote import StoreRemote
 from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore
 from kvcore.worker import BlockWorker
 from tests.adapters.test_vllm_scheduler_side import ENGINE
+from tests.unit.test_worker_device_order import DeviceOrderedMover
 from tests.unit.test_worker_halt import halted_now
 
 BLOCK_BYTES = 64
@@ -325,3 +326,60 @@ def test_no_rank_saves_what_a_step_computed_over_another_ranks_failed_load() -> 
     reports = sides[1].build_worker_meta()
     assert reports is not None
     assert {(r.op_id, r.failed, r.chunks_intact) for r in reports.reports} >= {(2, (0,), True)}
+
+
+def _device_side() -> tuple[WorkerSide, DeviceOrderedMover]:
+    mover = DeviceOrderedMover(BLOCK_BYTES)
+    config = load_config({"backend": {"kind": "cpu", "size": "8MiB"}, "chunk_tokens": 128})
+    side = WorkerSide(config, ENGINE, ["layer0"], 0, _opening(BlockWorker(mover)))
+    side.register_kv_caches({"layer0": torch.zeros(1)})
+    mover.write_host_block(3, b"\x03" * BLOCK_BYTES)
+    mover.write_engine_block(9, b"\x09" * BLOCK_BYTES)
+    return side, mover
+
+
+DEVICE_STEP = KVCoreMetadata(
+    StepPlan(
+        (
+            _load(1, "a", (7,), (3,)),
+            BlockOp(2, Direction.SAVE, (9,), (4,), "a"),
+            BlockOp(3, Direction.SAVE, (9,), (5,), "b"),
+        )
+    )
+)
+
+
+def test_sync_loads_ordered_on_the_device_leave_the_host_free_and_settle_before_the_saves() -> None:
+    # a CUDA engine: the forward pass waits for the load on the device, so start_load_kv returns with
+    # the copy still queued; the step's saves are decided once its result is in
+    side, mover = _device_side()
+    with mover.stall():
+        started = time.monotonic()
+        side.start_load_kv(DEVICE_STEP)
+        assert time.monotonic() - started < 1.0
+        assert len(mover.ordered) == 1
+    side.wait_for_save(DEVICE_STEP)
+    assert mover.read_engine_block(7) == b"\x03" * BLOCK_BYTES
+    meta = side.build_worker_meta()
+    assert meta is not None
+    assert [(r.op_id, r.failed) for r in meta.reports] == [(1, ())]  # its result taken before the saves
+    assert {(r.op_id, r.failed) for r in side.worker.wait([2, 3], 5.0)} == {(2, ()), (3, ())}
+    assert mover.read_host_block(4) == mover.read_host_block(5) == b"\x09" * BLOCK_BYTES
+    assert side.take_load_errors() == set()
+
+
+def test_a_failed_load_ordered_on_the_device_is_recomputed_and_its_request_not_saved() -> None:
+    # vLLM may ask for load errors before wait_for_save (speculative decoding defers it): either way the
+    # failed load's blocks are named in its step and the saves of its request dropped
+    side, mover = _device_side()
+    mover.fail_next(1)
+    with mover.stall():
+        side.start_load_kv(DEVICE_STEP)
+    assert side.take_load_errors() == {7}
+    side.wait_for_save(DEVICE_STEP)
+    assert [(r.op_id, r.failed) for r in side.worker.wait([3], 5.0)] == [(3, ())]
+    assert mover.read_host_block(5) == b"\x09" * BLOCK_BYTES  # b's save ran
+    assert mover.read_host_block(4) != b"\x09" * BLOCK_BYTES  # a's was never copied
+    meta = side.build_worker_meta()
+    assert meta is not None
+    assert {(r.op_id, r.failed) for r in meta.reports} == {(1, (0,)), (2, (0,))}

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from kvcore.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.plan import BlockOp, StepPlan
 from kvcore.ports import BlockTransfer, Direction
+from kvcore.worker import BlockWorker
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
 from kvcore_cpu.rows import routes
 from kvcore_cpu.tier import MappedMover
@@ -206,6 +208,20 @@ def test_wait_loaded_orders_the_engine_after_the_load(rig: Rig) -> None:
     assert bool((seen == 42).all())
     (result,) = rig.mover.wait([job], SETTLE)
     assert result.ok
+
+
+def test_a_worker_orders_the_forward_pass_after_its_loads_on_the_device(rig: Rig) -> None:
+    # the vLLM worker's synchronous load on CUDA: BlockWorker.order_loads makes the engine's stream wait
+    # on the copy (no host wait); work queued after it reads the loaded bytes; the report comes after
+    worker = BlockWorker(rig.mover)
+    assert worker.orders_loads_on_device
+    rig.host.blocks[6].fill_(17)
+    worker.execute(StepPlan((BlockOp(1, Direction.LOAD, (11,), (6,), "r"),)))
+    assert worker.order_loads([1]) == {1}
+    seen = torch.cat([p[11] for p in rig.engine.planes]).to("cpu", non_blocking=False)
+    assert bool((seen == 17).all())
+    (report,) = [r for r in worker.wait([1], SETTLE) if r.op_id == 1]
+    assert report.failed == ()
 
 
 def test_loads_and_saves_run_at_once_on_their_own_streams(rig: Rig) -> None:
