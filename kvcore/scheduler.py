@@ -91,6 +91,7 @@ class _Request:
         "held",
         "load",
         "load_errors",
+        "load_from",
         "loaded",
         "local_hits",
         "lost_blocks",
@@ -112,6 +113,7 @@ class _Request:
         self.answer: int | None = None  # leading chunks the tiers hold
         self.load: LoadSpec | None = None
         self.loaded: LoadSpec | None = None  # the load started, kept for extra_cached_tokens
+        self.load_from = 0  # request block index of its first block written (after blocks not held)
         self.failed_blocks: set[int] = set()  # request block indices whose load failed
         self.load_errors: list[int] = []  # engine block ids to recompute, any cause
         self.lost_blocks: list[int] = []  # the part the scheduler itself decided (chunk gone before the copy)
@@ -342,6 +344,7 @@ class CacheScheduler:
         req.failed_blocks = set()  # a new load: what failed in an earlier one no longer counts
         # the blocks written: from the first block the engine holds
         written = attrs.evolve(spec, start=max(spec.start, (spec.first_block + skipped) * self.block_tokens))
+        req.load_from = written.first_block
         draft = OpDraft(self.blocks_per_chunk)
         # Which pieces come from the pool and which from the remote tier; the pool's are pinned before
         # any fetch reserves a slot, so that no fetch evicts a chunk this very load needs.
@@ -915,9 +918,9 @@ class CacheScheduler:
             req = self._requests.get(entry.request_id)
             if entry.failed and req is not None and not entry.fenced:
                 req.load_errors.extend(op.engine_blocks[i] for i in sorted(entry.failed))
-                if req.loaded is not None:
-                    req.failed_blocks.update(req.loaded.first_block + i for i in entry.failed)
-                    req.stop_answer_at((req.loaded.first_block + min(entry.failed)) // self.blocks_per_chunk)
+                if req.loaded is not None:  # the op's blocks are the request's from ``load_from`` on
+                    req.failed_blocks.update(req.load_from + i for i in entry.failed)
+                    req.stop_answer_at((req.load_from + min(entry.failed)) // self.blocks_per_chunk)
         else:
             good = tuple(k for k in entry.keys if k not in failed)
             dropped = tuple(k for k in entry.keys if k in failed)

@@ -93,6 +93,7 @@ def _fuzz(args: argparse.Namespace) -> int:
             tails=not args.no_tails,
             engine_blocks=args.engine_blocks,
             pool_slots=args.pool_slots,
+            window=args.window,
             trace=args.trace,
         )
     except KVCoreError as exc:
@@ -161,6 +162,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     fuzz.add_argument("--engine-blocks", type=int, default=40, help="engine KV blocks (default 40)")
     fuzz.add_argument("--pool-slots", type=int, default=16, help="host pool, in chunks (default 16)")
+    fuzz.add_argument(
+        "--window", type=int, default=0, help="a sliding-window model, of this many blocks (default 0: none)"
+    )
     fuzz.add_argument("--trace", type=int, default=40, help="API calls shown with a failure (default 40)")
     fuzz.add_argument("--verbose", action="store_true", help="show kvcore's warnings")
     fuzz.set_defaults(run=_fuzz)

@@ -15,7 +15,7 @@ from kvcore.errors import ConfigError, InvalidSpecError
 from kvcore.hashing import NO_EXTRA
 from kvcore.ids import ChunkKey, RequestId
 from kvcore.layout import KVLayout, LayoutKind
-from kvcore.plan import StepPlan
+from kvcore.plan import OpReport, StepPlan
 from kvcore.scheduler import CacheScheduler
 from kvcore.testing.memory import InMemoryBlockMover
 from kvcore.worker import BlockWorker
@@ -314,6 +314,20 @@ def test_a_sliding_window_load_skips_the_blocks_the_engine_no_longer_holds() -> 
     rig.sched.complete(rig.worker.wait([op.op_id], 5.0))
     assert [rig.mover.read_engine_block(b)[: len(saved[4])] for b in (40, 41)] == [saved[4], saved[5]]
     assert rig.sched.extra_cached_tokens(RequestId("b")) == 24
+
+
+def test_a_failed_block_after_skipped_ones_counts_from_where_it_is() -> None:
+    # the window's first held block loads, its second fails: the hit served is the skipped blocks and
+    # the one that loaded (what the fuzzer's --window mode found counted from the skipped ones' start)
+    rig = Rig()
+    rig.serve_and_save("a", TOKENS, range(8))
+    b = RequestId("b")
+    assert rig.sched.lookup(b, tokens=TOKENS) == 24
+    assert rig.sched.start_load(b, [None, None, None, None, 40, 41]) == 24
+    (op,) = rig.sched.take_plan().ops
+    rig.sched.complete([OpReport(op.op_id, 0, (1,))])
+    assert rig.sched.take_load_errors() == {b: (41,)}
+    assert rig.sched.extra_cached_tokens(b) == 20
 
 
 def test_a_hole_after_a_held_block_of_a_load_is_refused() -> None:

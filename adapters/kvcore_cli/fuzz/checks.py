@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvcore.plan import BlockOp, OpReport
-from kvcore_cli.fuzz.memory import EngineMemory
+from kvcore_cli.fuzz.memory import EngineMemory, held
 from kvcore_cli.fuzz.oracle import Bytes, KVOracle, fingerprint
 from kvcore_cli.fuzz.requests import BLOCK_TOKENS, Request, RequestBook
 from kvcore_cli.fuzz.trace import Trace
@@ -38,7 +38,9 @@ class KVChecks:
         """Shadow the request's full blocks not shadowed yet."""
         full = req.computed // BLOCK_TOKENS
         for j in range(req.shadowed, full):
-            self._shadow[(req.epoch, req.hashes[j])] = fingerprint(self._memory.kv[:, req.blocks[j]])
+            block = req.blocks[j]
+            if block is not None:  # given back: shadowed when computed, or not the engine's to save
+                self._shadow[(req.epoch, req.hashes[j])] = fingerprint(self._memory.kv[:, block])
         req.shadowed = max(req.shadowed, full)
 
     def new_epoch(self) -> None:
@@ -62,7 +64,7 @@ class KVChecks:
 
     def loaded(self, req: Request, j: int) -> None:
         """Block ``j`` of the request, loaded, holds its KV: the bytes handed to save."""
-        block = req.blocks[j]
+        block = held(req, j)
         got = self._memory.kv[:, block]
         want = self._oracle.slots(req, j, (j + 1) * BLOCK_TOKENS)
         where = f"loaded block {j} (engine block {block}, salt {req.chat.salt}, epoch {req.epoch})"

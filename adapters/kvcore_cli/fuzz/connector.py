@@ -27,7 +27,7 @@ WAIT_S = 5.0  # what the engine passes to ``wait``; the fuzzer's queues decide w
 
 class Connector:
     """The calls, each noted in the trace. ``rng`` is the engine's: whether it gives up a late load is
-    its decision."""
+    its decision. ``window``: the model's sliding window, in blocks (0: none)."""
 
     def __init__(
         self,
@@ -41,6 +41,7 @@ class Connector:
         summary: FuzzSummary,
         rng: random.Random,
         recompute_late: bool,
+        window: int = 0,
     ) -> None:
         self._sched = sched
         self._worker = worker
@@ -52,6 +53,8 @@ class Connector:
         self._summary = summary
         self._rng = rng
         self._recompute_late = recompute_late
+        self._window = window
+        memory.on_take = self._fence_readers
         self.ops: dict[int, BlockOp] = {}  # handed to the worker, not reported yet
         self._fenced: set[int] = set()  # ops of a preempted admission: their blocks are no longer its own
         self._ending: dict[RequestId, Request] = {}  # ended with "delay": may still have a save planned
@@ -79,7 +82,7 @@ class Connector:
         for rid in self._sched.take_finished():
             self._trace.note(f"take_finished -> {rid}")
             self._named_finished(rid)
-        for rid in self._book.running:
+        for rid in list(self._book.running):
             req = self._book.live[rid]
             if req.state is State.LOADING and not req.load_ops:
                 self._settle(req)
@@ -129,6 +132,7 @@ class Connector:
             self._trace.fail(req.rid, f"start_load queued {queued} tokens of the {hits} lookup offered")
         req.state = State.LOADING
         req.promised = range(local, local + hits // BLOCK_TOKENS)
+        self._summary.window_loads += bool(req.promised) and req.blocks[local] is None
         req.queued = queued // BLOCK_TOKENS
         req.errors, req.load_ops = set(), set()
 
@@ -223,7 +227,7 @@ class Connector:
         if op.direction is Direction.LOAD:
             if req is None or req.state is not State.LOADING:
                 self._trace.fail(op.request_id, f"load {op.op_id} planned for a request that is not loading")
-            allowed = {req.blocks[j] for j in req.promised}
+            allowed = {b for j in req.promised if (b := req.blocks[j]) is not None}
             what = "outside the blocks its lookup offered"
             req.load_ops.add(op.op_id)
         else:
@@ -231,7 +235,7 @@ class Connector:
             req = req or self._ending.get(RequestId(op.request_id))
             if req is None or req.state is not State.RUNNING:
                 self._trace.fail(op.request_id, f"save {op.op_id} planned for a request that is not running")
-            allowed = set(req.blocks[: req.computed // BLOCK_TOKENS])
+            allowed = {b for b in req.blocks[: req.computed // BLOCK_TOKENS] if b is not None}
             what = "that the request has not computed"
             self._checks.save_planned(op, allowed)
         stray = [b for b in op.engine_blocks if b not in allowed]
@@ -275,6 +279,11 @@ class Connector:
         if not recompute:
             return
         self._worker.fence(sorted(req.load_ops))
+        if not self._can_recompute(req, req.promised.start):
+            self._trace.note(f"{req.rid}: its window before the load was given back: preempt it")
+            self.preempt(req)
+            self._summary.loads_given_up += 1
+            return
         req.gave_up = True
         req.state = State.RUNNING
         req.computed = req.promised.start * BLOCK_TOKENS
@@ -283,14 +292,16 @@ class Connector:
     def _settle(self, req: Request) -> None:
         """A load whose ops are all reported: every block the lookup offered either loaded the request's
         own bytes or was reported for recompute; the engine recomputes from the first reported block."""
-        mine = {req.blocks[j]: j for j in req.promised}
+        mine = {block: j for j in req.promised if (block := req.blocks[j]) is not None}
         stray = sorted(req.errors - mine.keys())
         if stray:
             self._trace.fail(
                 req.rid, f"take_load_errors named engine blocks {stray}, outside its load {req.promised}"
             )
         unreported = [
-            b for b in req.blocks[req.promised.start + req.queued : req.promised.stop] if b not in req.errors
+            b
+            for b in req.blocks[req.promised.start + req.queued : req.promised.stop]
+            if b is not None and b not in req.errors
         ]
         if unreported:
             self._trace.fail(
@@ -300,7 +311,7 @@ class Connector:
             )
         bad = sorted(mine[b] for b in req.errors)
         for j in req.promised:
-            if req.blocks[j] not in req.errors:
+            if req.blocks[j] not in req.errors and req.blocks[j] is not None:
                 self._checks.loaded(req, j)
         stop = bad[0] if bad else req.promised.stop
         served = (stop - req.promised.start) * BLOCK_TOKENS
@@ -309,13 +320,34 @@ class Connector:
             self._trace.fail(
                 req.rid, f"extra_cached_tokens says {extra}, but {served} tokens loaded before a failure"
             )
+        self._summary.loads_checked += 1
+        self._summary.blocks_verified += len(mine) - len(bad)
+        self._summary.blocks_recomputed += len(bad)
+        if not self._can_recompute(req, stop):
+            self._trace.note(f"{req.rid}: block {stop} failed, its window was given back: preempt it")
+            self.preempt(req)
+            return
         for j in range(req.promised.start, stop):
-            self._memory.record(req, j, (j + 1) * BLOCK_TOKENS)
+            if req.blocks[j] is not None:
+                self._memory.record(req, j, (j + 1) * BLOCK_TOKENS)
         req.computed = stop * BLOCK_TOKENS
         req.state = State.RUNNING
-        self._summary.loads_checked += 1
-        self._summary.blocks_verified += len(req.promised) - len(bad)
-        self._summary.blocks_recomputed += len(bad)
+
+    def _can_recompute(self, req: Request, first: int) -> bool:
+        """Whether the engine can compute the request's tokens from block ``first`` on: it holds every
+        block of the window those tokens see (with a sliding window, it may have given them back)."""
+        return None not in req.blocks[max(first - self._window, 0) : first + 1]
+
+    def _fence_readers(self, block: int) -> None:
+        """An engine block is handed out again: a save still reading it (its request gave it back, out
+        of a sliding window) must keep nothing."""
+        readers = sorted(
+            i for i, op in self.ops.items() if op.direction is Direction.SAVE and block in op.engine_blocks
+        )
+        if readers:
+            self._trace.note(f"engine block {block} handed out again: fence saves {readers}")
+            self._worker.fence(readers)
+            self._summary.saves_fenced += len(readers)
 
     def _named_finished(self, rid: RequestId) -> None:
         """``take_finished`` named an ended request: its blocks are the engine's again."""

@@ -74,6 +74,7 @@ class ModelEngine:
         self._ports.weather(self._rng)
         self._arrive()
         self._disrupt()
+        self._slide_windows()
         self._make_room()
         self._connector.flush()
         self._grow()
@@ -140,6 +141,17 @@ class ModelEngine:
         self._memory.new_epoch()
         self._summary.resets += 1
 
+    def _slide_windows(self) -> None:
+        """A sliding-window model gives back, before it allocates, the blocks of running requests that no
+        token they compute next sees (as vLLM does; saves of the last step have been planned)."""
+        window = self._options.window
+        for rid in self._book.running if window else ():
+            req = self._book.live[rid]
+            if req.state is State.RUNNING:
+                self._summary.given_back += self._memory.give_back_before(
+                    req, req.computed // BLOCK_TOKENS - window
+                )
+
     def _make_room(self) -> None:
         """Preempt the latest admitted running requests until every decode has a block for its next token."""
         while True:
@@ -171,6 +183,9 @@ class ModelEngine:
             req.computed = local * BLOCK_TOKENS
             req.epoch = self._epoch
             self._book.admit(req)
+            if self._options.window:  # what the first token it computes sees: the hit's last window
+                first = local + hits // BLOCK_TOKENS - self._options.window
+                self._summary.given_back += self._memory.give_back_before(req, first)
             if hits:
                 self._connector.start_load(req, local, hits)
 

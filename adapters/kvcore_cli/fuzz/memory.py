@@ -4,22 +4,36 @@ slots each block it relies on must hold (the checks compare the blocks with them
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvcore_cli.fuzz.oracle import Bytes, KVOracle
 from kvcore_cli.fuzz.requests import BLOCK_TOKENS, Request
 
-__all__ = ["EngineMemory"]
+__all__ = ["EngineMemory", "held"]
+
+
+def held(req: Request, j: int) -> int:
+    """The engine block of the request's block ``j``, which the engine must hold (not given back)."""
+    block = req.blocks[j]
+    if block is None:
+        raise AssertionError(f"{req.rid}: block {j} was given back (out of its window) and is used again")
+    return block
 
 
 class EngineMemory:
     """``kv`` is the engine's KV, ``[layer, block, head, token slot, K and V bytes]``. A block freed goes to
     the back of the free list (least recently freed first), or to the front when its request was
-    preempted; it stays in the prefix cache until it is taken again."""
+    preempted; it stays in the prefix cache until it is taken again.
+
+    ``on_take`` is called with a block given back while its request ran (a sliding window) just before it
+    is handed out again (and overwritten): copies that may still read it must be fenced first (kvcore
+    fences the copies of preempted requests itself)."""
 
     def __init__(self, kv: Bytes, oracle: KVOracle) -> None:
         self.kv = kv
         self._oracle = oracle
+        self.on_take: Callable[[int], None] = lambda block: None
+        self._given_back: set[int] = set()
         blocks = kv.shape[1]
         self.free: deque[int] = deque(range(blocks))
         self.refs = [0] * blocks
@@ -39,7 +53,7 @@ class EngineMemory:
             hits += 1
         return hits
 
-    def allocate(self, req: Request, hits: int, step: int) -> list[int] | None:
+    def allocate(self, req: Request, hits: int, step: int) -> list[int | None] | None:
         """The blocks of an admission: the ``hits`` leading blocks shared from the prefix cache and fresh
         ones for the rest of the prompt; ``None`` (and nothing taken) when too few blocks are free."""
         shared = [self.cached[req.hashes[j]] for j in range(hits)]
@@ -50,11 +64,14 @@ class EngineMemory:
             if not self.refs[block]:
                 self.free.remove(block)
             self.refs[block] += 1
-        return shared + [self.take(req.rid, step) for _ in range(need)]
+        return [*shared, *(self.take(req.rid, step) for _ in range(need))]
 
     def take(self, rid: str, step: int) -> int:
         """A block off the free list, dropped from the prefix cache and filled with recognisable poison."""
         block = self.free.popleft()
+        if block in self._given_back:
+            self._given_back.discard(block)
+            self.on_take(block)
         cached = self.hash_of.pop(block, None)
         if cached is not None:
             del self.cached[cached]
@@ -65,8 +82,10 @@ class EngineMemory:
         )
         return block
 
-    def release(self, blocks: Sequence[int], *, front: bool = False) -> None:
+    def release(self, blocks: Sequence[int | None], *, front: bool = False) -> None:
         for block in blocks:
+            if block is None:
+                continue
             self.refs[block] -= 1
             if self.refs[block]:
                 continue
@@ -77,6 +96,15 @@ class EngineMemory:
             else:
                 self.free.append(block)
 
+    def give_back_before(self, req: Request, first: int) -> int:
+        """A sliding window: the request no longer needs its blocks before block ``first``: given back
+        (``None`` in its table), as vLLM frees the blocks that fell out of a window; returns how many."""
+        gone = req.blocks[: max(first, 0)]
+        self.release(gone)
+        self._given_back.update(block for block in gone if block is not None)
+        req.blocks[: len(gone)] = [None] * len(gone)
+        return sum(1 for block in gone if block is not None)
+
     def in_use(self) -> int:
         return sum(1 for r in self.refs if r)
 
@@ -85,14 +113,14 @@ class EngineMemory:
         for j in range(req.computed // BLOCK_TOKENS, -(-upto // BLOCK_TOKENS)):
             slots = self.record(req, j, min(upto, (j + 1) * BLOCK_TOKENS))
             first = max(req.computed - j * BLOCK_TOKENS, 0)
-            self.kv[:, req.blocks[j], :, first : slots.shape[2]] = slots[:, :, first:]
+            self.kv[:, held(req, j), :, first : slots.shape[2]] = slots[:, :, first:]
         req.computed = upto
 
     def record(self, req: Request, j: int, upto: int) -> Bytes:
         """Block ``j`` of the request holds the KV of its tokens before ``upto`` from now on (what its other
         slots hold does not matter); a full block enters the prefix cache."""
         slots = self._oracle.slots(req, j, upto)
-        block = req.blocks[j]
+        block = held(req, j)
         self.expect[block] = slots
         if upto == (j + 1) * BLOCK_TOKENS and req.hashes[j] not in self.cached and block not in self.hash_of:
             self.cached[req.hashes[j]] = block

@@ -19,7 +19,9 @@ class FuzzOptions:
     a temporary directory) behind the pool instead of the in-memory one (it implies ``remote``);
     ``stack`` cascades the disk and a smaller in-memory store behind it (``kvcore.cascade``).
     ``write_back`` writes the disk tier back (``Tier.write``): chunks reach it when the pool is about to
-    evict them, not at their save (with ``disk`` or ``stack``).
+    evict them, not at their save (with ``disk`` or ``stack``). ``window`` makes the model's layers attend
+    to a sliding window of that many blocks (0: full attention): the engine gives back the blocks that
+    fall out of it while a request runs, and holds none before the window of a load.
     """
 
     remote: bool = False
@@ -33,11 +35,14 @@ class FuzzOptions:
     tails: bool = True  # ``partial_chunks: keep``, and a final save before each finish
     engine_blocks: int = 40
     pool_slots: int = 16
+    window: int = 0
     trace: int = 40  # API calls shown with a failure
 
     def __attrs_post_init__(self) -> None:
         if self.write_back and not (self.disk or self.stack):
             raise UsageError("write_back: the disk tier is written back, give disk or stack too")
+        if self.window < 0:
+            raise UsageError(f"window: got {self.window!r}, expected a number of blocks >= 0 (0: none)")
 
     def flags(self) -> str:
         """The command-line flags that select these options (defaults left out)."""
@@ -49,7 +54,7 @@ class FuzzOptions:
         out += [] if self.recompute_late else ["--hold-late-loads"]
         out += [
             f"--{name.replace('_', '-')} {getattr(self, name)}"
-            for name in ("engine_blocks", "pool_slots")
+            for name in ("engine_blocks", "pool_slots", "window")
             if getattr(self, name) != getattr(default, name)
         ]
         return " ".join(out)

@@ -53,7 +53,7 @@ class Request:
     hashes: list[bytes] = Factory(list)  # chained hash of each full block of ``tokens``
     state: State = State.WAITING
     looked_up: bool = False
-    blocks: list[int] = Factory(list)
+    blocks: list[int | None] = Factory(list)  # None: a block out of a sliding window, given back
     computed: int = 0  # tokens whose KV the blocks hold
     epoch: int = 0
     promised: range = range(0)  # request block indices the load covers: what lookup offered
@@ -89,7 +89,7 @@ class RequestBook:
     live: dict[RequestId, Request] = Factory(dict)
     waiting: list[RequestId] = Factory(list)
     running: list[RequestId] = Factory(list)
-    ended: dict[RequestId, list[int]] = Factory(dict)
+    ended: dict[RequestId, list[int | None]] = Factory(dict)
 
     def add(self, req: Request) -> None:
         self.live[req.rid] = req

@@ -36,6 +36,9 @@ class FuzzSummary:
     late_jobs: int = 0
     evictions: int = 0
     written_back: int = 0  # pool chunks written back to the disk tier (``--write-back``)
+    given_back: int = 0  # blocks out of a sliding window given back while their request ran (``--window``)
+    window_loads: int = 0  # loads whose leading blocks the engine did not hold (before the hit's window)
+    saves_fenced: int = 0  # saves still reading a block given back when it was handed out again
     halted_at: int | None = None  # the step a fence gave up on a copy and stopped the worker for good
 
     @property
@@ -72,6 +75,11 @@ class FuzzSummary:
                 f"{self.saved_chunks} ({self.evictions} evictions, {self.written_back} written back)",
             ),
             ("resets", f"{self.resets}"),
+            (
+                "sliding window",
+                f"{self.given_back} blocks given back, {self.window_loads} loads of the last window only, "
+                f"{self.saves_fenced} saves fenced as their blocks were reused",
+            ),
             ("worker", "running" if self.halted_at is None else f"halted at step {self.halted_at}"),
             (
                 "faults injected",

@@ -47,7 +47,7 @@ def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzS
     summary = FuzzSummary(seed=seed)
     clock = Clock()
     trace = Trace(seed, steps, options, clock)
-    spec = _spec(options.engine_blocks)
+    spec = _spec(options.engine_blocks, options.window)
     storage = torch.zeros(
         (LAYERS, options.engine_blocks, KV_HEADS, BLOCK_TOKENS, 2 * HEAD_SIZE), dtype=torch.bfloat16
     )
@@ -83,7 +83,17 @@ def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzS
     book = RequestBook()
     checks = KVChecks(memory, oracle, book, host_kv, trace)
     connector = Connector(
-        sched, worker, ports, memory, book, checks, trace, summary, rng, options.recompute_late
+        sched,
+        worker,
+        ports,
+        memory,
+        book,
+        checks,
+        trace,
+        summary,
+        rng,
+        options.recompute_late,
+        options.window,
     )
     engine = ModelEngine(rng, clock, options, memory, book, connector, ports, trace, summary)
     try:
@@ -102,7 +112,7 @@ def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzS
     return summary
 
 
-def _spec(engine_blocks: int) -> EngineSpec:
+def _spec(engine_blocks: int, window: int) -> EngineSpec:
     layout = KVLayout(
         kind=LayoutKind.VLLM_CPU,
         num_blocks=engine_blocks,
@@ -117,6 +127,7 @@ def _spec(engine_blocks: int) -> EngineSpec:
         num_layers=LAYERS,
         total_kv_heads=KV_HEADS,
         layout=layout,
+        window_tokens=window * BLOCK_TOKENS or None,
     )
 
 
