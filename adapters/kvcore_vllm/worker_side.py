@@ -20,8 +20,9 @@ has ended (``build_worker_meta`` asks every step and tells the scheduler side).
 Saves are submitted in ``wait_for_save``, after the forward pass wrote the blocks, and never block the
 step. Saves of blocks vLLM evicted in this step (lazy store policy) run in ``handle_preemptions``, which
 vLLM calls before the forward pass and the loads, and are awaited there: the new owner of the block
-overwrites it next. A finished request whose saves are in flight is reported in ``get_finished`` only
-when this rank's copies of it are done; a preempted request's saves are fenced before vLLM reuses its
+overwrites it next. A finished request whose saves are in flight, or still to be submitted by
+``wait_for_save`` (vLLM calls it after ``get_finished`` with speculative decoding), is reported in
+``get_finished`` only when this rank's copies of it are done; a preempted request's saves are fenced before vLLM reuses its
 blocks.
 """
 
@@ -81,6 +82,9 @@ class WorkerSide:
         self._reports: list[OpReport] = []
         self._load_errors: set[int] = set()
         self._delayed: set[str] = set()
+        # requests with saves in the bound step that wait_for_save has not submitted yet: with speculative
+        # decoding vLLM asks for finished requests before it (``defer_finalize``)
+        self._unsubmitted: set[str] = set()
         self._abandoned: set[int] = set()  # ops waited on past their deadline: reported as failed
         self._unloaded: set[str] = set()  # requests whose load failed in this step, before its saves
         # the step's synchronous loads until their results are taken: (loads, reports so far, the loads
@@ -104,6 +108,7 @@ class WorkerSide:
     def start_load_kv(self, meta: KVCoreMetadata) -> None:
         self._load_errors.update(meta.failed_blocks)
         self._delayed.update(meta.delayed)
+        self._unsubmitted = {op.request_id for op in meta.plan.ops if op.direction is Direction.SAVE}
         every = self._run(meta.plan, Direction.LOAD)
         if every:
             last = every[-1]
@@ -171,6 +176,7 @@ class WorkerSide:
             elif op.direction is Direction.SAVE:
                 saves.append(op)
         self._run(StepPlan(tuple(saves)), Direction.SAVE)
+        self._unsubmitted = set()
 
     def handle_preemptions(self, meta: KVCoreMetadata) -> None:
         evicting = self._run(meta.evictions, Direction.SAVE)
@@ -199,12 +205,13 @@ class WorkerSide:
             self._abandon([op for op in fenced if op.op_id in self._inflight])
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        """Finished requests whose copies are done (``finished_sending``), and requests whose
-        asynchronous loads are (``finished_recving``)."""
+        """Finished requests whose copies are done (``finished_sending``: none with a save of the bound
+        step still to submit, since vLLM frees the blocks it names), and requests whose asynchronous loads
+        are (``finished_recving``)."""
         self._settle_loads()
         if self._worker is not None:
             self._collect(self._worker.reports())
-        busy = {op.request_id for op in self._inflight.values()}
+        busy = {op.request_id for op in self._inflight.values()} | self._unsubmitted
         done = {rid for rid in self._delayed if rid not in busy}
         self._delayed -= done
         return done or None, self._received() or None

@@ -383,3 +383,21 @@ def test_a_failed_load_ordered_on_the_device_is_recomputed_and_its_request_not_s
     meta = side.build_worker_meta()
     assert meta is not None
     assert {(r.op_id, r.failed) for r in meta.reports} == {(1, (0,)), (2, (0,))}
+
+
+def test_a_finished_request_is_not_named_before_its_last_save_is_submitted_and_done() -> None:
+    # speculative decoding: vLLM asks for finished requests before wait_for_save (defer_finalize); a
+    # request whose last save is in the step must not be named then, or vLLM frees the blocks it reads
+    side, mover = _side()
+    mover.write_engine_block(6, b"\x06" * BLOCK_BYTES)
+    meta = KVCoreMetadata(StepPlan((BlockOp(1, Direction.SAVE, (6,), (2,), "r"),)), delayed=("r",))
+    side.start_load_kv(meta)
+    assert side.get_finished() == (None, None)
+    with mover.stall():
+        side.wait_for_save(meta)
+        assert side.get_finished() == (None, None)  # submitted, still copying
+    deadline = time.monotonic() + 5.0
+    while (finished := side.get_finished()[0]) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert finished == {"r"}
+    assert mover.read_host_block(2) == b"\x06" * BLOCK_BYTES
