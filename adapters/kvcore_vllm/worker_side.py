@@ -106,6 +106,7 @@ class WorkerSide:
         self._worker = self._opener(connector_views(kv_caches, self._layers, self._engine))
 
     def start_load_kv(self, meta: KVCoreMetadata) -> None:
+        self._settle_loads()  # a step that ended with neither wait_for_save nor get_finished
         self._load_errors.update(meta.failed_blocks)
         self._delayed.update(meta.delayed)
         self._unsubmitted = {op.request_id for op in meta.plan.ops if op.direction is Direction.SAVE}
