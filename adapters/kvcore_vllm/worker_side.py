@@ -22,8 +22,8 @@ step. Saves of blocks vLLM evicted in this step (lazy store policy) run in ``han
 vLLM calls before the forward pass and the loads, and are awaited there: the new owner of the block
 overwrites it next. A finished request whose saves are in flight, or still to be submitted by
 ``wait_for_save`` (vLLM calls it after ``get_finished`` with speculative decoding), is reported in
-``get_finished`` only when this rank's copies of it are done; a preempted request's saves are fenced before vLLM reuses its
-blocks.
+``get_finished`` only when this rank's copies of it are done; a preempted request's saves are fenced
+before vLLM reuses its blocks.
 """
 
 from __future__ import annotations
