@@ -4,14 +4,16 @@ For each host block size and id pattern, saves (gather: engine -> host) and load
 engine) ``n`` blocks through the mover, and times a contiguous ``torch`` copy of the same total bytes with
 the same number of threads between the same two buffers, in the same run: timed back to back after a
 short idle gap, medians of the repeats; the ratio is the median of the per-repeat ratios. The engine is
-laid out like vLLM CPU: every layer a view into one storage. Id patterns, from pools twice the size of
+laid out like vLLM CPU: every layer a view into one storage, layer after layer (vLLM's LB* orders), or with
+``--cross-layer`` block after block, each block holding every layer's (vLLM's BL* orders, what kvcore asks
+for on CUDA: a block of every layer is one run of memory). Id patterns, from pools twice the size of
 the copy: ``contiguous`` is one run on both sides; ``chunks`` draws engine ids at random and host ids as
 whole slots of 16 consecutive blocks (what the scheduler hands out); ``random`` draws both at random.
 
 On a CUDA machine it also measures device -> host and host -> device copies, and both at once, against
 ``copy_`` between the device and page-locked memory of the same bytes.
 
-    python -m benchmarks.bench_copy [--quick] [--threads 2] [--layers 1]
+    python -m benchmarks.bench_copy [--quick] [--threads 2] [--layers 1] [--cross-layer]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
+import attrs
 import numpy as np
 import torch
 
@@ -61,15 +64,19 @@ def _measure(
 
 
 def _engine(
-    blocks: int, block_bytes: int, layers: int, device: torch.device
+    blocks: int, block_bytes: int, layers: int, device: torch.device, *, cross_layer: bool = False
 ) -> tuple[EngineKV, torch.Tensor]:
-    """An engine with every layer in one storage (vLLM CPU style), and that storage as flat bytes."""
+    """An engine with every layer in one storage (vLLM CPU style), and that storage as flat bytes;
+    ``cross_layer``: blocks outermost, a block holding every layer's."""
     tokens = block_bytes // layers // (4 * HEAD)
-    storage = torch.randint(
-        -100, 100, (layers, blocks, 1, tokens, 2 * HEAD), dtype=torch.int16, device=device
-    )
+    shape = (blocks, layers) if cross_layer else (layers, blocks)
+    storage = torch.randint(-100, 100, (*shape, 1, tokens, 2 * HEAD), dtype=torch.int16, device=device)
     layout = KVLayout(LayoutKind.VLLM_CPU, blocks, tokens, 1, HEAD, 2)
-    kv = EngineKV.register(list(storage.view(torch.bfloat16).unbind(0)), layout)
+    per_layer = storage.view(torch.bfloat16)
+    if cross_layer:
+        layout = attrs.evolve(layout, page_bytes=layers * layout.block_bytes)
+        per_layer = per_layer.transpose(0, 1)
+    kv = EngineKV.register(list(per_layer.unbind(0)), layout)
     return kv, storage.view(torch.uint8).view(-1)
 
 
@@ -103,15 +110,18 @@ def _row(label: str, nbytes: int, measured: tuple[float, float, float]) -> str:
     return f"{label:<34} {nbytes / seconds / 1e9:8.2f} {nbytes / base / 1e9:9.2f} {ratio:7.2f}"
 
 
-def bench_cpu(sizes: Sequence[int], layers: int, threads: int, min_bytes: int, repeats: int) -> None:
+def bench_cpu(
+    sizes: Sequence[int], layers: int, threads: int, min_bytes: int, repeats: int, cross_layer: bool
+) -> None:
     torch.set_num_threads(threads)
     cpu = torch.device("cpu")
-    print(f"CPU: {layers} layer(s) in one storage, {threads} copy thread(s); baseline: torch copy_")
+    order = "block after block" if cross_layer else "layer after layer"
+    print(f"CPU: {layers} layer(s) in one storage, {order}, {threads} copy thread(s); baseline: torch copy_")
     print(f"{'block / ids / direction':<34} {'GB/s':>8} {'copy GB/s':>9} {'ratio':>7}")
     rng = np.random.default_rng(0)
     for size in sizes:
         count = max(256 if min_bytes >= 64 * MiB else 32, -(-min_bytes // size))
-        kv, engine_bytes = _engine(2 * count, size, layers, cpu)
+        kv, engine_bytes = _engine(2 * count, size, layers, cpu, cross_layer=cross_layer)
         nbytes = count * size
         with HostMemory.allocate(2 * count, kv.host_block_bytes, cpu) as host:
             host.buffer.fill_(1)
@@ -131,14 +141,18 @@ def bench_cpu(sizes: Sequence[int], layers: int, threads: int, min_bytes: int, r
             mover.close()
 
 
-def bench_cuda(sizes: Sequence[int], layers: int, min_bytes: int, repeats: int) -> None:
+def bench_cuda(sizes: Sequence[int], layers: int, min_bytes: int, repeats: int, cross_layer: bool) -> None:
     gpu = torch.device("cuda")
-    print(f"CUDA: {layers} layer(s) in one storage; baseline: copy_ between device and page-locked memory")
+    order = "block after block" if cross_layer else "layer after layer"
+    print(
+        f"CUDA: {layers} layer(s) in one storage, {order}; baseline: copy_ between device and page-locked "
+        "memory"
+    )
     print(f"{'block / ids / direction':<34} {'GB/s':>8} {'copy GB/s':>9} {'ratio':>7}")
     rng = np.random.default_rng(0)
     for size in sizes:
         count = max(256, -(-min_bytes // size))
-        kv, device_bytes = _engine(2 * count, size, layers, gpu)
+        kv, device_bytes = _engine(2 * count, size, layers, gpu, cross_layer=cross_layer)
         nbytes = count * size
         with HostMemory.allocate(2 * count, kv.host_block_bytes, gpu) as host:
             mover = TorchBlockMover(kv, host)
@@ -216,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--layers", type=int, default=1, help="layers sharing one host block")
     parser.add_argument(
+        "--cross-layer", action="store_true", help="blocks outermost: a block holds every layer's (BL*)"
+    )
+    parser.add_argument(
         "--repeats", type=int, default=None, help="timed repeats per case (default 7, quick 3)"
     )
     args = parser.parse_args(argv)
@@ -224,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     for size in SIZES:
         if size % (args.layers * 4 * HEAD):
             parser.error(f"--layers {args.layers}: a {size}-byte block does not split into whole tokens")
-    bench_cpu(SIZES, args.layers, args.threads, min_bytes, repeats)
+    bench_cpu(SIZES, args.layers, args.threads, min_bytes, repeats, args.cross_layer)
     if torch.cuda.is_available():
-        bench_cuda(SIZES, args.layers, min_bytes, repeats)
+        bench_cuda(SIZES, args.layers, min_bytes, repeats, args.cross_layer)
     return 0
 
 
