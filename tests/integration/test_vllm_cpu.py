@@ -176,16 +176,33 @@ def test_bad_extra_config_stops_the_engine_naming_the_field(
     assert "backend.size: got '12 parsecs'" in capfd.readouterr().err  # the engine core's own stderr
 
 
-def test_checksums_turn_damage_into_recompute(tiny_model: Path) -> None:
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+"""Speculative decoding by n-gram lookup (no draft model): vLLM then calls ``wait_for_save`` after
+``get_finished`` in each step (``defer_finalize``)."""
+
+
+def test_checksums_turn_damage_into_recompute_under_speculative_decoding(tiny_model: Path) -> None:
     # its own engine, started last: vLLM re-registers its Prometheus metrics per engine, and the test
-    # process reads them from one registry
-    llm = start_engine(tiny_model, kvcore_transfer_config(checksums=True))
+    # process reads them from one registry. Speculative decoding reorders the connector's calls of a step
+    # (finished requests asked for before the step's saves are submitted): the saves must still store the
+    # request's KV, which the checksummed reload after eviction serves with the reference's tokens
+    llm = start_engine(tiny_model, kvcore_transfer_config(checksums=True), speculative_config=NGRAM)
     try:
         tokens = prompt(800, 4 * BLOCK + 10)
         reference = generate(llm, tokens, max_tokens=16)
-        _, again = _evicted_and_served_again(llm, tokens, 810)
+        served, again = _evicted_and_served_again(llm, tokens, 810)
+        assert served.num_cached_tokens == 4 * BLOCK
         assert kvcore_metric(llm, "failed_load_blocks") == 4
         assert list(again.outputs[0].token_ids) == list(reference.outputs[0].token_ids)
+        undamaged = prompt(820, 4 * BLOCK + 10)
+        first = generate(llm, undamaged, max_tokens=16)
+        for i in range(3):
+            generate(llm, prompt(830 + i, 1500), max_tokens=1)
+        reused = generate(llm, undamaged, max_tokens=16)
+        assert reused.num_cached_tokens == 4 * BLOCK
+        assert list(reused.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+        assert kvcore_metric(llm, "failed_load_blocks") == 4  # nothing more failed its digest
         assert kvcore_metric(llm, "pool_pinned") == 0
+        assert any(m.name == "vllm:spec_decode_num_drafts" and m.value > 0 for m in llm.get_metrics())
     finally:
         stop_engine(llm)
