@@ -5,8 +5,8 @@ engine) ``n`` blocks through the mover, and times a contiguous ``torch`` copy of
 the same number of threads between the same two buffers, in the same run: timed back to back after a
 short idle gap, medians of the repeats; the ratio is the median of the per-repeat ratios. The engine is
 laid out like vLLM CPU: every layer a view into one storage, layer after layer (vLLM's LB* orders), or with
-``--cross-layer`` block after block, each block holding every layer's (vLLM's BL* orders, what kvcore asks
-for on CUDA: a block of every layer is one run of memory). Id patterns, from pools twice the size of
+``--cross-layer`` block after block, each block holding every layer's (vLLM's BL* orders: a block of every
+layer is one run of memory). Id patterns, from pools twice the size of
 the copy: ``contiguous`` is one run on both sides; ``chunks`` draws engine ids at random and host ids as
 whole slots of 16 consecutive blocks (what the scheduler hands out); ``random`` draws both at random.
 

@@ -149,7 +149,7 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return requested_order(vllm_config.model_config.use_mla, vllm_config.device_config.device_type)
+        return requested_order(vllm_config.model_config.use_mla)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -70,21 +70,17 @@ _HEAD_ORDERS = {
 """The memory orders kvcore describes, by vLLM's ``KVCacheLayout`` name, and the order of a layer's block."""
 
 
-def requested_order(use_mla: bool, device_type: str) -> str | None:
-    """What kvcore's connectors ask vLLM for (``get_required_kvcache_layout``).
-
-    Heads outside tokens (``*HNC``): each head's bytes of a block are one run, so heterogeneous TP moves
-    one range per head group instead of one per token (NHD is refused there), and one order on every
-    backend that takes it lets engines with different defaults share keys (the order is part of them).
-    On CUDA, BLHNC: a block of every layer is one run of memory, laid out as kvcore's host block, so a
-    run of blocks is one DMA copy each way with no gather kernel (LBHNC needs one copy, or one staged
-    gather, per layer); the bytes are those of LBHNC, so the keys are too. On CPUs, LBHNC (vLLM's CPU
-    attention takes nothing else). vLLM drops the request, with a warning, where a backend does not take
-    it (FlexAttention: LBNHC only), and ``VLLM_KV_CACHE_LAYOUT`` overrides it; kvcore then describes what
-    vLLM chose. MLA: nothing (one latent head, every order the same bytes)."""
-    if use_mla:
-        return None
-    return "BLHNC" if device_type == "cuda" else "LBHNC"
+def requested_order(use_mla: bool) -> str | None:
+    """What kvcore's connectors ask vLLM for (``get_required_kvcache_layout``): LBHNC, where each head's
+    bytes of a block are one run, so heterogeneous TP moves one range per head group instead of one per
+    token (NHD is refused there), and one order on every backend that takes it lets engines with
+    different defaults share keys (the order is part of them). Not the cross-layer BLHNC, although a run
+    of its blocks is one copy each way: vLLM refuses to start with a cross-layer order where it splits a
+    block into smaller kernel blocks (``create_kv_cache_views``), which a connector cannot foresee when it
+    asks; kvcore describes BL* where vLLM resolves it (``VLLM_KV_CACHE_LAYOUT``, a backend that needs it).
+    vLLM drops the request, with a warning, where a backend does not take LBHNC (FlexAttention: LBNHC
+    only). MLA: nothing (one latent head, every order the same bytes)."""
+    return None if use_mla else "LBHNC"
 
 
 _FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}

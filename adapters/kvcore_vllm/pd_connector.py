@@ -74,7 +74,7 @@ class KVCorePDConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return requested_order(vllm_config.model_config.use_mla, vllm_config.device_config.device_type)
+        return requested_order(vllm_config.model_config.use_mla)
 
     @property
     def scheduler_side(self) -> PDScheduler:

@@ -180,6 +180,7 @@ class WorkerSide:
         self._unsubmitted = set()
 
     def handle_preemptions(self, meta: KVCoreMetadata) -> None:
+        self._settle_loads()  # before any wait here collects their reports
         evicting = self._run(meta.evictions, Direction.SAVE)
         if evicting:
             self._collect(self.worker.wait([op.op_id for op in evicting], self._timeout))

@@ -38,7 +38,8 @@ _STAGING_BYTES = 64 << 20
 """Largest staging buffer one batch takes from the device."""
 
 _DIRECT_RUN = 8
-"""With one plane, copy directly (no staging) when runs hold at least this many blocks on average."""
+"""Where an engine block is one run laid out as a host block (``Route.whole_blocks``), copy directly (no
+staging) when runs hold at least this many blocks on average."""
 
 
 @frozen(eq=False)

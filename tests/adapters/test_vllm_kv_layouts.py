@@ -302,30 +302,20 @@ def test_what_kvcore_cannot_describe_is_refused_by_name(
         kv_layout(backend, order, replace(spec, **spec_change), BLOCKS)
 
 
-@pytest.mark.parametrize(
-    ("backend", "device", "expected"),
-    [
-        (FlashAttentionBackend, "cuda", KVCacheLayout.BLHNC),
-        (TritonAttentionBackend, "cuda", KVCacheLayout.BLHNC),
-        (FlexAttentionBackend, "cuda", KVCacheLayout.LBNHC),
-        (CPUAttentionBackend, "cpu", KVCacheLayout.LBHNC),
-    ],
-    ids=lambda x: x if isinstance(x, str) else getattr(x, "name", None) or x.get_name(),
-)
-def test_what_vllm_resolves_for_kvcores_request_is_described(
-    backend: Any, device: str, expected: KVCacheLayout
-) -> None:
+@pytest.mark.parametrize("backend", [*GPU_BACKENDS, CPUAttentionBackend], ids=lambda b: b.get_name())
+def test_what_vllm_resolves_for_kvcores_request_is_described(backend: Any) -> None:
     # vLLM takes the connector's order where every backend supports it, else its first candidate (the
-    # rule of resolve_kv_cache_layout) -> cross-layer BLHNC for FlashAttention and Triton on CUDA, LBHNC
-    # on CPUs, LBNHC for Flex; either way a layout kvcore describes
+    # rule of resolve_kv_cache_layout) -> LBHNC for FlashAttention, Triton and CPU, LBNHC for Flex;
+    # either way a layout kvcore describes, whose views register
     candidates = get_supported_kv_cache_layouts([backend])
-    asked = KVCacheLayout[requested_order(False, device) or ""]
+    asked = KVCacheLayout[requested_order(use_mla=False) or ""]
     resolved = asked if asked in candidates else candidates[0]
+    expected = KVCacheLayout.LBNHC if backend is FlexAttentionBackend else KVCacheLayout.LBHNC
     assert resolved is expected
     rig = Engine(backend, resolved)
     assert rig.layout.num_kv_heads == HEADS
     EngineKV.register(connector_views(rig.views, rig.names, rig.engine), rig.layout)
-    assert requested_order(True, device) is None
+    assert requested_order(use_mla=True) is None
 
 
 def test_cross_layer_blocks_share_keys_and_bytes_with_per_layer_blocks() -> None:

@@ -401,3 +401,21 @@ def test_a_finished_request_is_not_named_before_its_last_save_is_submitted_and_d
         time.sleep(0.01)
     assert finished == {"r"}
     assert mover.read_host_block(2) == b"\x06" * BLOCK_BYTES
+
+
+def test_loads_ordered_on_the_device_are_settled_by_the_next_steps_first_call() -> None:
+    # a step that ended with neither wait_for_save nor get_finished (its execution failed): the next
+    # step's handle_preemptions, whose wait collects every report, takes the loads' results first, so
+    # a load that completed counts as done (not late, not recomputed, its request's saves kept)
+    side, mover = _device_side()
+    side.start_load_kv(DEVICE_STEP)
+    time.sleep(0.2)  # the copy ends
+    evicting = KVCoreMetadata(
+        StepPlan(()), evictions=StepPlan((BlockOp(4, Direction.SAVE, (9,), (6,), "c"),))
+    )
+    side.handle_preemptions(evicting)
+    assert side.take_load_errors() == set()
+    assert mover.read_engine_block(7) == b"\x03" * BLOCK_BYTES
+    meta = side.build_worker_meta()
+    assert meta is not None
+    assert {(r.op_id, r.failed) for r in meta.reports} == {(1, ()), (4, ())}

@@ -147,10 +147,9 @@ class ModelEngine:
         window = self._options.window
         for rid in self._book.running if window else ():
             req = self._book.live[rid]
-            if req.state is State.RUNNING:
-                self._summary.given_back += self._memory.give_back_before(
-                    req, req.computed // BLOCK_TOKENS - window
-                )
+            if req.state is State.RUNNING:  # its next token sees from token computed - window + 1 on
+                first = (req.computed - window * BLOCK_TOKENS + 1) // BLOCK_TOKENS
+                self._summary.given_back += self._memory.give_back_before(req, first)
 
     def _make_room(self) -> None:
         """Preempt the latest admitted running requests until every decode has a block for its next token."""
