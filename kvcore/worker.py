@@ -344,8 +344,11 @@ class BlockWorker:
     def orders_loads_on_device(self) -> bool:
         """Whether ``order_loads`` orders loads on the engine's device (``SupportsDeviceOrder``: a CUDA
         engine); where it does not, it orders none and the host waits for loads before the engine's work."""
+        return self._device_mover() is not None
+
+    def _device_mover(self) -> SupportsDeviceOrder | None:
         mover: object = self._mover  # a BlockMover may or may not be SupportsDeviceOrder
-        return isinstance(mover, SupportsDeviceOrder) and mover.orders_on_device
+        return mover if isinstance(mover, SupportsDeviceOrder) and mover.orders_on_device else None
 
     def order_loads(self, op_ids: Collection[int]) -> set[int]:
         """Make the engine's work queued from now on (its forward pass) wait, on its device, for these
@@ -354,8 +357,8 @@ class BlockWorker:
         fetch ends: the host waits for it), nor is any load where the mover cannot order on the device
         (``orders_loads_on_device``). Ordered ops are reported as usual; a failed one's blocks hold
         undefined bytes, as always."""
-        mover: object = self._mover
-        if not isinstance(mover, SupportsDeviceOrder) or not mover.orders_on_device:
+        mover = self._device_mover()
+        if mover is None:
             return set()
         ordered: set[int] = set()
         for op_id in op_ids:
