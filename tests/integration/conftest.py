@@ -7,6 +7,7 @@ with more threads), its own cache and temp folders, and is shut down when its co
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import warnings
@@ -100,10 +101,43 @@ def start_engine(
     )
 
 
+SHUTDOWN_GRACE_S = 30.0
+"""How long an engine gets to exit after SIGTERM before it is killed (vLLM's default is 5 s, short for a
+TP-2 engine on two busy cores)."""
+
+
 def stop_engine(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
+    """Shut the engine down and make sure none of its processes is left behind."""
+    import psutil
+
+    client = llm.llm_engine.engine_core
+    manager = getattr(client.resources, "engine_manager", None)
+    processes = list(getattr(manager, "processes", ()))
+    try:
+        client.shutdown(timeout=SHUTDOWN_GRACE_S)
+    except psutil.NoSuchProcess:
+        # vLLM's kill_process_tree asks a listed child for its name and fails when that child has just
+        # exited, before it kills the rest of the tree: finish the kill here.
+        for process in processes:
+            _kill_tree(process.pid)
+            process.join(SHUTDOWN_GRACE_S)
     del llm
     gc.collect()
+
+
+def _kill_tree(pid: int | None) -> None:
+    import psutil
+
+    if pid is None:
+        return
+    try:
+        parent = psutil.Process(pid)
+        family = [*parent.children(recursive=True), parent]
+    except psutil.NoSuchProcess:
+        return
+    for process in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
 
 
 def prompt(seed: int, length: int) -> list[int]:
