@@ -64,6 +64,11 @@ class EngineSpec:
     included), so a hit of ``H`` tokens needs only the KV of tokens ``[H - window_tokens + 1, H)``: the
     engine gives no block before them (``None`` in a load's block table), and the scheduler's lookup
     asks the pool only for the chunks of the hit's last window.
+
+    A recurrent model's state (a ``state`` layout: vLLM's Mamba layers) is one block's window: a hit of
+    ``H`` tokens needs only the state after token ``H``, in the block that ends there, so ``window_tokens``
+    is the block size, chunks are one block each, and hits stop at chunk ends (``blocks_per_chunk``,
+    ``kvcore.scheduler``).
     """
 
     model_id: str = field(validator=text)
@@ -91,6 +96,11 @@ class EngineSpec:
             raise UnsupportedConfiguration(
                 f"EngineSpec: total_kv_heads {self.total_kv_heads} and tp_size {self.tp_size}: {exc}"
             ) from None
+        if layout.kind is LayoutKind.STATE and self.window_tokens != layout.block_tokens:
+            raise InvalidSpecError(
+                f"EngineSpec.window_tokens: got {self.window_tokens}, expected the block size "
+                f"{layout.block_tokens} (a state layout: a hit needs only the state in the block it ends in)"
+            )
         per_rank = shard.head_stop - shard.head_start
         if layout.num_kv_heads != per_rank:
             raise InvalidSpecError(
@@ -112,9 +122,17 @@ class EngineSpec:
         """Engine blocks in one chunk of ``chunk_tokens`` tokens.
 
         Raises ``ConfigError`` for ``chunk_tokens`` that is not a positive multiple of the block size (a
-        chunk of a fraction of a block has no host slot), before anything divides by it.
+        chunk of a fraction of a block has no host slot), before anything divides by it, and, for a
+        ``state`` layout, for any other than the block size: the engine keeps a state only at the end of
+        some blocks (where its computation stopped), so a chunk of several blocks would rarely have one.
         """
         block_tokens = self.layout.block_tokens
+        if self.layout.kind is LayoutKind.STATE and chunk_tokens != block_tokens:
+            raise ConfigError(
+                "chunk_tokens",
+                chunk_tokens,
+                f"the engine's block size {block_tokens}: a recurrent state is kept per block",
+            )
         if not is_int_in(chunk_tokens, 1, SIZE_LIMIT) or chunk_tokens % block_tokens:
             raise ConfigError(
                 "chunk_tokens", chunk_tokens, f"a multiple of the engine's block size {block_tokens}"

@@ -4,11 +4,11 @@ A layout is declared (from the engine's own description), then checked against t
 guessed from strides alone. Offsets are in bytes from the start of the layer's tensor: the caller adds the
 tensor's base address.
 
-Every layout splits a block into one or two *segments* (K then V, or a single KV / latent segment) that sit
-at the same offset in every block, ``block_stride`` bytes apart (more than a block's bytes where the engine
-pads its pages, or puts every layer's page of a block together: vLLM's cross-layer "BL*" orders). Heads
-are sliced inside a segment: one run per segment when heads are the outer axis (HND, vLLM CPU), one run
-per token when tokens are (NHD).
+Every layout splits a block into one or two *segments* (K then V, or a single KV / latent / state segment)
+that sit at the same offset in every block, ``block_stride`` bytes apart (more than a block's bytes where
+the engine pads its pages, or puts every layer's page of a block together: vLLM's cross-layer "BL*"
+orders). Heads are sliced inside a segment: one run per segment when heads are the outer axis (HND, vLLM
+CPU), one run per token when tokens are (NHD).
 
 Each distinct byte order has a distinct ``name``: it is part of every key and of the P/D handshake, so
 KV written in one order is never read as another.
@@ -39,6 +39,7 @@ class LayoutKind(enum.Enum):
     FLASH_ATTN = "flash_attn"  # [2, blocks, ...]: a K plane and a V plane (vLLM < 0.32, SGLang-style)
     FLASH_INFER = "flash_infer"  # [blocks, 2, ...]: K then V inside each block (vLLM < 0.32)
     MLA = "mla"  # [blocks, block_tokens, latent]: one latent segment, no head axis
+    STATE = "state"  # [blocks, 1, 1, state]: a recurrent (SSM) state per block, opaque bytes, no token axis
 
 
 class HeadOrder(enum.Enum):
@@ -102,6 +103,10 @@ class KVLayout:
     width). ``dtype_size`` is bytes per element. ``head_order`` only matters for paged, FlashAttention and
     FlashInfer (vLLM CPU is always heads-major; MLA has a single head, so both orders are the same bytes).
 
+    A ``state`` layout is a recurrent model's state (vLLM's Mamba layers): a block holds the state after
+    its last token, ``head_size`` elements of opaque bytes whatever ``block_tokens`` it covers, which
+    kvcore moves whole (``packing`` then names what the bytes are: the state's kind, shapes and dtypes).
+
     ``packing`` names how the engine orders the bytes inside the unit kvcore moves whole, where that
     order is the engine's business (vLLM CPU: its attention ISA, ``"amx"`` or ``"vec"``, orders each
     head's K and V differently); kvcore never reads those bytes, but two packings must never share keys
@@ -141,9 +146,10 @@ class KVLayout:
                 f"KVLayout: num_blocks {self.num_blocks} x block_bytes {self.block_bytes} = {self.nbytes} "
                 "bytes, expected at most 2**62"
             )
-        if self.kind is LayoutKind.MLA and self.num_kv_heads != 1:
+        if self.kind in _ONE_HEAD and self.num_kv_heads != 1:
             raise InvalidSpecError(
-                f"an MLA layout has one latent 'head': num_kv_heads must be 1, got {self.num_kv_heads}"
+                f"a{'n MLA' if self.kind is LayoutKind.MLA else ' state'} layout has one 'head' (its latent "
+                f"or state): num_kv_heads must be 1, got {self.num_kv_heads}"
             )
         if self.kind is LayoutKind.VLLM_CPU and self.head_order is not HeadOrder.HND:
             raise InvalidSpecError("the vLLM CPU layout is heads-major: head_order must be HND, got NHD")
@@ -160,6 +166,8 @@ class KVLayout:
             return (2, n, t, h, s)
         if self.kind is LayoutKind.FLASH_INFER:
             return (n, 2, t, h, s)
+        if self.kind is LayoutKind.STATE:
+            return (n, 1, 1, s)
         return (n, t, s)
 
     @property
@@ -200,21 +208,24 @@ class KVLayout:
     def name(self) -> str:
         """The byte order's name: equal for two layouts exactly when their blocks hold the same bytes in
         the same order (what keys and the P/D handshake carry)."""
-        order = "" if self.kind in (LayoutKind.VLLM_CPU, LayoutKind.MLA) else f"/{self.head_order.value}"
+        order = "" if self.kind in (LayoutKind.VLLM_CPU, *_ONE_HEAD) else f"/{self.head_order.value}"
         return self.kind.value + order + (f"/{self.packing}" if self.packing else "")
 
     # -- sizes and strides, in bytes ----------------------------------------------------------------------
 
     @property
     def segments_per_block(self) -> int:
-        """2 (K and V) for FlashAttention / FlashInfer; 1 for vLLM CPU and paged (K and V inside) and MLA."""
+        """2 (K and V) for FlashAttention / FlashInfer; 1 for vLLM CPU and paged (K and V inside), MLA and
+        state."""
         return 2 if self.kind in _PLANE_KINDS else 1
 
     @property
     def segment_bytes(self) -> int:
-        """Bytes of one segment of one block."""
+        """Bytes of one segment of one block (a state's: ``head_size`` elements, whatever the block's
+        tokens)."""
         heads = 2 * self.num_kv_heads if self.kind in _KV_INSIDE else self.num_kv_heads
-        return self.block_tokens * heads * self.head_size * self.dtype_size
+        tokens = 1 if self.kind is LayoutKind.STATE else self.block_tokens
+        return tokens * heads * self.head_size * self.dtype_size
 
     @property
     def block_bytes(self) -> int:
@@ -247,6 +258,8 @@ class KVLayout:
     def head_stride(self) -> int:
         """Bytes from head ``h`` to head ``h + 1`` inside a segment."""
         head_bytes = self.head_size * self.dtype_size * (2 if self.kind in _KV_INSIDE else 1)
+        if self.kind is LayoutKind.STATE:
+            return head_bytes
         if self.head_order is HeadOrder.NHD and self.kind is not LayoutKind.MLA:
             return head_bytes
         return self.block_tokens * head_bytes
@@ -299,5 +312,7 @@ class KVLayout:
 
 
 _PLANE_KINDS = frozenset({LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER})
+_ONE_HEAD = frozenset({LayoutKind.MLA, LayoutKind.STATE})
+"""Kinds of one segment without a head axis: a latent per token (MLA), a state per block."""
 _KV_INSIDE = frozenset({LayoutKind.VLLM_CPU, LayoutKind.PAGED})
 """Kinds whose one segment holds each head's K and V together (a head's unit is ``2 * head_size``)."""

@@ -36,11 +36,12 @@ from kvcore.cascade import CascadeIndex, tier_usage
 from kvcore.checks import check_block_table, is_int_in
 from kvcore.config import KVCoreConfig
 from kvcore.engine import EngineSpec
-from kvcore.errors import ConfigError, InvalidSpecError
+from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguration
 from kvcore.eviction import make_policy
 from kvcore.hashing import NO_EXTRA, ExtraKeys
 from kvcore.ids import ChunkKey, JobId, RequestId
 from kvcore.keys import Keyspace
+from kvcore.layout import LayoutKind
 from kvcore.ledger import InFlightOp, OpLedger
 from kvcore.lifecycle import JobRole, Phase, RequestTable, RequestTracker
 from kvcore.load_spec import ChunkPiece, LoadSpec, check_local_tokens, hit_tokens, plan_load
@@ -194,6 +195,13 @@ class CacheScheduler:
         self.world_size = world_size
         self.block_tokens = engine.layout.block_tokens
         self.blocks_per_chunk = engine.blocks_per_chunk(config.chunk_tokens)
+        self._states = engine.layout.kind is LayoutKind.STATE
+        if self._states and remote is not None:
+            raise UnsupportedConfiguration(
+                "a recurrent model's state (Mamba layers) is served from the local pool alone: a remote "
+                "tier's index answers leading chunks, and a state is kept only at some chunks' ends; "
+                "configure a backend without remote tiers"
+            )
         self.keyer = Keyer(config, engine, hash_identity=hash_identity, shard_keys=remote is not None)
         self._resets = 0
         self._direct = num_slots == 0  # no local tier: the remote tier moves every block itself
@@ -762,12 +770,15 @@ class CacheScheduler:
     def _fit_window(self, req: _Request, load: LoadSpec | None) -> LoadSpec | None:
         """A sliding-window engine's pool alone: ``load`` lowered to the highest stop whose window (the
         chunks holding tokens ``[stop - window_tokens, stop)`` past the engine's own hit) the pool holds,
-        or ``None``; any other engine's ``load`` as it is."""
+        or ``None``; any other engine's ``load`` as it is. A state's stop is a chunk's end: the state
+        after a token inside a chunk is not kept."""
         window = self.engine.window_tokens
         if load is None or window is None or not self._windowed:
             return load
         chunk = self.config.chunk_tokens
         stop = load.stop
+        if self._states:
+            stop -= stop % chunk
         while stop > load.start:
             needed = range(max(load.start, stop - window) // chunk, (stop - 1) // chunk + 1)
             missing = [i for i in needed if not self._chunk_held(req, i)]

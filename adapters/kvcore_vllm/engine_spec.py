@@ -1,11 +1,11 @@
 """What kvcore needs to know of a vLLM engine, read from its config, and the scope it refuses.
 
 A model may keep KV of several kinds (vLLM's hybrid KV-cache manager: sliding-window and full attention
-layers in groups, each with its own block table): each group is one ``KVGroup``, keyed apart. Unsupported
-configurations are refused at start-up with a message that names them, never silently mis-keyed:
-pipeline or context parallelism, KV-cache groups of other kinds (Mamba state, local or sparse
-attention) or block sizes, and caches whose bytes kvcore does not describe (``kv_layout``: attention
-backends, memory orders, cache dtypes).
+layers, or Mamba layers' states, in groups, each with its own block table): each group is one
+``KVGroup``, keyed apart. Unsupported configurations are refused at start-up with a message that names
+them, never silently mis-keyed: pipeline or context parallelism, KV-cache groups of other kinds (local or
+sparse attention) or block sizes, and caches whose bytes kvcore does not describe (``kv_layout``:
+attention backends, memory orders, cache dtypes, Mamba states outside "align" mode).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from attrs import frozen
 
 from kvcore.engine import EngineSpec
 from kvcore.errors import UnsupportedConfiguration
-from kvcore_vllm.kv_layout import CPU_BACKEND, cpu_packing, kv_dtype, kv_layout
+from kvcore_vllm.kv_layout import CPU_BACKEND, cpu_packing, kv_dtype, kv_layout, state_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -34,8 +34,9 @@ _FIXED_SEED = "vllm-none-hash"
 @frozen
 class KVGroup:
     """One of vLLM's KV-cache groups as kvcore keeps it: the layers that share one block table, of one
-    ``kind`` (``full``, ``mla`` or ``sliding_window`` of ``window`` tokens), and the engine kvcore sees for
-    them (its ``model_id`` names the group when the model has several, so groups never share keys)."""
+    ``kind`` (``full``, ``mla``, ``sliding_window`` of ``window`` tokens, or ``mamba``: a recurrent state per
+    block, whose window is one block), and the engine kvcore sees for them (its ``model_id`` names the
+    group when the model has several, so groups never share keys)."""
 
     index: int
     kind: str
@@ -64,9 +65,9 @@ def engine_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Engi
 
 def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[KVGroup, ...]:
     """The model's KV-cache groups as kvcore sees them; raises ``UnsupportedConfiguration`` for what
-    kvcore cannot key: state that is not attention KV (Mamba layers), local or sparse attention kinds,
-    groups of different block sizes, and the configurations ``kv_layout`` refuses."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+    kvcore cannot key: local or sparse attention kinds, groups of different block sizes, and the
+    configurations ``kv_layout`` and ``state_layout`` refuse."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
     parallel = vllm_config.parallel_config
     for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
@@ -86,15 +87,19 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
         memory_order = cache.get_resolved_kv_cache_layout().name
     except ValueError as exc:  # vLLM resolves it in the engine core before connectors are built
         raise UnsupportedConfiguration(f"vLLM's KV cache layout is not resolved: {exc}") from None
-    kinds = {FullAttentionSpec: "full", MLAAttentionSpec: "mla", SlidingWindowSpec: "sliding_window"}
+    kinds = {
+        FullAttentionSpec: "full",
+        MLAAttentionSpec: "mla",
+        SlidingWindowSpec: "sliding_window",
+        MambaSpec: "mamba",
+    }
     groups = kv_cache_config.kv_cache_groups
     specs = [group.kv_cache_spec for group in groups]
     for group, spec in zip(groups, specs, strict=True):
         if type(spec) not in kinds:
-            what = "hybrid SSM (Mamba) state" if "Mamba" in type(spec).__name__ else type(spec).__name__
             raise UnsupportedConfiguration(
-                f"kvcore's vLLM adapter keeps full attention, sliding-window attention and MLA KV, not "
-                f"{what} (layers {', '.join(group.layer_names[:3])}...)"
+                f"kvcore's vLLM adapter keeps full attention, sliding-window attention and MLA KV and Mamba "
+                f"states, not {type(spec).__name__} (layers {', '.join(group.layer_names[:3])}...)"
             )
         if not group.enable_kv_transfer or group.is_eagle_group:
             raise UnsupportedConfiguration(
@@ -106,8 +111,30 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
             f"kvcore needs one block size for every KV-cache group; this model's groups have "
             f"{[spec.block_size for spec in specs]}"
         )
+    hash_block = kv_cache_config.hash_block_size
+    if any(isinstance(spec, MambaSpec) for spec in specs) and hash_block not in (None, specs[0].block_size):
+        raise UnsupportedConfiguration(
+            f"a hybrid SSM model with hash_block_size={hash_block}: kvcore keeps Mamba states with vLLM's "
+            f"prefix-cache hash block equal to its block size {specs[0].block_size}"
+        )
+    model_id = f"{model.model}@{model.revision or 'default'}"
+    tp_size = parallel.tensor_parallel_size
     engines = []
     for group, spec in zip(groups, specs, strict=True):
+        stride = _block_stride(kv_cache_config, group.layer_names)
+        if isinstance(spec, MambaSpec):
+            engines.append(
+                EngineSpec(
+                    model_id=model_id,
+                    kv_dtype="int8",  # vLLM's raw view of the state bytes
+                    num_layers=len(group.layer_names),
+                    total_kv_heads=1 if spec.tp_replicated else tp_size,  # a rank's shard as one "head"
+                    layout=state_layout(spec, kv_cache_config.num_blocks, block_stride=stride),
+                    tp_size=tp_size,
+                    window_tokens=spec.block_size,
+                )
+            )
+            continue
         assert isinstance(spec, (FullAttentionSpec, SlidingWindowSpec))  # checked above, for mypy
         backend = attention_backend(vllm_config, list(group.layer_names))
         packing = ""
@@ -119,32 +146,28 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
             spec,
             kv_cache_config.num_blocks,
             packing=packing,
-            block_stride=_block_stride(kv_cache_config, group.layer_names),
+            block_stride=stride,
         )
         engines.append(
             EngineSpec(
-                model_id=f"{model.model}@{model.revision or 'default'}",
+                model_id=model_id,
                 kv_dtype=kv_dtype(cache.cache_dtype, model.dtype),
                 num_layers=len(group.layer_names),
                 total_kv_heads=1 if isinstance(spec, MLAAttentionSpec) else model.get_total_num_kv_heads(),
                 layout=layout,
-                tp_size=parallel.tensor_parallel_size,
+                tp_size=tp_size,
+                window_tokens=spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None,
             )
         )
     total = sum(engine.host_block_bytes for engine in engines)
     out = []
     for n, (group, spec, engine) in enumerate(zip(groups, specs, engines, strict=True)):
         kind = kinds[type(spec)]
-        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        window = engine.window_tokens
         if len(groups) > 1 or window is not None:
             layers = hashlib.sha256("\0".join(group.layer_names).encode()).hexdigest()[:16]
             named = f"{engine.model_id}#kv-group={kind}{'' if window is None else window}/{layers}"
-            engine = attrs.evolve(
-                engine,
-                model_id=named,
-                sibling_block_bytes=total - engine.host_block_bytes,
-                window_tokens=window,
-            )
+            engine = attrs.evolve(engine, model_id=named, sibling_block_bytes=total - engine.host_block_bytes)
         out.append(KVGroup(n, kind, window, tuple(group.layer_names), engine))
     return tuple(out)
 

@@ -10,7 +10,10 @@ backend:
   from vLLM's ``KVCacheTensor``, spans them; the bytes of a layer's block are the same as in LB*);
 - CPU attention: LBHNC, and each head's ``block_tokens * C`` elements are its K then its V, packed in
   an order set by the attention ISA (``LayoutKind.VLLM_CPU``, the ISA as ``packing``);
-- MLA: one latent per token, ``heads`` = 1 (``LayoutKind.MLA``; every rank holds the same bytes).
+- MLA: one latent per token, ``heads`` = 1 (``LayoutKind.MLA``; every rank holds the same bytes);
+- a Mamba layer's state (hybrid SSM models, in vLLM's "align" cache mode): one raw int8 view
+  ``[blocks, 1, 1, state bytes]`` whose page is padded to the attention page (``LayoutKind.STATE``,
+  ``state_layout``; the state's kind, shapes and dtypes as ``packing``).
 
 Refused at start-up, with a message naming what and why: another backend, another memory order
 (BHLNC, where a layer's heads are apart; LHBNC), K and V of different sizes, and cache dtypes that carry
@@ -20,6 +23,7 @@ as bytes by vLLM; kvcore names them by their fp8 format, so that e4m3 and e5m2 n
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -31,7 +35,7 @@ from kvcore.errors import InvalidSpecError, UnsupportedConfiguration
 from kvcore.layout import HeadOrder, KVLayout, LayoutKind
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
 __all__ = [
     "CPU_BACKEND",
@@ -42,6 +46,7 @@ __all__ = [
     "kv_dtype",
     "kv_layout",
     "requested_order",
+    "state_layout",
 ]
 
 PAGED_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
@@ -167,6 +172,55 @@ def kv_layout(
         return attrs.evolve(dense, page_bytes=stride)
     except InvalidSpecError as exc:
         raise UnsupportedConfiguration(f"{memory_order} with blocks {stride} bytes apart: {exc}") from None
+
+
+STATE_KINDS = ("GDN_ATTN",)
+"""The Mamba layer kinds (vLLM's ``MambaAttentionBackendEnum``) whose states kvcore keeps: those whose
+"align" mode it was built and tested against (a block holds the state after its last token wherever the
+request's computation stopped there)."""
+
+
+def state_layout(spec: MambaSpec, num_blocks: int, *, block_stride: int | None = None) -> KVLayout:
+    """The layout of one Mamba layer of ``spec`` on one rank: its state bytes at the start of each page.
+
+    Refused (``UnsupportedConfiguration``, naming the field): a cache mode other than "align" (vLLM keeps
+    no state per block then), speculative or prefill-checkpoint blocks (states at other places than the
+    blocks' ends), and kinds outside ``STATE_KINDS``."""
+    kind = spec.mamba_type.name
+    checks = (
+        (
+            "mamba_cache_mode",
+            spec.mamba_cache_mode,
+            spec.mamba_cache_mode == "align",
+            "'align' (prefix caching)",
+        ),
+        ("num_speculative_blocks", spec.num_speculative_blocks, not spec.num_speculative_blocks, "0"),
+        (
+            "num_prefill_checkpoint_blocks",
+            spec.num_prefill_checkpoint_blocks,
+            not spec.num_prefill_checkpoint_blocks,
+            "0",
+        ),
+        ("mamba_type", kind, kind in STATE_KINDS, " or ".join(STATE_KINDS)),
+    )
+    for name, got, ok, wanted in checks:
+        if not ok:
+            raise UnsupportedConfiguration(
+                f"Mamba state with {name}={got!r}: kvcore keeps hybrid SSM states with {name} {wanted}"
+            )
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    described = repr((kind, spec.shapes, spec.dtypes, spec.tp_replicated, get_conv_state_layout()))
+    packing = f"{kind.lower()}-{hashlib.sha256(described.encode()).hexdigest()[:16]}"
+    state = spec.state_content_size_bytes
+    stride = spec.page_size_bytes if block_stride is None else block_stride
+    dense = KVLayout(LayoutKind.STATE, num_blocks, spec.block_size, 1, state, 1, packing=packing)
+    if stride == state:
+        return dense
+    try:
+        return attrs.evolve(dense, page_bytes=stride)
+    except InvalidSpecError as exc:
+        raise UnsupportedConfiguration(f"Mamba state pages {stride} bytes apart: {exc}") from None
 
 
 def cpu_packing(model_dtype: torch.dtype, block_tokens: int, head_size: int, cache_dtype: str) -> str:

@@ -27,6 +27,7 @@ from kvcore.compose import open_scheduler
 from kvcore.engine import EngineSpec
 from kvcore.errors import UnsupportedConfiguration
 from kvcore.ids import RequestId
+from kvcore.layout import LayoutKind
 from kvcore.plan import StepPlan
 from kvcore.scheduler import SchedulerStats
 from kvcore_vllm.events import ChunkNames
@@ -81,6 +82,7 @@ class SchedulerSide:
         self.core = open_scheduler(config, engine, hash_identity=hash_identity)
         self._group = group
         self._window = window
+        self._states = engine.layout.kind is LayoutKind.STATE
         self._by_request = failures_by_request
         self.allocated_now: tuple[int, ...] = ()  # blocks of this group handed out in the last step
         self._allocated_async: list[int] = []  # handed to requests whose load runs beside the steps
@@ -260,9 +262,12 @@ class SchedulerSide:
         real = min(computed_tokens, request.num_tokens)
         named = self._named.get(rid, 0)
         self._named[rid] = self._names.name(request.block_hashes, named, real // self._chunk_tokens)
+        table = held_blocks(blocks)
+        if self._states:
+            table = _state_at(table, real, self._chunk_tokens)
         self.core.save(
             RequestId(rid),
-            held_blocks(blocks),
+            table,
             num_tokens=real,
             block_hashes=request.block_hashes,
             hash_block_tokens=self._hash_block_tokens,
@@ -382,3 +387,15 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.core.close()
+
+
+def _state_at(table: list[int | None], computed: int, chunk_tokens: int) -> list[int | None]:
+    """A Mamba group's table with only the block whose state is the one after ``computed`` tokens: the
+    block ending there, where ``computed`` is a block end (vLLM's prefill steps end on block ends, and its
+    decode steps reach them); no block otherwise. A state block of an earlier block end may still be in
+    vLLM's table, and holds that state, but it is saved in the step that reached it, never later: a
+    block whose request computed past its end from inside it holds the state where the step started."""
+    last = computed // chunk_tokens - 1
+    if computed % chunk_tokens or not 0 <= last < len(table):
+        return [None] * len(table)
+    return [block if n == last else None for n, block in enumerate(table)]

@@ -32,6 +32,7 @@ _SHAPE_NAMES = {
     LayoutKind.FLASH_ATTN: "[2, blocks, block_tokens, heads, head]",
     LayoutKind.FLASH_INFER: "[blocks, 2, block_tokens, heads, head]",
     LayoutKind.MLA: "[blocks, block_tokens, latent]",
+    LayoutKind.STATE: "[blocks, 1, 1, state]",
 }
 
 

@@ -29,11 +29,13 @@ with warnings.catch_warnings():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
     from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheTensor,
+        MambaSpec,
         MLAAttentionSpec,
         compute_layout_strides,
         create_kv_cache_views,
@@ -42,7 +44,7 @@ with warnings.catch_warnings():
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import customize_attention_spec
 
-    from kvcore_vllm.kv_layout import connector_views, kv_dtype, kv_layout, requested_order
+    from kvcore_vllm.kv_layout import connector_views, kv_dtype, kv_layout, requested_order, state_layout
 
 from kvcore.engine import EngineSpec
 from kvcore.errors import IncompatibleLayoutError, InvalidSpecError, UnsupportedConfiguration
@@ -376,6 +378,83 @@ def test_vllm_mla_views_are_the_mla_layout() -> None:
     for layer, name in enumerate(names):
         assert torch.equal(saved[layer], latent[layer][4])
         assert torch.equal(views[name].view(torch.int16)[0, 0], latent[layer][4])
+
+
+GDN_STATE = MambaSpec(
+    block_size=TOKENS,
+    shapes=((3, 64), (2, 16, 16)),  # a GDN layer's conv and temporal state, as vLLM shapes them
+    dtypes=(torch.bfloat16, torch.float32),
+    page_size_padded=4096,  # padded to an attention page
+    mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+    mamba_cache_mode="align",
+)
+
+
+def test_vllm_mamba_views_are_the_state_layout() -> None:
+    # vLLM's Mamba views, raw int8 [blocks, 1, 1, state bytes] in padded pages -> kvcore's state layout:
+    # a saved block holds each layer's state bytes, a load writes them into another block, and the
+    # padding after them is never read nor written
+    spec = GDN_STATE
+    state = 3 * 64 * 2 + 2 * 16 * 16 * 4
+    order = KVCacheLayout.LBHNC
+    raw = torch.randint(-128, 128, (spec.page_size_bytes * BLOCKS * LAYERS,), dtype=torch.int8)
+    names = [f"gdn.{i}" for i in range(LAYERS)]
+    tensor = KVCacheTensor(
+        size=raw.numel(),
+        layers=names,
+        layer_stride=spec.page_size_bytes * BLOCKS,
+        block_stride=spec.page_size_bytes,
+    )
+    views = dict(zip(names, create_kv_cache_views(raw, spec, BLOCKS, order, tensor), strict=True))
+    assert tuple(views[names[0]].shape) == (BLOCKS, 1, 1, state)
+    layout = state_layout(spec, BLOCKS, block_stride=tensor.block_stride)
+    assert (layout.kind, layout.block_tokens, layout.block_bytes, layout.page_bytes) == (
+        LayoutKind.STATE,
+        TOKENS,
+        state,
+        spec.page_size_bytes,
+    )
+    assert layout.name.startswith("state/gdn_attn-")
+    other = state_layout(replace(spec, dtypes=(torch.bfloat16, torch.bfloat16)), BLOCKS)
+    assert other.name != layout.name  # another state dtype: other keys
+    engine = EngineSpec(
+        model_id="m",
+        kv_dtype="int8",
+        num_layers=LAYERS,
+        total_kv_heads=1,
+        layout=layout,
+        tp_size=1,
+        window_tokens=TOKENS,
+    )
+    kv = EngineKV.register(connector_views(views, names, engine), layout, kv_dtype="int8")
+    before = raw.clone().view(LAYERS, BLOCKS, spec.page_size_bytes)
+    with HostMemory.allocate(2, kv.host_block_bytes, torch.device("cpu")) as host:
+        mover = TorchBlockMover(kv, host, copy_threads=1)
+        try:
+            _run(mover, Direction.SAVE, [4], [1])
+            saved = host.blocks.view(2, LAYERS, state)[1].view(torch.int8).clone()
+            _run(mover, Direction.LOAD, [0], [1])
+        finally:
+            mover.close()
+    after = raw.view(LAYERS, BLOCKS, spec.page_size_bytes)
+    assert torch.equal(saved, before[:, 4, :state])
+    assert torch.equal(after[:, 0, :state], before[:, 4, :state])
+    assert torch.equal(after[:, 0, state:], before[:, 0, state:])  # the padding is untouched
+    assert torch.equal(after[:, 1:], before[:, 1:])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"mamba_cache_mode": "all"}, "mamba_cache_mode='all'"),
+        ({"num_speculative_blocks": 2}, "num_speculative_blocks=2"),
+        ({"num_prefill_checkpoint_blocks": 1}, "num_prefill_checkpoint_blocks=1"),
+        ({"mamba_type": MambaAttentionBackendEnum.MAMBA2}, "mamba_type='MAMBA2'"),
+    ],
+)
+def test_mamba_states_kvcore_does_not_keep_are_refused_by_name(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(UnsupportedConfiguration, match=message):
+        state_layout(replace(GDN_STATE, **change), BLOCKS)
 
 
 def test_flashinfer_is_paged_like_the_other_gpu_backends() -> None:

@@ -39,7 +39,7 @@ LAYERS = 3
 
 
 def make_layout(kind: LayoutKind, blocks: int = ENGINE_BLOCKS, tokens: int = 4) -> KVLayout:
-    heads = 1 if kind is LayoutKind.MLA else 2
+    heads = 1 if kind in (LayoutKind.MLA, LayoutKind.STATE) else 2
     order = HeadOrder.NHD if kind in (LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER) else HeadOrder.HND
     return KVLayout(kind, blocks, tokens, heads, head_size=16, dtype_size=2, head_order=order)
 

@@ -58,7 +58,7 @@ def assert_out_of_memory(exc: BackendUnavailable, num_blocks: object, block_byte
 @st.composite
 def layouts(draw: st.DrawFn) -> KVLayout:
     kind = draw(st.sampled_from(list(LayoutKind)))
-    heads = 1 if kind is LayoutKind.MLA else draw(st.sampled_from([1, 2]))
+    heads = 1 if kind in (LayoutKind.MLA, LayoutKind.STATE) else draw(st.sampled_from([1, 2]))
     order = HeadOrder.HND if kind is LayoutKind.VLLM_CPU else draw(st.sampled_from(list(HeadOrder)))
     return KVLayout(
         kind, draw(st.integers(1, 3)), draw(st.integers(1, 2)), heads, draw(st.integers(1, 3)), 2, order

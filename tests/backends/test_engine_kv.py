@@ -19,7 +19,7 @@ BLOCKS = 6
 
 
 def layout(kind: LayoutKind, order: HeadOrder = HeadOrder.HND) -> KVLayout:
-    heads = 1 if kind is LayoutKind.MLA else 2
+    heads = 1 if kind in (LayoutKind.MLA, LayoutKind.STATE) else 2
     return KVLayout(
         kind, BLOCKS, block_tokens=4, num_kv_heads=heads, head_size=8, dtype_size=2, head_order=order
     )
@@ -32,6 +32,7 @@ LAYOUTS = [
     layout(LayoutKind.FLASH_INFER, HeadOrder.NHD),
     layout(LayoutKind.FLASH_INFER, HeadOrder.HND),
     layout(LayoutKind.MLA),
+    layout(LayoutKind.STATE),
 ]
 IDS = [f"{lay.kind.value}-{lay.head_order.value}" for lay in LAYOUTS]
 
@@ -79,8 +80,9 @@ def test_each_kind_registers_with_block_major_byte_views(lay: KVLayout) -> None:
     layers = tensors(lay)
     kv = EngineKV.register(layers, lay)
     planes = 2 if lay.kind is LayoutKind.FLASH_ATTN else 1
-    k_and_v = 1 if lay.kind is LayoutKind.MLA else 2
-    layer_block = k_and_v * 4 * lay.num_kv_heads * 8 * 2
+    k_and_v = 1 if lay.kind in (LayoutKind.MLA, LayoutKind.STATE) else 2
+    tokens = 1 if lay.kind is LayoutKind.STATE else 4  # a state is one per block
+    layer_block = k_and_v * tokens * lay.num_kv_heads * 8 * 2
     assert kv.num_layers == 3
     assert kv.num_blocks == BLOCKS
     assert kv.device == torch.device("cpu")

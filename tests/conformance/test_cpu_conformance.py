@@ -87,7 +87,7 @@ class MoverCase:
     one_storage: bool
 
     def layout(self) -> KVLayout:
-        heads = 1 if self.kind is LayoutKind.MLA else 2
+        heads = 1 if self.kind in (LayoutKind.MLA, LayoutKind.STATE) else 2
         return KVLayout(self.kind, ENGINE_BLOCKS, 4, heads, 8, dtype_size=2, head_order=self.head_order)
 
 

@@ -72,7 +72,7 @@ class Rig:
 def layout(
     kind: LayoutKind, blocks: int = BLOCKS, tokens: int = 16, heads: int = 2, head: int = 64
 ) -> KVLayout:
-    heads = 1 if kind is LayoutKind.MLA else heads
+    heads = 1 if kind in (LayoutKind.MLA, LayoutKind.STATE) else heads
     order = HeadOrder.NHD if kind is LayoutKind.FLASH_ATTN else HeadOrder.HND
     return KVLayout(kind, blocks, tokens, heads, head, dtype_size=2, head_order=order)
 

@@ -1,5 +1,6 @@
-"""Build a tiny random-weight Llama model, a DeepSeek-V2-style MLA one or a Gemma-3-style hybrid one
-(sliding-window and full attention layers), and their BPE tokenizer, on local disk.
+"""Build a tiny random-weight Llama model, a DeepSeek-V2-style MLA one, a Gemma-3-style hybrid one
+(sliding-window and full attention layers) or a Qwen3-Next-style hybrid SSM one (Gated DeltaNet and full
+attention layers), and their BPE tokenizer, on local disk.
 
 The model is meant for tests: it loads in vLLM's CPU build in seconds and needs no
 download. Weights are random (bf16, normal(0, 0.2)), so generations are gibberish but
@@ -26,6 +27,8 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 CORPUS: Final[tuple[str, ...]] = (
@@ -207,6 +210,49 @@ def make_tiny_hybrid_model(out_dir: str | Path, seed: int = 0, *, sliding_only: 
     torch.manual_seed(seed)
     model: Gemma3ForCausalLM = Gemma3ForCausalLM(config)
     return _write(out_dir, tokenizer, _randomized(model, WEIGHT_STD))
+
+
+SSM_WEIGHT_STD: Final[float] = 0.05
+
+
+def make_tiny_ssm_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """A four-layer Qwen3-Next-style model (three Gated DeltaNet layers, then one full attention layer;
+    a small MoE) with random bf16 weights, written to ``out_dir``: vLLM keeps each GDN layer's state in a
+    KV-cache group of Mamba states, and the attention layer in one of full attention. Head sizes are 64,
+    which vLLM's CPU kernels take (32 is refused). Every GDN layer decays slowly (``A_log`` -8,
+    ``dt_bias`` -4): random weights otherwise forget half the state per token, and a wrong state would
+    leave the next tokens unchanged."""
+    tokenizer = build_tokenizer()
+    config = Qwen3NextConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        max_position_embeddings=4096,
+        **_shared_fields(tokenizer),
+    )
+    torch.manual_seed(seed)
+    built: Qwen3NextForCausalLM = Qwen3NextForCausalLM(config)  # type: ignore[no-untyped-call]
+    model = _randomized(built, SSM_WEIGHT_STD)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.fill_(-8.0)
+            elif name.endswith("dt_bias"):
+                param.fill_(-4.0)
+    return _write(out_dir, tokenizer, model)
 
 
 def main() -> None:

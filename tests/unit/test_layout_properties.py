@@ -28,7 +28,7 @@ LAYOUT_FIELDS = (
     "page_bytes",
 )
 COUNT_FIELDS = ("num_blocks", "block_tokens", "num_kv_heads", "head_size", "dtype_size")
-SPEC_FIELDS = ("model_id", "kv_dtype", "num_layers", "total_kv_heads", "layout", "tp_size")
+SPEC_FIELDS = ("model_id", "kv_dtype", "num_layers", "total_kv_heads", "layout", "tp_size", "window_tokens")
 
 anything = st.one_of(
     st.none(),
@@ -51,6 +51,7 @@ AXES = {
     LayoutKind.FLASH_ATTN: 5,
     LayoutKind.FLASH_INFER: 5,
     LayoutKind.MLA: 3,
+    LayoutKind.STATE: 4,
 }
 
 
@@ -110,9 +111,9 @@ def test_a_layout_is_well_typed_or_refused_by_field(args: dict[str, Any]) -> Non
 
 @st.composite
 def small_layouts(draw: st.DrawFn) -> KVLayout:
-    """A valid small layout of any kind (MLA: one head)."""
+    """A valid small layout of any kind (MLA, state: one head)."""
     kind = draw(st.sampled_from(list(LayoutKind)))
-    heads = 1 if kind is LayoutKind.MLA else draw(st.sampled_from([1, 2, 4]))
+    heads = 1 if kind in (LayoutKind.MLA, LayoutKind.STATE) else draw(st.sampled_from([1, 2, 4]))
     order = HeadOrder.HND if kind is LayoutKind.VLLM_CPU else draw(st.sampled_from(list(HeadOrder)))
     return KVLayout(
         kind, draw(counts), draw(counts), heads, draw(counts), draw(st.sampled_from([1, 2, 4, 8])), order
@@ -136,6 +137,7 @@ def spec_args(draw: st.DrawFn) -> dict[str, Any]:
         "total_kv_heads": total,
         "layout": layout,
         "tp_size": tp,
+        "window_tokens": layout.block_tokens if layout.kind is LayoutKind.STATE else None,
     }
     plausible: dict[str, st.SearchStrategy[Any]] = {
         "model_id": st.text(max_size=8),
@@ -144,6 +146,7 @@ def spec_args(draw: st.DrawFn) -> dict[str, Any]:
         "total_kv_heads": st.sampled_from([1, 2, 3, 4, 6, 8, 16]),
         "layout": small_layouts(),
         "tp_size": st.sampled_from([1, 2, 3, 4, 8]),
+        "window_tokens": st.sampled_from([None, 1, 8, 64]),
     }
     return {
         name: draw(either(st.one_of(st.just(value), plausible[name]))) for name, value in consistent.items()
@@ -162,6 +165,8 @@ def test_an_engine_spec_is_consistent_or_refused_by_field(args: dict[str, Any]) 
     assert engine.layout.dtype_size == KV_DTYPE_SIZES[engine.kv_dtype]
     assert_well_typed(engine.layout)
     heads, tp = engine.total_kv_heads, engine.tp_size
+    if engine.layout.kind is LayoutKind.STATE:
+        assert engine.window_tokens == engine.layout.block_tokens
     if engine.layout.kind is not LayoutKind.MLA:
         assert engine.layout.num_kv_heads * tp == heads if heads >= tp else engine.layout.num_kv_heads == 1
     assert engine.num_layers * engine.layout.nbytes <= SIZE_LIMIT

@@ -11,13 +11,13 @@ import pytest
 
 from kvcore.config import KVCoreConfig, load_config
 from kvcore.engine import EngineSpec
-from kvcore.errors import ConfigError, InvalidSpecError
+from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguration
 from kvcore.hashing import NO_EXTRA
 from kvcore.ids import ChunkKey, RequestId
 from kvcore.layout import KVLayout, LayoutKind
 from kvcore.plan import OpReport, StepPlan
 from kvcore.scheduler import CacheScheduler
-from kvcore.testing.memory import InMemoryBlockMover
+from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkIndex
 from kvcore.worker import BlockWorker
 
 LAYOUT = KVLayout(
@@ -389,3 +389,55 @@ def test_a_capped_sliding_window_load_stops_where_its_window_is_held() -> None:
     assert rig.sched.lookup(RequestId("b"), tokens=TOKENS) == 24
     # asked to serve 20 tokens, it needs chunks 1 and 2 (tokens 12 to 19): chunk 1 is gone, so 8 it is
     assert rig.sched.cap_load(RequestId("b"), 20) == 8
+
+
+STATE_LAYOUT = KVLayout(
+    kind=LayoutKind.STATE,
+    num_blocks=64,
+    block_tokens=8,
+    num_kv_heads=1,
+    head_size=8,
+    dtype_size=1,
+    page_bytes=16,
+)
+STATE_ENGINE = EngineSpec(
+    model_id="ssm", kv_dtype="int8", num_layers=2, total_kv_heads=1, layout=STATE_LAYOUT, window_tokens=8
+)
+
+
+def test_a_state_is_saved_where_the_engine_holds_one_and_a_hit_stops_at_a_chunk_end() -> None:
+    # a recurrent model's engine holds a state in the blocks where its computation stopped (here after
+    # 16 tokens), the null block elsewhere: only that chunk is saved, and a hit is a chunk end whose
+    # state is held, below the prompt's last token (a state after a token inside a chunk is not kept)
+    rig = Rig()
+    rig.sched = CacheScheduler(rig.config, STATE_ENGINE, 8)
+    a = RequestId("a")
+    assert rig.sched.lookup(a, tokens=TOKENS) == 0
+    saved = rig.fill([5])
+    assert rig.sched.save(a, [None, 5, None, 7], num_tokens=len(TOKENS)) == 1
+    rig.step()
+    rig.sched.finish(a)
+    for rid, length, hit in (("b", 30, 16), ("c", 17, 16), ("d", 16, 0), ("e", 24, 16)):
+        assert rig.sched.lookup(RequestId(rid), tokens=TOKENS[:length]) == hit, rid
+    # the load writes the state into the one block the engine holds for it, at the hit's end
+    b = RequestId("b")
+    assert rig.sched.start_load(b, [None, 40]) == 16
+    (op,) = rig.sched.take_plan().ops
+    assert op.engine_blocks == (40,)
+    rig.worker.execute(StepPlan((op,)))
+    rig.sched.complete(rig.worker.wait([op.op_id], 5.0))
+    assert rig.mover.read_engine_block(40)[: len(saved[5])] == saved[5]
+    # capped inside a chunk by another group, a state hit falls to the chunk end below, here none held
+    f = RequestId("f")
+    assert rig.sched.lookup(f, tokens=TOKENS) == 16
+    assert rig.sched.cap_load(f, 12) == 0
+
+
+def test_a_state_engine_takes_chunks_of_one_block_and_no_remote_tier() -> None:
+    rig = Rig(chunk_tokens=16)
+    with pytest.raises(ConfigError, match=r"chunk_tokens.*block size 8: a recurrent state is kept per block"):
+        CacheScheduler(rig.config, STATE_ENGINE, 8)
+    with pytest.raises(UnsupportedConfiguration, match="served from the local pool alone"):
+        CacheScheduler(Rig().config, STATE_ENGINE, 8, remote=InMemoryChunkIndex())
+    with pytest.raises(InvalidSpecError, match=r"window_tokens: got 16, expected the block size 8"):
+        attrs.evolve(STATE_ENGINE, window_tokens=16)
