@@ -21,6 +21,8 @@ with warnings.catch_warnings():
     from kvcore_vllm.grouped_worker import GroupedWorkerSide
 
 from kvcore.block_pool import PoolUsage
+from kvcore.engine import EngineSpec
+from kvcore.layout import KVLayout, LayoutKind
 from kvcore.plan import OpReport, StepPlan
 from kvcore.scheduler import SchedulerStats
 from kvcore_vllm.metadata import GroupedMetadata, GroupedWorkerMetadata, KVCoreMetadata, KVCoreWorkerMetadata
@@ -29,6 +31,7 @@ from kvcore_vllm.settings import read_extra_config
 from tests.adapters.test_vllm_scheduler_side import BLOCK, ENGINE
 
 FULL, SWA = 0, 1
+STATES = 1  # a hybrid SSM model's second group
 
 
 def _grouped() -> GroupedSchedulerSide:
@@ -214,3 +217,58 @@ def test_merged_stats_sum_blocks_and_count_requests_once() -> None:
     assert (merged.loaded_blocks, merged.saved_blocks, merged.failed_save_chunks) == (7, 14, 7)
     assert merged.pool == PoolUsage(capacity=20, used=7, ready=7, storing=0, pinned=0, evictions=2)
     assert (merged.tier_found, merged.tier_stored, merged.ops_in_flight) == ((7,), (2,), 7)
+
+
+def _with_states() -> GroupedSchedulerSide:
+    """A full attention group and a group of Mamba states (a hybrid SSM model), as ``kv_groups`` builds
+    them: the state group is windowed, its window one block."""
+    settings = read_extra_config({"backend": {"kind": "cpu", "size": "8MiB"}, "chunk_tokens": BLOCK})
+    identity = "vllm/sha256/test"
+    full = SchedulerSide(settings, attrs.evolve(ENGINE, model_id="tiny#full"), BLOCK, identity, group=FULL)
+    layout = KVLayout(LayoutKind.STATE, ENGINE.layout.num_blocks, BLOCK, 1, 96, 1, page_bytes=128)
+    states = EngineSpec(
+        model_id="tiny#mamba",
+        kv_dtype="int8",
+        num_layers=1,
+        total_kv_heads=1,
+        layout=layout,
+        window_tokens=BLOCK,
+    )
+    mamba = SchedulerSide(settings, states, BLOCK, identity, group=STATES, window=BLOCK)
+    return GroupedSchedulerSide([full, mamba])
+
+
+def test_a_state_is_saved_from_the_block_where_a_step_ends_on_a_block_end() -> None:
+    side = _with_states()
+    a = _request("a", 4 * BLOCK + 1)
+    assert side.get_num_new_matched_tokens(a, 0) == (0, False)
+    # prefill 0 -> 256: vLLM's state table holds the running state at the step's last block, the null
+    # block before it; the full group saves both chunks, the state group the state after 256
+    tables = ([5, 6], [0, 8])
+    first = side.build_connector_meta(_step("a", True, tables, tables, computed=0, scheduled=2 * BLOCK))
+    assert _complete(side, first) == [[(5, 6)], [(8,)]]
+    # a step from inside block 2 to the end of block 3 (its first block still holds the state where
+    # the step started): only the state at the step's end, in block 3's slot, is one of a block end
+    tables = ([5, 6, 7, 9], [0, 0, 10, 12])
+    second = side.build_connector_meta(
+        _step("a", False, ([7, 9], [10, 12]), tables, computed=2 * BLOCK + 50, scheduled=2 * BLOCK - 50)
+    )
+    assert _complete(side, second) == [[(7, 9)], [(12,)]]
+    side.request_finished(a, tables)
+    # a prompt of 5 blocks: the full group holds chunks 0-3 and the state group the states after 2 and
+    # 4 blocks: 4 blocks are served, the state loaded into the one block vLLM allocates for it
+    b = _request("b", 5 * BLOCK)
+    assert side.get_num_new_matched_tokens(b, 0) == (4 * BLOCK, True)
+    tables = ([20, 21, 22, 23, 24], [0, 0, 0, 40])
+    side.update_state_after_alloc(b, tables, 4 * BLOCK)
+    meta = side.build_connector_meta(_step("b", True, tables, tables, 4 * BLOCK, 1))
+    loads = [[op.engine_blocks for op in m.plan.ops if op.direction.name == "LOAD"] for m in meta.groups]
+    assert loads == [[(20, 21, 22, 23)], [(40,)]]
+    # one that diverges in block 3: the full group serves 3 blocks, the state group no state after 3,
+    # so both serve 2 (the state after 256), never a state of another length
+    c = _request("c", 4 * BLOCK + 10, diverge_at=3)
+    assert side.get_num_new_matched_tokens(c, 0) == (2 * BLOCK, True)
+    # and a prompt whose last token ends block 4 is served 3 blocks at most (a state is never loaded at
+    # the prompt's end): here the state after 3 blocks is not held, so 2
+    d = _request("d", 4 * BLOCK)
+    assert side.get_num_new_matched_tokens(d, 0) == (2 * BLOCK, True)
