@@ -111,12 +111,8 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
             f"kvcore needs one block size for every KV-cache group; this model's groups have "
             f"{[spec.block_size for spec in specs]}"
         )
-    hash_block = kv_cache_config.hash_block_size
-    if any(isinstance(spec, MambaSpec) for spec in specs) and hash_block not in (None, specs[0].block_size):
-        raise UnsupportedConfiguration(
-            f"a hybrid SSM model with hash_block_size={hash_block}: kvcore keeps Mamba states with vLLM's "
-            f"prefix-cache hash block equal to its block size {specs[0].block_size}"
-        )
+    if any(isinstance(spec, MambaSpec) for spec in specs):
+        _check_states(vllm_config, kv_cache_config.hash_block_size, specs[0].block_size)
     model_id = f"{model.model}@{model.revision or 'default'}"
     tp_size = parallel.tensor_parallel_size
     engines = []
@@ -170,6 +166,24 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
             engine = attrs.evolve(engine, model_id=named, sibling_block_bytes=total - engine.host_block_bytes)
         out.append(KVGroup(n, kind, window, tuple(group.layer_names), engine))
     return tuple(out)
+
+
+def _check_states(vllm_config: VllmConfig, hash_block: int | None, block_size: int) -> None:
+    """Refuse what makes a Mamba group's block hold another state than the one after its last token:
+    speculative decoding (rejected drafts roll the computed tokens back over states already written; a
+    ReplaySSM model declares no speculative blocks), and a prefix-cache hash block smaller than the block
+    (vLLM then copies partial states on write)."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is not None or vllm_config.cache_config.use_replayssm:
+        raise UnsupportedConfiguration(
+            "a hybrid SSM model with speculative decoding (speculative_config, use_replayssm): kvcore keeps "
+            "Mamba states without it"
+        )
+    if hash_block not in (None, block_size):
+        raise UnsupportedConfiguration(
+            f"a hybrid SSM model with hash_block_size={hash_block}: kvcore keeps Mamba states with vLLM's "
+            f"prefix-cache hash block equal to its block size {block_size}"
+        )
 
 
 def _block_stride(kv_cache_config: KVCacheConfig, layers: list[str]) -> int | None:
