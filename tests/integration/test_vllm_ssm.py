@@ -8,11 +8,12 @@ is a block end where the full attention group holds every chunk and each Mamba g
 then computes from it, so a wrong state would change the greedy tokens (the model's states decay slowly,
 ``make_tiny_ssm_model``). Reused tokens must equal those of vLLM's own prefix hit of the same length.
 
-A state computed token by token (decode) is not bit-equal to one computed by a prefill step over the same
-tokens (vLLM's chunked kernel): greedy tokens after a hit on a decoded state differ from a computation
-from nothing, exactly as after vLLM's own hit on it. The engine keeps every state it reaches
-(``prefix_cache_retention_interval=None``) so that vLLM's own hit is there to compare with; kvcore keeps
-them whatever that setting.
+The engine runs vLLM's default ``prefix_cache_retention_interval`` (0): vLLM keeps few states, and hands
+the blocks of the others out again at once, so kvcore's saves of them are fenced before the next forward
+pass. A state computed token by token (decode) is not bit-equal to one computed by a prefill step over
+the same tokens (vLLM's chunked kernel): greedy tokens after a hit on a decoded state differ from a
+computation from nothing, exactly as after vLLM's own hit on it, which a second engine keeping every state
+(``prefix_cache_retention_interval=None``) gives to compare with.
 """
 
 from __future__ import annotations
@@ -43,16 +44,25 @@ STATE_GROUPS, FULL_GROUP = (0, 1, 2), 3  # vLLM's group order: one group per GDN
 
 
 @pytest.fixture(scope="module")
-def ssm_engine(vllm_env: Path) -> Iterator[Any]:
+def ssm_model(vllm_env: Path) -> Path:
+    return make_tiny_ssm_model(vllm_env / "tiny-ssm")
+
+
+def start_ssm_engine(model: Path, **engine_args: Any) -> Any:
     config = kvcore_transfer_config(backend={"kind": "cpu", "size": "64MiB"}, chunk_tokens=BLOCK)
-    llm = start_engine(
-        make_tiny_ssm_model(vllm_env / "tiny-ssm"),
+    return start_engine(
+        model,
         config,
         kv_cache_memory_bytes=64 << 20,
         enable_prefix_caching=True,
         max_num_batched_tokens=1024,
-        prefix_cache_retention_interval=None,
+        **engine_args,
     )
+
+
+@pytest.fixture(scope="module")
+def ssm_engine(ssm_model: Path) -> Iterator[Any]:
+    llm = start_ssm_engine(ssm_model)
     yield llm
     stop_engine(llm)
 
@@ -103,24 +113,35 @@ def test_a_state_comes_back_from_kvcore_as_from_vllms_own_hit(ssm_engine: Any) -
     assert len(set(digests)) == len(digests) == 2
 
 
-def test_a_decode_that_reaches_a_block_end_keeps_the_state_there(ssm_engine: Any) -> None:
+def test_a_decode_that_reaches_a_block_end_keeps_the_state_there(ssm_engine: Any, ssm_model: Path) -> None:
     # a prompt of 700 tokens decodes 100 more: the step that computes token 768 leaves the state after
     # 768 in its block, which vLLM copies forward before the next token; kvcore saves it, and the next
-    # turn (the conversation so far, 800 tokens) is served 768 tokens, as vLLM's own cache serves it
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
+    # turn (the conversation so far, 800 tokens) is served 768 tokens, as vLLM's own cache serves it in
+    # an engine that keeps every state (this one keeps none of a decode)
     first = prompt(72, 700)
-    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
-    (out,) = ssm_engine.generate([TokensPrompt(prompt_token_ids=first)], params, use_tqdm=False)
-    second = first + list(out.outputs[0].token_ids)
-    own = generate(ssm_engine, second)
-    assert own.num_cached_tokens == 3 * BLOCK
+    second = first + _decoded(ssm_engine, first)
     ssm_engine.reset_prefix_cache()
     before = external_hits(ssm_engine)
     reused = generate(ssm_engine, second)
     assert external_hits(ssm_engine) - before == reused.num_cached_tokens == 3 * BLOCK
+    keeping = start_ssm_engine(ssm_model, prefix_cache_retention_interval=None)
+    try:
+        assert first + _decoded(keeping, first) == second
+        own = generate(keeping, second)
+    finally:
+        stop_engine(keeping)
+    assert own.num_cached_tokens == 3 * BLOCK
     assert list(reused.outputs[0].token_ids) == list(own.outputs[0].token_ids)
+
+
+def _decoded(llm: Any, tokens: list[int]) -> list[int]:
+    """100 greedy tokens after ``tokens``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+    return list(out.outputs[0].token_ids)
 
 
 def test_a_prefix_without_a_state_at_its_end_is_not_served(ssm_engine: Any) -> None:
