@@ -60,8 +60,10 @@ class Connector:
         self._ending: dict[RequestId, Request] = {}  # ended with "delay": may still have a save planned
 
     def flush(self) -> None:
-        """``execute(take_plan())``, await this plan's loads, hand every report to ``complete``, then take
-        load errors and finished requests; settle loads that are fully reported; check."""
+        """Resume a halted worker (as vLLM's worker side asks each step), ``execute(take_plan())``, await
+        this plan's loads, hand every report to ``complete``, then take load errors and finished
+        requests; settle loads that are fully reported; check."""
+        self._worker.resume()
         plan = self._sched.take_plan()
         for op in plan.ops:
             self._trace.note(_describe(op))

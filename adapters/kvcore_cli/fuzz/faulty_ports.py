@@ -132,7 +132,7 @@ class FaultyPorts:
         summary.lookup_faults = self.index.failures if self.index else 0
         summary.index_stalls = self.index.stalls if self.index else 0
         summary.locks_handed_over = self.index.handed if self.index else 0
-        summary.halted_at = self.mover.closed_at
+        summary.halts = tuple(self.mover.halts)
 
 
 class _FaultyMover(Postponed):
@@ -140,7 +140,9 @@ class _FaultyMover(Postponed):
     its destination blocks (``spoil``), as the port allows.
 
     Transfers the real mover refuses are kept in ``refused``: the engine never hands kvcore bad block ids,
-    so each is a copy kvcore planned wrongly (a destination twice, a block out of range).
+    so each is a copy kvcore planned wrongly (a destination twice, a block out of range). A worker that
+    halts closes it (the jobs it holds fail; ``halts`` records the steps) and reopens it when it resumes:
+    the real mover under it runs each job to its end when the job's step comes, so none is left running.
     """
 
     def __init__(
@@ -150,6 +152,16 @@ class _FaultyMover(Postponed):
         self._inner = inner
         self._spoil = spoil
         self.refused: list[str] = []
+        self.halts: list[int] = []
+
+    def close(self) -> None:
+        if self.closed_at is None:
+            self.halts.append(self._clock.step)
+        super().close()
+
+    def reopen(self) -> bool:
+        self.closed_at = None
+        return True
 
     def submit(self, transfer: BlockTransfer) -> JobId:
         size = len(transfer.engine_blocks)

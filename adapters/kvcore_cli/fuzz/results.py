@@ -39,7 +39,7 @@ class FuzzSummary:
     given_back: int = 0  # blocks out of a sliding window given back while their request ran (``--window``)
     window_loads: int = 0  # loads whose leading blocks the engine did not hold (before the hit's window)
     saves_fenced: int = 0  # saves still reading a block given back when it was handed out again
-    halted_at: int | None = None  # the step a fence gave up on a copy and stopped the worker for good
+    halts: tuple[int, ...] = ()  # the steps a fence gave up on a copy and halted the worker (resumed after)
 
     @property
     def faults(self) -> int:
@@ -80,7 +80,7 @@ class FuzzSummary:
                 f"{self.given_back} blocks given back, {self.window_loads} loads of the last window only, "
                 f"{self.saves_fenced} saves fenced as their blocks were reused",
             ),
-            ("worker", "running" if self.halted_at is None else f"halted at step {self.halted_at}"),
+            ("worker halts", f"{len(self.halts)}, each resumed at the next flush {list(self.halts)[:8]}"),
             (
                 "faults injected",
                 f"{self.faults} ({self.mover_faults} mover, {self.remote_faults} remote, "
