@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import attrs
 import torch
 import vllm
 from attrs import asdict
@@ -74,8 +75,13 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         settings = read_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        config = settings.core
         groups = kv_groups(vllm_config, kv_cache_config)
+        states = [group for group in groups if group.kind == "mamba"]
+        if states and not settings.chunk_tokens_set:
+            # vLLM sizes a hybrid SSM model's blocks to fit a state; a state is kept per block
+            block = states[0].engine.layout.block_tokens
+            settings = attrs.evolve(settings, core=attrs.evolve(settings.core, chunk_tokens=block))
+        config = settings.core
         if settings.store_policy is StorePolicy.LAZY and (len(groups) > 1 or groups[0].window is not None):
             raise UnsupportedConfiguration(
                 "store_policy 'lazy' does not support sliding-window or hybrid models (vLLM frees their "

@@ -61,12 +61,14 @@ class LoadMode(enum.Enum):
 
 @frozen
 class VLLMSettings:
-    """The core's config plus the adapter's own choices: store policy, load mode, fault hooks."""
+    """The core's config plus the adapter's own choices: store policy, load mode, fault hooks; and
+    whether the config set ``chunk_tokens`` (a hybrid SSM model takes its block size where it did not)."""
 
     core: KVCoreConfig
     store_policy: StorePolicy = StorePolicy.EAGER
     load_mode: LoadMode = LoadMode.AUTO
     faults: FaultHooks | None = None
+    chunk_tokens_set: bool = True
 
 
 def read_extra_config(extra: Mapping[str, Any]) -> VLLMSettings:
@@ -114,6 +116,7 @@ def _settings(data: Mapping[str, Any]) -> VLLMSettings:
         policy,
         _choice(data, LOAD_MODE_KEY, LoadMode, LoadMode.AUTO),
         load_hooks(data[FAULTS_KEY], field=FAULTS_KEY) if FAULTS_KEY in data else None,
+        "chunk_tokens" in data,
     )
     if settings.store_policy is StorePolicy.LAZY and settings.core.save_after_sightings > 1:
         raise ConfigError(

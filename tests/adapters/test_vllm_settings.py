@@ -29,6 +29,18 @@ def test_extra_config_is_the_core_config() -> None:
     assert config.chunk_tokens == 512
 
 
+def test_the_settings_say_whether_the_config_set_chunk_tokens(tmp_path: Path) -> None:
+    # a hybrid SSM model's chunks are vLLM's block unless the config sets them
+    assert read_extra_config(
+        {"backend": {"kind": "cpu", "size": "1GiB"}, "chunk_tokens": 256}
+    ).chunk_tokens_set
+    unset = read_extra_config({"backend": {"kind": "cpu", "size": "1GiB"}})
+    assert (unset.chunk_tokens_set, unset.core.chunk_tokens) == (False, 256)
+    as_json = tmp_path / "kvcore.json"
+    as_json.write_text(json.dumps({"backend": {"kind": "cpu", "size": "1GiB"}, "chunk_tokens": 512}))
+    assert read_extra_config({"config_file": str(as_json)}).chunk_tokens_set
+
+
 def test_bad_extra_config_names_the_field() -> None:
     with pytest.raises(ConfigError) as info:
         read_extra_config({"backend": {"kind": "cpu", "size": "4 bananas"}})

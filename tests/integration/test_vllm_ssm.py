@@ -49,7 +49,10 @@ def ssm_model(vllm_env: Path) -> Path:
 
 
 def start_ssm_engine(model: Path, **engine_args: Any) -> Any:
-    config = kvcore_transfer_config(backend={"kind": "cpu", "size": "64MiB"}, chunk_tokens=BLOCK)
+    """An engine with kvcore's CPU pool, whose chunks are vLLM's block (no ``chunk_tokens`` set: a hybrid
+    SSM model's chunks default to the block size vLLM picks for it)."""
+    config = kvcore_transfer_config(backend={"kind": "cpu", "size": "64MiB"})
+    del config["kv_connector_extra_config"]["chunk_tokens"]
     return start_engine(
         model,
         config,
