@@ -101,11 +101,11 @@ def start_engine(
     )
 
 
-SHUTDOWN_GRACE_S = 10.0
-"""How long an engine gets to exit after SIGTERM before it is killed: vLLM's default of 5 s is short for a
-TP-2 engine on two busy cores; longer costs a test module the whole wait where the engine core never sees
-the signal (delivered to one of its other threads while its main thread waits for input, it is handled
-only when that input comes)."""
+SHUTDOWN_GRACE_S = 5.0
+"""How long an engine gets to exit after SIGTERM before it is killed (vLLM's default). Not longer: an engine
+core sometimes never sees the signal (delivered to one of its other threads while its main thread waits
+for input, it is handled only when input comes), and a TP-2 engine on two busy cores may need more; both
+are then killed, which ``stop_engine`` finishes where vLLM's kill fails."""
 
 
 def stop_engine(llm: Any) -> None:

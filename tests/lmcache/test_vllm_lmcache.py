@@ -93,23 +93,23 @@ def test_a_second_engine_loads_what_the_first_published(
 def test_a_prompts_last_whole_block_inside_a_chunk_comes_from_the_server_too(
     tiny_model: Path, server_factory: ServerFactory
 ) -> None:
+    # one engine (the test above crosses processes): with no host pool, once vLLM's own cache is reset
+    # the server is the only place the blocks can come from
     server = server_factory(2 * BLOCK)  # chunks of two blocks
     server.start()
     tokens = prompt(6363, 5 * BLOCK + 60)  # two chunks, one whole block of the third, 60 tokens
-    a = _engine(tiny_model, server)
+    llm = _engine(tiny_model, server)
     try:
-        reference, saved = _reference(a, tokens, 5 * BLOCK)
-    finally:
-        stop_engine(a)
-    b = _engine(tiny_model, server)
-    try:
-        out = generate(b, tokens, kv_transfer_params={"num_extra_cached_tokens": True})
-        assert out.num_cached_tokens == 5 * BLOCK  # LMCache's own connector: 4 blocks, the whole chunks
+        reference, saved = _reference(llm, tokens, 5 * BLOCK)
+        llm.reset_prefix_cache()  # vLLM's own cache only
+        before = external_hits(llm)
+        out = generate(llm, tokens, kv_transfer_params={"num_extra_cached_tokens": True})
+        assert out.num_cached_tokens == external_hits(llm) - before == 5 * BLOCK  # LMCache's connector: 4
         assert out.kv_transfer_params == {"num_extra_cached_tokens": 5 * BLOCK}
         assert list(out.outputs[0].token_ids) == reference
-        ((digests, same),) = b.collective_rpc(loaded_digests)
+        ((digests, same),) = llm.collective_rpc(loaded_digests)
         assert same
         assert len(set(digests)) == 5
         assert set(digests) <= saved
     finally:
-        stop_engine(b)
+        stop_engine(llm)
