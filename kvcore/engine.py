@@ -56,9 +56,10 @@ class EngineSpec:
 
     A model whose layers keep KV of several kinds (vLLM's KV-cache groups: sliding-window and full
     attention layers) is one ``EngineSpec`` per group, each keyed apart (``model_id`` names the group).
-    ``sibling_block_bytes`` is then what one block of every other group of the engine takes in host
-    memory: the groups share the backend's host memory, each with as many slots as the others (a prompt
-    needs a chunk of each group), so the pool is sized over all of them (``kvcore.sizing.pool_slots``).
+    ``sibling_block_bytes`` is then what every other group of the engine takes in host memory for the
+    tokens of one block of this one (groups may have blocks of different sizes): the groups share the
+    backend's host memory, each with as many slots as the others (a prompt needs a chunk of each group),
+    so the pool is sized over all of them (``kvcore.sizing.pool_slots``).
 
     ``window_tokens``: the layers attend to a sliding window of that many tokens (the next token's
     included), so a hit of ``H`` tokens needs only the KV of tokens ``[H - window_tokens + 1, H)``: the

@@ -4,8 +4,9 @@ A model may keep KV of several kinds (vLLM's hybrid KV-cache manager: sliding-wi
 layers, or Mamba layers' states, in groups, each with its own block table): each group is one
 ``KVGroup``, keyed apart. Unsupported configurations are refused at start-up with a message that names
 them, never silently mis-keyed: pipeline or context parallelism, KV-cache groups of other kinds (local or
-sparse attention) or block sizes, and caches whose bytes kvcore does not describe (``kv_layout``:
-attention backends, memory orders, cache dtypes, Mamba states outside "align" mode).
+sparse attention), and caches whose bytes kvcore does not describe (``kv_layout``: attention backends,
+memory orders, cache dtypes; ``state_layout``: Mamba states outside "align" mode). Groups may have blocks
+of different sizes (vLLM gives every group one page size).
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def engine_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Engi
 
 def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[KVGroup, ...]:
     """The model's KV-cache groups as kvcore sees them; raises ``UnsupportedConfiguration`` for what
-    kvcore cannot key: local or sparse attention kinds, groups of different block sizes, and the
-    configurations ``kv_layout`` and ``state_layout`` refuse."""
+    kvcore cannot key: local or sparse attention kinds, a hybrid SSM model whose groups have different
+    block sizes, and the configurations ``kv_layout`` and ``state_layout`` refuse."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
     parallel = vllm_config.parallel_config
@@ -106,12 +107,12 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
                 "kvcore's vLLM adapter does not support KV-cache groups that are not transferable or hold "
                 f"draft-model layers (layers {', '.join(group.layer_names[:3])}...)"
             )
-    if len({spec.block_size for spec in specs}) != 1:
-        raise UnsupportedConfiguration(
-            f"kvcore needs one block size for every KV-cache group; this model's groups have "
-            f"{[spec.block_size for spec in specs]}"
-        )
     if any(isinstance(spec, MambaSpec) for spec in specs):
+        if len({spec.block_size for spec in specs}) != 1:
+            raise UnsupportedConfiguration(
+                f"a hybrid SSM model whose KV-cache groups have block sizes {[s.block_size for s in specs]}: "
+                "kvcore keeps Mamba states where every group has one block size (vLLM's align mode)"
+            )
         _check_states(vllm_config, kv_cache_config.hash_block_size, specs[0].block_size)
     model_id = f"{model.model}@{model.revision or 'default'}"
     tp_size = parallel.tensor_parallel_size
@@ -149,13 +150,14 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
                 model_id=model_id,
                 kv_dtype=kv_dtype(cache.cache_dtype, model.dtype),
                 num_layers=len(group.layer_names),
-                total_kv_heads=1 if isinstance(spec, MLAAttentionSpec) else model.get_total_num_kv_heads(),
+                total_kv_heads=1
+                if isinstance(spec, MLAAttentionSpec)
+                else _total_heads(spec.num_kv_heads, model.get_total_num_kv_heads(), tp_size),
                 layout=layout,
                 tp_size=tp_size,
                 window_tokens=spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None,
             )
         )
-    total = sum(engine.host_block_bytes for engine in engines)
     out = []
     for n, (group, spec, engine) in enumerate(zip(groups, specs, engines, strict=True)):
         kind = kinds[type(spec)]
@@ -163,9 +165,21 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
         if len(groups) > 1 or window is not None:
             layers = hashlib.sha256("\0".join(group.layer_names).encode()).hexdigest()[:16]
             named = f"{engine.model_id}#kv-group={kind}{'' if window is None else window}/{layers}"
-            engine = attrs.evolve(engine, model_id=named, sibling_block_bytes=total - engine.host_block_bytes)
+            siblings = sum(
+                -(-other.host_block_bytes * spec.block_size // other.layout.block_tokens)  # the same tokens
+                for m, other in enumerate(engines)
+                if m != n
+            )
+            engine = attrs.evolve(engine, model_id=named, sibling_block_bytes=siblings)
         out.append(KVGroup(n, kind, window, tuple(group.layer_names), engine))
     return tuple(out)
+
+
+def _total_heads(per_rank: int, model_total: int, tp_size: int) -> int:
+    """A group's KV heads over every rank: the model's, unless the group's layers hold another count (a
+    model whose full attention layers have KV heads of their own, as Gemma 4's may): then its heads on
+    each rank times the ranks."""
+    return model_total if per_rank == max(1, model_total // tp_size) else per_rank * tp_size
 
 
 def _check_states(vllm_config: VllmConfig, hash_block: int | None, block_size: int) -> None:

@@ -1,6 +1,6 @@
 """Build a tiny random-weight Llama model, a DeepSeek-V2-style MLA one, a Gemma-3-style hybrid one
-(sliding-window and full attention layers) or a Qwen3-Next-style hybrid SSM one (Gated DeltaNet and full
-attention layers), and their BPE tokenizer, on local disk.
+(sliding-window and full attention layers; Gemma-4-style: their blocks of two sizes) or a Qwen3-Next-style
+hybrid SSM one (Gated DeltaNet and full attention layers), and their BPE tokenizer, on local disk.
 
 The model is meant for tests: it loads in vLLM's CPU build in seconds and needs no
 download. Weights are random (bf16, normal(0, 0.2)), so generations are gibberish but
@@ -23,6 +23,8 @@ from transformers import (
     DeepseekV2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -209,6 +211,33 @@ def make_tiny_hybrid_model(out_dir: str | Path, seed: int = 0, *, sliding_only: 
     )
     torch.manual_seed(seed)
     model: Gemma3ForCausalLM = Gemma3ForCausalLM(config)
+    return _write(out_dir, tokenizer, _randomized(model, WEIGHT_STD))
+
+
+def make_tiny_two_block_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """A four-layer Gemma-4-style model, written to ``out_dir``: sliding-window and full attention layers
+    alternating (a window of ``HYBRID_WINDOW`` tokens), the full attention layers with heads of 128, the
+    sliding-window ones of 64. vLLM keeps two KV-cache groups of one page size, so of two block sizes: 256
+    tokens for the sliding-window group, 128 for the full attention one."""
+    tokenizer = build_tokenizer()
+    fields = _shared_fields(tokenizer)
+    config = Gemma4TextConfig(  # type: ignore[call-arg]  # global_head_dim is read from its kwargs
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        global_head_dim=128,
+        sliding_window=HYBRID_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=4096,
+        hidden_size_per_layer_input=0,  # no per-layer input embeddings
+        vocab_size_per_layer_input=fields["vocab_size"],
+        **fields,
+    )
+    torch.manual_seed(seed)
+    model: Gemma4ForCausalLM = Gemma4ForCausalLM(config)
     return _write(out_dir, tokenizer, _randomized(model, WEIGHT_STD))
 
 

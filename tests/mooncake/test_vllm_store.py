@@ -31,8 +31,7 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     vllm_env,
 )
 from tests.integration.probes import external_hits, group_loads, host_digests, kvcore_metric, loaded_digests
-from tests.integration.test_vllm_hybrid import start_hybrid_engine, window_blocks
-from tests.integration.tiny_model import make_tiny_hybrid_model
+from tests.integration.tiny_model import HYBRID_WINDOW, make_tiny_two_block_model
 from tests.mooncake.conftest import Master, MasterFactory
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
@@ -198,11 +197,14 @@ def _settle(llm: Any) -> None:
 
 
 def test_two_hybrid_engines_share_their_chunks_through_the_store(vllm_env: Path, master: Master) -> None:
-    # a Gemma-3-style model, vLLM's hybrid KV-cache manager on: engine A saves both KV-cache groups of a
-    # prompt in the store; engine B, its caches empty, loads them (the sliding-window group only its last
-    # window) with the tokens of A's own prefix hit, every block the bytes of the slot it came through
-    model = make_tiny_hybrid_model(vllm_env / "tiny-hybrid-store")
+    # a Gemma-4-style model, vLLM's hybrid KV-cache manager on, its two KV-cache groups of two block
+    # sizes (sliding window: 256 tokens, full attention: 128), chunks of 256 tokens: engine A saves both
+    # groups of a prompt in the store; engine B, its caches empty, loads them (the sliding-window group
+    # only its last window) with the tokens of A's own prefix hit, every block the bytes of the slot it
+    # came through
+    model = make_tiny_two_block_model(vllm_env / "tiny-two-block-store")
     holder = _start_holder(master)
+    window_block, chunk = 2 * BLOCK, 2 * BLOCK
     try:
         backend = {
             "kind": "mooncake_store",
@@ -210,25 +212,30 @@ def test_two_hybrid_engines_share_their_chunks_through_the_store(vllm_env: Path,
             "segment_size": 0,
             "local_size": "64MiB",
         }
-        config = kvcore_transfer_config(backend=backend, chunk_tokens=BLOCK)
-        tokens = prompt(4343, 7 * BLOCK + 60)
-        a = start_hybrid_engine(model, config)
+        config = kvcore_transfer_config(backend=backend, chunk_tokens=chunk)
+        tokens = prompt(4343, 7 * BLOCK + 60)  # 956 tokens: 3 chunks before its last token
+        a = start_engine(model, config, kv_cache_memory_bytes=16 << 20)
         try:
             generate(a, tokens)
             local = generate(a, tokens)
-            assert local.num_cached_tokens == 7 * BLOCK
+            assert local.num_cached_tokens == 3 * chunk
         finally:
             stop_engine(a)
-        b = start_hybrid_engine(model, config)
+        b = start_engine(model, config, kv_cache_memory_bytes=16 << 20)
         try:
             before = external_hits(b)
             again = generate(b, tokens)
-            assert external_hits(b) - before == again.num_cached_tokens == 7 * BLOCK
+            assert external_hits(b) - before == again.num_cached_tokens == 3 * chunk
             assert list(again.outputs[0].token_ids) == list(local.outputs[0].token_ids)
             ((swa, full),) = b.collective_rpc(group_loads)
             assert swa[1]
             assert full[1]
-            assert (len(swa[0]), len(full[0])) == (window_blocks(7 * BLOCK), 7)
+            # the window's tokens [568, 768) lie in one sliding-window block; the full group's 6 blocks
+            window = 3 * chunk // window_block - (3 * chunk - HYBRID_WINDOW) // window_block
+            assert (len(swa[0]), len(full[0])) == (window, 3 * chunk // BLOCK)
+            assert swa[2] == full[2]  # one block of each group: the same page, of two block sizes
+            # the groups share the 64 MiB pool in slot pairs: a chunk of each, 1 + 2 blocks
+            assert kvcore_metric(b, "pool_capacity") == 2 * ((64 << 20) // (3 * full[2]))
         finally:
             stop_engine(b)
     finally:
