@@ -195,23 +195,29 @@ def make_tiny_hybrid_model(out_dir: str | Path, seed: int = 0, *, sliding_only: 
     ``sliding_only``: every layer uses the window (a Mistral-style model: one sliding-window group)."""
     tokenizer = build_tokenizer()
     config = Gemma3TextConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
         query_pre_attn_scalar=64,
-        sliding_window=HYBRID_WINDOW,
-        layer_types=["sliding_attention"] * 4
-        if sliding_only
-        else ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        max_position_embeddings=4096,
-        **_shared_fields(tokenizer),
+        **_gemma_fields(tokenizer, ["sliding_attention"] * 4 if sliding_only else None),
     )
     torch.manual_seed(seed)
     model: Gemma3ForCausalLM = Gemma3ForCausalLM(config)
     return _write(out_dir, tokenizer, _randomized(model, WEIGHT_STD))
+
+
+def _gemma_fields(tokenizer: PreTrainedTokenizerFast, layer_types: list[str] | None = None) -> dict[str, Any]:
+    """Config fields of the tiny Gemma-style models: four layers, sliding-window and full attention
+    alternating unless ``layer_types`` says otherwise, a window of ``HYBRID_WINDOW`` tokens, heads of 64."""
+    return {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "sliding_window": HYBRID_WINDOW,
+        "layer_types": layer_types or ["sliding_attention", "full_attention"] * 2,
+        "max_position_embeddings": 4096,
+        **_shared_fields(tokenizer),
+    }
 
 
 def make_tiny_two_block_model(out_dir: str | Path, seed: int = 0) -> Path:
@@ -220,21 +226,11 @@ def make_tiny_two_block_model(out_dir: str | Path, seed: int = 0) -> Path:
     sliding-window ones of 64. vLLM keeps two KV-cache groups of one page size, so of two block sizes: 256
     tokens for the sliding-window group, 128 for the full attention one."""
     tokenizer = build_tokenizer()
-    fields = _shared_fields(tokenizer)
     config = Gemma4TextConfig(  # type: ignore[call-arg]  # global_head_dim is read from its kwargs
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
         global_head_dim=128,
-        sliding_window=HYBRID_WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        max_position_embeddings=4096,
         hidden_size_per_layer_input=0,  # no per-layer input embeddings
-        vocab_size_per_layer_input=fields["vocab_size"],
-        **fields,
+        vocab_size_per_layer_input=len(tokenizer),
+        **_gemma_fields(tokenizer),
     )
     torch.manual_seed(seed)
     model: Gemma4ForCausalLM = Gemma4ForCausalLM(config)
