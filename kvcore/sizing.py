@@ -69,7 +69,9 @@ def staging_shortfall(config: KVCoreConfig, engine: EngineSpec, step_tokens: int
     need = -(-step_tokens // config.chunk_tokens)
     if have == 0 or have >= need:  # no pool: the remote tier moves every chunk itself
         return None
-    enough = need * engine.tp_size * slot_bytes(config, engine)
+    # a slot of every KV-cache group: the groups share the pool, each as many slots
+    siblings = engine.blocks_per_chunk(config.chunk_tokens) * engine.sibling_block_bytes
+    enough = need * engine.tp_size * (slot_bytes(config, engine) + siblings)
     return (
         f"kvcore: {host_field(config)}={backend.host_bytes} stages {have} chunk(s) per rank, but "
         f"one step can save {need} ({step_tokens} tokens): saves beyond what fits are neither kept nor "

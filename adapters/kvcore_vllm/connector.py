@@ -8,6 +8,7 @@ configurations stop the engine at start-up with a message naming the field or th
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -108,7 +109,10 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
                     "set it to 'recompute' to fall back to computing the blocks instead",
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
-            hash_block = kv_cache_config.hash_block_size or engine.layout.block_tokens
+            # vLLM sets it; else its rule: the block size every group's is a multiple of
+            hash_block = kv_cache_config.hash_block_size or math.gcd(
+                *(g.engine.layout.block_tokens for g in groups)
+            )
             self._scheduler = _per_group(
                 grouped,
                 groups,

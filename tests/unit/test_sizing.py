@@ -51,6 +51,16 @@ def test_a_remote_tier_names_the_field_and_the_size_that_stages_one_step() -> No
     )
     mooncake = _config({"kind": "mooncake_store", "local_size": 2 * slot})
     assert "backend.local_size" in (staging_shortfall(mooncake, engine, step) or "")
+    # one group of a hybrid model: the size asked for stages a step of every group (the others take as
+    # much again here), and no warning once it is set
+    grouped = attrs.evolve(engine, sibling_block_bytes=engine.host_block_bytes)
+    why = staging_shortfall(short, grouped, step)
+    assert why is not None
+    assert f"at least {5 * 2 * 2 * slot} bytes" in why
+    assert (
+        staging_shortfall(_config({"kind": "lmcache_mp", "local_size": 5 * 2 * 2 * slot}), grouped, step)
+        is None
+    )
 
 
 def test_kv_cache_groups_share_the_host_memory_with_as_many_slots_each() -> None:
