@@ -166,12 +166,7 @@ def kv_layout(
         packing,
     )
     stride = spec.page_size_padded if block_stride is None else block_stride
-    if stride is None or stride == dense.block_bytes:
-        return dense
-    try:
-        return attrs.evolve(dense, page_bytes=stride)
-    except InvalidSpecError as exc:
-        raise UnsupportedConfiguration(f"{memory_order} with blocks {stride} bytes apart: {exc}") from None
+    return _paged(dense, stride, memory_order)
 
 
 STATE_KINDS = ("GDN_ATTN",)
@@ -215,12 +210,18 @@ def state_layout(spec: MambaSpec, num_blocks: int, *, block_stride: int | None =
     state = spec.state_content_size_bytes
     stride = spec.page_size_bytes if block_stride is None else block_stride
     dense = KVLayout(LayoutKind.STATE, num_blocks, spec.block_size, 1, state, 1, packing=packing)
-    if stride == state:
+    return _paged(dense, stride, "Mamba state")
+
+
+def _paged(dense: KVLayout, stride: int | None, what: str) -> KVLayout:
+    """``dense`` with its blocks ``stride`` bytes apart (``None``: dense), or ``UnsupportedConfiguration``
+    naming ``what`` where the stride cannot hold a block."""
+    if stride is None or stride == dense.block_bytes:
         return dense
     try:
         return attrs.evolve(dense, page_bytes=stride)
     except InvalidSpecError as exc:
-        raise UnsupportedConfiguration(f"Mamba state pages {stride} bytes apart: {exc}") from None
+        raise UnsupportedConfiguration(f"{what} with blocks {stride} bytes apart: {exc}") from None
 
 
 def cpu_packing(model_dtype: torch.dtype, block_tokens: int, head_size: int, cache_dtype: str) -> str:
