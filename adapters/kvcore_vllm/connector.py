@@ -36,6 +36,7 @@ from kvcore_vllm.rank_agreement import RankAgreement, alone, over_group
 from kvcore_vllm.roles import require_side
 from kvcore_vllm.scheduler_side import SchedulerSide
 from kvcore_vllm.settings import StorePolicy, read_extra_config
+from kvcore_vllm.state_steps import StateSteps
 from kvcore_vllm.stats import KVCorePromMetrics, KVCoreStats, StatsDelta
 from kvcore_vllm.worker_side import WorkerSide
 
@@ -93,6 +94,7 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         # by request (a recompute from a failed block would attend to blocks vLLM gave back)
         grouped = len(groups) > 1 or groups[0].window is not None
         self._scheduler: SchedulerSide | GroupedSchedulerSide | None = None
+        self._steps: StateSteps | None = None
         self._worker: WorkerSide | GroupedWorkerSide | None = None
         self._stats_delta = StatsDelta()
         if role == KVConnectorRole.SCHEDULER:
@@ -113,6 +115,8 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
             hash_block = kv_cache_config.hash_block_size or math.gcd(
                 *(g.engine.layout.block_tokens for g in groups)
             )
+            if states:
+                self._steps = StateSteps(vllm_config.cache_config, states[0].engine.layout.block_tokens)
             self._scheduler = _per_group(
                 grouped,
                 groups,
@@ -240,6 +244,8 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if self._steps is not None:  # before vLLM cuts the request's first step
+            self._steps.keep()
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(

@@ -32,7 +32,7 @@ from tests.integration.conftest import (
     start_engine,
     stop_engine,
 )
-from tests.integration.probes import external_hits, group_loads
+from tests.integration.probes import group_loads
 from tests.integration.tiny_model import make_tiny_ssm_model
 
 pytestmark = [*VLLM_MARKS, pytest.mark.slow]
@@ -41,6 +41,9 @@ BLOCK = 256  # vLLM raises the block size so that an attention page holds a Mamb
 STATE_BYTES = 3 * 512 * 2 + 4 * 64 * 64 * 4  # a GDN layer's conv state (bf16) and temporal state (fp32)
 ATTENTION_BLOCK_BYTES = BLOCK * 2 * 2 * 64 * 2  # K and V of 2 heads of 64 per token, bf16
 STATE_GROUPS, FULL_GROUP = (0, 1, 2), 3  # vLLM's group order: one group per GDN layer, then attention
+EXTRA = {"num_extra_cached_tokens": True}
+"""A request's ``kv_transfer_params`` asking for the tokens kvcore served it (vLLM's metrics would not do:
+a second engine in the process takes the metrics registry over)."""
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,7 @@ def ssm_model(vllm_env: Path) -> Path:
     return make_tiny_ssm_model(vllm_env / "tiny-ssm")
 
 
-def start_ssm_engine(model: Path, **engine_args: Any) -> Any:
+def start_ssm_engine(model: Path, max_num_batched_tokens: int = 1024, **engine_args: Any) -> Any:
     """An engine with kvcore's CPU pool, whose chunks are vLLM's block (no ``chunk_tokens`` set: a hybrid
     SSM model's chunks default to the block size vLLM picks for it)."""
     config = kvcore_transfer_config(backend={"kind": "cpu", "size": "64MiB"})
@@ -58,7 +61,7 @@ def start_ssm_engine(model: Path, **engine_args: Any) -> Any:
         config,
         kv_cache_memory_bytes=64 << 20,
         enable_prefix_caching=True,
-        max_num_batched_tokens=1024,
+        max_num_batched_tokens=max_num_batched_tokens,
         **engine_args,
     )
 
@@ -66,6 +69,16 @@ def start_ssm_engine(model: Path, **engine_args: Any) -> Any:
 @pytest.fixture(scope="module")
 def ssm_engine(ssm_model: Path) -> Iterator[Any]:
     llm = start_ssm_engine(ssm_model)
+    yield llm
+    stop_engine(llm)
+
+
+@pytest.fixture(scope="module")
+def keeping_engine(ssm_model: Path) -> Iterator[Any]:
+    """An engine whose own cache keeps every state (``prefix_cache_retention_interval=None``), with steps
+    of at most 384 tokens: not a multiple of the block, so its prefill steps are cut where vLLM's
+    scheduler aligns them."""
+    llm = start_ssm_engine(ssm_model, max_num_batched_tokens=384, prefix_cache_retention_interval=None)
     yield llm
     stop_engine(llm)
 
@@ -92,19 +105,18 @@ def test_kvcore_serves_each_mamba_group_and_vllm_keeps_its_hybrid_manager(ssm_en
 
 
 def test_a_state_comes_back_from_kvcore_as_from_vllms_own_hit(ssm_engine: Any) -> None:
-    # served again, 700 tokens are computed in two steps, 0 -> 512 -> 700 (vLLM ends a step at the last
-    # block end before the prompt's last token of a prompt it saw): the state after 512 is kept, and
-    # reused by vLLM, then by kvcore
+    # 700 tokens are computed in two steps, 0 -> 512 -> 700 (vLLM ends a prefill step at the last block
+    # end before the prompt's last token): the state after 512 is kept, and reused by vLLM, then by kvcore
     tokens = prompt(71, 700)
     computed = fresh(ssm_engine, tokens)
     for _ in range(2):
         generate(ssm_engine, tokens)
     own = generate(ssm_engine, tokens)
     assert own.num_cached_tokens == 2 * BLOCK
-    ssm_engine.reset_prefix_cache()  # vLLM's own cache only: kvcore keeps its chunks
-    before = external_hits(ssm_engine)
-    reused = generate(ssm_engine, tokens)
-    assert external_hits(ssm_engine) - before == reused.num_cached_tokens == 2 * BLOCK
+    assert ssm_engine.reset_prefix_cache()  # vLLM's own cache only: kvcore keeps its chunks
+    reused = generate(ssm_engine, tokens, kv_transfer_params=EXTRA)
+    assert reused.kv_transfer_params == {"num_extra_cached_tokens": reused.num_cached_tokens}
+    assert reused.num_cached_tokens == 2 * BLOCK
     assert list(reused.outputs[0].token_ids) == list(own.outputs[0].token_ids) == computed
     loads = ssm_engine.collective_rpc(group_loads)[0]
     for group in STATE_GROUPS:  # one block each: the state at the hit's end, the bytes kvcore saved
@@ -116,23 +128,21 @@ def test_a_state_comes_back_from_kvcore_as_from_vllms_own_hit(ssm_engine: Any) -
     assert len(set(digests)) == len(digests) == 2
 
 
-def test_a_decode_that_reaches_a_block_end_keeps_the_state_there(ssm_engine: Any, ssm_model: Path) -> None:
+def test_a_decode_that_reaches_a_block_end_keeps_the_state_there(
+    ssm_engine: Any, keeping_engine: Any
+) -> None:
     # a prompt of 700 tokens decodes 100 more: the step that computes token 768 leaves the state after
     # 768 in its block, which vLLM copies forward before the next token; kvcore saves it, and the next
     # turn (the conversation so far, 800 tokens) is served 768 tokens, as vLLM's own cache serves it in
     # an engine that keeps every state (this one keeps none of a decode)
     first = prompt(72, 700)
     second = first + _decoded(ssm_engine, first)
-    ssm_engine.reset_prefix_cache()
-    before = external_hits(ssm_engine)
-    reused = generate(ssm_engine, second)
-    assert external_hits(ssm_engine) - before == reused.num_cached_tokens == 3 * BLOCK
-    keeping = start_ssm_engine(ssm_model, prefix_cache_retention_interval=None)
-    try:
-        assert first + _decoded(keeping, first) == second
-        own = generate(keeping, second)
-    finally:
-        stop_engine(keeping)
+    assert ssm_engine.reset_prefix_cache()
+    reused = generate(ssm_engine, second, kv_transfer_params=EXTRA)
+    assert reused.kv_transfer_params == {"num_extra_cached_tokens": reused.num_cached_tokens}
+    assert reused.num_cached_tokens == 3 * BLOCK
+    assert first + _decoded(keeping_engine, first) == second
+    own = generate(keeping_engine, second)
     assert own.num_cached_tokens == 3 * BLOCK
     assert list(reused.outputs[0].token_ids) == list(own.outputs[0].token_ids)
 
@@ -153,8 +163,33 @@ def test_a_prefix_without_a_state_at_its_end_is_not_served(ssm_engine: Any) -> N
     shared = prompt(73, 700)
     generate(ssm_engine, shared)
     other = shared[:300] + prompt(74, 400)
-    ssm_engine.reset_prefix_cache()
-    before = external_hits(ssm_engine)
-    served = generate(ssm_engine, other)
-    assert external_hits(ssm_engine) - before == served.num_cached_tokens == 0
+    assert ssm_engine.reset_prefix_cache()
+    served = generate(ssm_engine, other, kv_transfer_params=EXTRA)
+    assert served.kv_transfer_params == {"num_extra_cached_tokens": served.num_cached_tokens}
+    assert served.num_cached_tokens == 0
     assert list(served.outputs[0].token_ids) == fresh(ssm_engine, other)
+
+
+def test_prefill_steps_end_on_block_ends_so_every_hit_holds_the_state_at_its_end(
+    ssm_engine: Any, keeping_engine: Any
+) -> None:
+    # vLLM's CPU platform resets the scheduler's block size to 128 after start-up; kvcore sets it back to
+    # the Mamba block (``StateSteps``). Cut at 128: a 650-token prompt in steps of at most 384 tokens runs
+    # 0 -> 384 -> 640 -> 650, the block of tokens 256-511 keeps the state after 384, and vLLM's own cache
+    # serves it as the state after 512 (other tokens than a computation from nothing); cut at the block,
+    # 0 -> 256 -> 512 -> 650
+    tokens = prompt(75, 650)
+    generate(keeping_engine, tokens)
+    follow = tokens[:600] + prompt(76, 100)
+    own = generate(keeping_engine, follow)
+    assert own.num_cached_tokens == 2 * BLOCK
+    assert list(own.outputs[0].token_ids) == fresh(keeping_engine, follow)
+    # cut at 128, a 700-token prompt seen for the first time runs 0 -> 640 -> 700 and leaves no state at a
+    # block end for kvcore to keep; cut at the block, 0 -> 512 -> 700, and kvcore serves 512 tokens
+    first = prompt(77, 700)
+    computed = generate(ssm_engine, first)
+    assert ssm_engine.reset_prefix_cache()
+    reused = generate(ssm_engine, first, kv_transfer_params=EXTRA)
+    assert reused.kv_transfer_params == {"num_extra_cached_tokens": reused.num_cached_tokens}
+    assert reused.num_cached_tokens == 2 * BLOCK
+    assert list(reused.outputs[0].token_ids) == list(computed.outputs[0].token_ids)
