@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,6 +141,18 @@ def _kill_tree(pid: int | None) -> None:
     for process in family:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
+
+
+def reset_cache(llm: Any, *, reset_connector: bool = False, within_s: float = 10.0) -> bool:
+    """``llm.reset_prefix_cache``, asked again while vLLM refuses: a finished request whose saves are
+    still in flight keeps its blocks until a later engine step reports them done (vLLM refuses a reset
+    while any block is held). True once vLLM reset its cache, False if it never did within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while not llm.reset_prefix_cache(reset_connector=reset_connector):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def prompt(seed: int, length: int) -> list[int]:

@@ -14,6 +14,7 @@ from tests.integration.conftest import (
     generate,
     kvcore_transfer_config,
     prompt,
+    reset_cache,
     start_engine,
     stop_engine,
 )
@@ -53,9 +54,9 @@ def test_a_whole_prompt_hit_loads_all_but_the_last_token(kvcore_engine: Any) -> 
     # a prompt of whole chunks, all of them in the pool: kvcore loads 4 * BLOCK - 1 tokens, the last block
     # partly, and vLLM computes one token; then vLLM's own cache serves that block once it is full
     tokens, longer = prompt(150, 4 * BLOCK), prompt(150, 4 * BLOCK) + prompt(151, 40)
-    assert kvcore_engine.reset_prefix_cache(reset_connector=True)
+    assert reset_cache(kvcore_engine, reset_connector=True)
     recomputed_longer = generate(kvcore_engine, longer)
-    assert kvcore_engine.reset_prefix_cache(reset_connector=True)
+    assert reset_cache(kvcore_engine, reset_connector=True)
     recomputed = generate(kvcore_engine, tokens)
     assert recomputed.num_cached_tokens == 0
     for seed in range(3):  # push the prompt out of vLLM's 24-block cache
@@ -122,7 +123,7 @@ def test_the_next_turn_loads_the_last_whole_block_the_turn_before_computed(kvcor
     assert len(digests) == 5
     assert same
     # vLLM's own hit of the same length: the first turn again, from an empty cache, then the second
-    assert kvcore_engine.reset_prefix_cache(reset_connector=True)
+    assert reset_cache(kvcore_engine, reset_connector=True)
     _answer(kvcore_engine, first, 40)
     local = generate(kvcore_engine, turn2)
     assert local.num_cached_tokens == 5 * BLOCK
@@ -155,7 +156,7 @@ def test_preemption_and_reset_leak_nothing(kvcore_engine: Any) -> None:
     prompts = [TokensPrompt(prompt_token_ids=prompt(300 + i, 900)) for i in range(4)]
     outs = kvcore_engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 64 for o in outs)
-    assert kvcore_engine.reset_prefix_cache(reset_connector=True)
+    assert reset_cache(kvcore_engine, reset_connector=True)
     # gauges are sampled at the end of each step: a few short requests (no full chunk, so nothing of
     # their own to save) let the last reports of the long ones arrive
     gauges = ("pool_pinned", "pool_storing", "ops_in_flight", "requests")

@@ -22,6 +22,7 @@ from tests.integration.conftest import (
     generate,
     kvcore_transfer_config,
     prompt,
+    reset_cache,
     start_engine,
     stop_engine,
 )
@@ -160,7 +161,7 @@ def test_a_model_of_sliding_window_layers_only_loads_the_window(vllm_env: Path) 
         generate(llm, tokens)
         own = generate(llm, tokens)
         assert own.num_cached_tokens == 896
-        llm.reset_prefix_cache()  # vLLM's own cache only: kvcore keeps its chunks
+        assert reset_cache(llm)  # vLLM's own cache only: kvcore keeps its chunks
         before = external_hits(llm)
         again = generate(llm, tokens)
         assert external_hits(llm) - before == again.num_cached_tokens == 896

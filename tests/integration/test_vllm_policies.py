@@ -21,6 +21,7 @@ from tests.integration.conftest import (
     generate,
     kvcore_transfer_config,
     prompt,
+    reset_cache,
     start_engine,
     stop_engine,
 )
@@ -124,7 +125,7 @@ def test_lazy_saves_only_at_eviction_and_serves_exact(lazy_engine: tuple[Any, Ev
     cpu_hashes = {h for e in stored for h in e.block_hashes}
     assert len(cpu_hashes & vllm_hashes) == 4
 
-    assert llm.reset_prefix_cache(reset_connector=True)
+    assert reset_cache(llm, reset_connector=True)
     _settled(llm)
     removed = [e for e in events.drain() if type(e).__name__ == "BlockRemoved" and e.medium == "CPU"]
     assert cpu_hashes <= {h for e in removed for h in e.block_hashes}

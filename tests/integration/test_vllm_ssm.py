@@ -29,6 +29,7 @@ from tests.integration.conftest import (
     generate,
     kvcore_transfer_config,
     prompt,
+    reset_cache,
     start_engine,
     stop_engine,
 )
@@ -113,7 +114,7 @@ def test_a_state_comes_back_from_kvcore_as_from_vllms_own_hit(ssm_engine: Any) -
         generate(ssm_engine, tokens)
     own = generate(ssm_engine, tokens)
     assert own.num_cached_tokens == 2 * BLOCK
-    assert ssm_engine.reset_prefix_cache()  # vLLM's own cache only: kvcore keeps its chunks
+    assert reset_cache(ssm_engine)  # vLLM's own cache only: kvcore keeps its chunks
     reused = generate(ssm_engine, tokens, kv_transfer_params=EXTRA)
     assert reused.kv_transfer_params == {"num_extra_cached_tokens": reused.num_cached_tokens}
     assert reused.num_cached_tokens == 2 * BLOCK
@@ -137,7 +138,7 @@ def test_a_decode_that_reaches_a_block_end_keeps_the_state_there(
     # an engine that keeps every state (this one keeps none of a decode)
     first = prompt(72, 700)
     second = first + _decoded(ssm_engine, first)
-    assert ssm_engine.reset_prefix_cache()
+    assert reset_cache(ssm_engine)
     reused = generate(ssm_engine, second, kv_transfer_params=EXTRA)
     assert reused.kv_transfer_params == {"num_extra_cached_tokens": reused.num_cached_tokens}
     assert reused.num_cached_tokens == 3 * BLOCK
@@ -163,7 +164,7 @@ def test_a_prefix_without_a_state_at_its_end_is_not_served(ssm_engine: Any) -> N
     shared = prompt(73, 700)
     generate(ssm_engine, shared)
     other = shared[:300] + prompt(74, 400)
-    assert ssm_engine.reset_prefix_cache()
+    assert reset_cache(ssm_engine)
     served = generate(ssm_engine, other, kv_transfer_params=EXTRA)
     assert served.kv_transfer_params == {"num_extra_cached_tokens": served.num_cached_tokens}
     assert served.num_cached_tokens == 0
@@ -188,7 +189,7 @@ def test_prefill_steps_end_on_block_ends_so_every_hit_holds_the_state_at_its_end
     # block end for kvcore to keep; cut at the block, 0 -> 512 -> 700, and kvcore serves 512 tokens
     first = prompt(77, 700)
     computed = generate(ssm_engine, first)
-    assert ssm_engine.reset_prefix_cache()
+    assert reset_cache(ssm_engine)
     reused = generate(ssm_engine, first, kv_transfer_params=EXTRA)
     assert reused.kv_transfer_params == {"num_extra_cached_tokens": reused.num_cached_tokens}
     assert reused.num_cached_tokens == 2 * BLOCK

@@ -22,6 +22,7 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     generate,
     kvcore_transfer_config,
     prompt,
+    reset_cache,
     start_engine,
     stop_engine,
     tiny_model,
@@ -101,7 +102,7 @@ def test_a_prompts_last_whole_block_inside_a_chunk_comes_from_the_server_too(
     llm = _engine(tiny_model, server)
     try:
         reference, saved = _reference(llm, tokens, 5 * BLOCK)
-        llm.reset_prefix_cache()  # vLLM's own cache only
+        assert reset_cache(llm)  # vLLM's own cache only
         before = external_hits(llm)
         out = generate(llm, tokens, kv_transfer_params={"num_extra_cached_tokens": True})
         assert out.num_cached_tokens == external_hits(llm) - before == 5 * BLOCK  # LMCache's connector: 4
