@@ -22,6 +22,13 @@ def slot_bytes(config: KVCoreConfig, engine: EngineSpec) -> int:
     return engine.blocks_per_chunk(config.chunk_tokens) * engine.host_block_bytes
 
 
+def _group_slots_bytes(config: KVCoreConfig, engine: EngineSpec) -> int:
+    """Bytes of host memory one slot takes with those of every other KV-cache group of the engine
+    (``EngineSpec.sibling_block_bytes``): the groups share the pool, each with as many slots."""
+    siblings = engine.blocks_per_chunk(config.chunk_tokens) * engine.sibling_block_bytes
+    return slot_bytes(config, engine) + siblings
+
+
 def pool_slots(config: KVCoreConfig, engine: EngineSpec, world_size: int = 1) -> int:
     """Host slots that the backend's host memory buys per rank (``size`` for the CPU tier, ``local_size``
     in front of a remote tier); for one KV-cache group of a hybrid model, the slots of every group
@@ -32,8 +39,7 @@ def pool_slots(config: KVCoreConfig, engine: EngineSpec, world_size: int = 1) ->
     that is not a multiple of the block size, or a size below one slot on each rank.
     """
     check_world(engine, world_size)
-    siblings = engine.blocks_per_chunk(config.chunk_tokens) * engine.sibling_block_bytes
-    one = slot_bytes(config, engine) + siblings
+    one = _group_slots_bytes(config, engine)
     backend = config.backend
     if backend.DIRECT and backend.host_bytes == 0:
         return 0
@@ -69,9 +75,7 @@ def staging_shortfall(config: KVCoreConfig, engine: EngineSpec, step_tokens: int
     need = -(-step_tokens // config.chunk_tokens)
     if have == 0 or have >= need:  # no pool: the remote tier moves every chunk itself
         return None
-    # a slot of every KV-cache group: the groups share the pool, each as many slots
-    siblings = engine.blocks_per_chunk(config.chunk_tokens) * engine.sibling_block_bytes
-    enough = need * engine.tp_size * (slot_bytes(config, engine) + siblings)
+    enough = need * engine.tp_size * _group_slots_bytes(config, engine)
     return (
         f"kvcore: {host_field(config)}={backend.host_bytes} stages {have} chunk(s) per rank, but "
         f"one step can save {need} ({step_tokens} tokens): saves beyond what fits are neither kept nor "
