@@ -26,6 +26,7 @@ __all__ = ["Keyspace", "Namespace", "Shard", "writes"]
 
 _U32 = struct.Struct("<I")
 _NAMESPACE_DOMAIN = b"kvcore.namespace.v1"
+_SECRET_DOMAIN = b"kvcore.secret.v1"
 _NS_DIGEST_BYTES = 16
 _HMAC_BLOCK = 64  # SHA-256's block size, as RFC 2104 needs it
 
@@ -194,9 +195,11 @@ def writes(tp_rank: int, tp_size: int, total_kv_heads: int, *, mla: bool = False
 
 
 def _hmac_pads(secret: bytes) -> tuple[bytes, bytes]:
-    """HMAC-SHA256's inner and outer key blocks (RFC 2104), computed once per keyspace."""
-    key = hashlib.sha256(secret).digest() if len(secret) > _HMAC_BLOCK else secret
-    key = key.ljust(_HMAC_BLOCK, b"\0")
+    """HMAC-SHA256's inner and outer key blocks (RFC 2104), computed once per keyspace, for the key
+    derived from ``secret`` by a hash under kvcore's own domain: HMAC's own use of a key (zero-padded to
+    the block, hashed only when longer) would give ``s3cret`` and ``s3cret\\0`` one key, and a secret one
+    namespace with its SHA-256."""
+    key = hashlib.sha256(_length_prefixed([_SECRET_DOMAIN, secret])).digest().ljust(_HMAC_BLOCK, b"\0")
     return bytes(b ^ 0x36 for b in key), bytes(b ^ 0x5C for b in key)
 
 
@@ -205,7 +208,8 @@ class Keyspace:
     """Renders chunk keys for one namespace and shard: ``kv/<namespace digest>/<shard>/<chunk>``.
 
     Without a secret the chunk part is the chunk hash in hex. With one it is
-    ``HMAC-SHA256(secret, fingerprint || shard || chunk hash)`` in hex.
+    ``HMAC-SHA256(K, fingerprint || shard || chunk hash)`` in hex, where ``K = SHA-256(domain || secret)``
+    (length-prefixed): every secret, whatever its length or trailing bytes, has a key of its own.
     """
 
     namespace: Namespace = field(validator=instance_of(Namespace))

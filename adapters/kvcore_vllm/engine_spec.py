@@ -22,6 +22,7 @@ from attrs import frozen
 from kvcore.engine import EngineSpec
 from kvcore.errors import UnsupportedConfiguration
 from kvcore_vllm.kv_layout import CPU_BACKEND, cpu_packing, kv_dtype, kv_layout, state_layout
+from kvcore_vllm.model_identity import model_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -114,7 +115,7 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
                 "kvcore keeps Mamba states where every group has one block size (vLLM's align mode)"
             )
         _check_states(vllm_config, kv_cache_config.hash_block_size, specs[0].block_size)
-    model_id = f"{model.model}@{model.revision or 'default'}"
+    model_id = model_identity(vllm_config)
     tp_size = parallel.tensor_parallel_size
     engines = []
     for group, spec in zip(groups, specs, strict=True):
@@ -148,7 +149,7 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
         engines.append(
             EngineSpec(
                 model_id=model_id,
-                kv_dtype=kv_dtype(cache.cache_dtype, model.dtype),
+                kv_dtype=kv_dtype(cache.cache_dtype, spec.dtype),
                 num_layers=len(group.layer_names),
                 total_kv_heads=1
                 if isinstance(spec, MLAAttentionSpec)

@@ -17,8 +17,10 @@ backend:
 
 Refused at start-up, with a message naming what and why: another backend, another memory order
 (BHLNC, where a layer's heads are apart; LHBNC), K and V of different sizes, and cache dtypes that carry
-scales or packed values inside the page (per-token-head, NVFP4, TurboQuant, ...). fp8 caches are stored
-as bytes by vLLM; kvcore names them by their fp8 format, so that e4m3 and e5m2 never share keys.
+scales or packed values inside the page (per-token-head, NVFP4, TurboQuant, ...). A cache is named by the
+dtype of its pages (``kv_dtype``), never by the model's: vLLM allocates a ``float16`` cache for a bf16
+model. fp8 caches are stored as bytes by vLLM; kvcore names them by their fp8 format, so that e4m3 and
+e5m2 never share keys.
 """
 
 from __future__ import annotations
@@ -90,20 +92,32 @@ def requested_order(use_mla: bool) -> str | None:
 
 _FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _UNQUANTIZED = ("auto", "float16", "bfloat16", "float32", "half", "float")
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def kv_dtype(cache_dtype: str, model_dtype: torch.dtype) -> str:
-    """The name of what the cache holds (an ``EngineSpec.kv_dtype``): the model's dtype, or the fp8 format.
+def kv_dtype(cache_dtype: str, page_dtype: torch.dtype) -> str:
+    """The name of what the pages hold (an ``EngineSpec.kv_dtype``, part of every key): ``page_dtype``,
+    the dtype vLLM allocated the cache in (its ``AttentionSpec.dtype``, which it resolves from
+    ``kv_cache_dtype`` with ``kv_cache_dtype_str_to_dtype``: the model's dtype for ``auto``, the named
+    one otherwise, so a bf16 model's ``float16`` cache holds float16), or, for an fp8 cache (bytes to
+    vLLM), its fp8 format. Never the model's dtype: two engines whose pages hold different bytes for
+    the same tokens must never share keys.
 
-    Raises ``UnsupportedConfiguration`` for a cache dtype whose pages hold more than plain values."""
+    Raises ``UnsupportedConfiguration`` for a cache dtype whose pages hold more than plain values, or
+    an unquantised one whose pages are not floats."""
     if cache_dtype in _FP8:
         return _FP8[cache_dtype]
-    if cache_dtype in _UNQUANTIZED:
-        return str(model_dtype).removeprefix("torch.")
-    raise UnsupportedConfiguration(
-        f"kv_cache_dtype={cache_dtype!r}: kvcore cannot describe its pages (scales or packed values inside "
-        f"them); supported: {', '.join((*_UNQUANTIZED, *_FP8))}"
-    )
+    if cache_dtype not in _UNQUANTIZED:
+        raise UnsupportedConfiguration(
+            f"kv_cache_dtype={cache_dtype!r}: kvcore cannot describe its pages (scales or packed values "
+            f"inside them); supported: {', '.join((*_UNQUANTIZED, *_FP8))}"
+        )
+    if page_dtype not in _FLOATS:
+        raise UnsupportedConfiguration(
+            f"kv_cache_dtype={cache_dtype!r} with pages of {page_dtype}: kvcore expected pages of one of "
+            f"{', '.join(str(d) for d in _FLOATS)}"
+        )
+    return str(page_dtype).removeprefix("torch.")
 
 
 def kv_layout(

@@ -59,7 +59,14 @@ def _configs(
             use_replayssm=replay,
             get_resolved_kv_cache_layout=lambda: SimpleNamespace(name="LBHNC"),
         ),
-        model_config=SimpleNamespace(model="tiny-ssm", revision=None, dtype=torch.bfloat16),
+        model_config=SimpleNamespace(
+            model="tiny-ssm",
+            revision=None,
+            dtype=torch.bfloat16,
+            quantization=None,
+            hf_config=SimpleNamespace(model_type="qwen3_next"),
+        ),
+        load_config=SimpleNamespace(load_format="dummy", download_dir=None),
         speculative_config=speculative,
     )
     return vllm_config, kv_cache_config
@@ -78,7 +85,8 @@ def test_mamba_groups_are_state_groups_of_one_block_window(tp: int) -> None:
         )
         # a GDN state is sharded over TP ranks: each rank's shard is a "head" of its own (its own keys)
         assert (engine.total_kv_heads, engine.tp_size, engine.kv_dtype) == (tp, tp, "int8")
-        assert engine.model_id.startswith("tiny-ssm@default#kv-group=mamba256/")
+        assert engine.model_id.startswith("qwen3_next-")
+        assert "#kv-group=mamba256/" in engine.model_id
         assert engine.sibling_block_bytes == STATE_BYTES  # the other group's block
     assert first.engine.model_id != second.engine.model_id  # groups never share keys
 

@@ -4,6 +4,7 @@ an engine's worker process (through ``LLM.collective_rpc``) to read kvcore's tie
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from typing import Any
 
 from kvcore.testing.faults import TransferDelays
@@ -15,6 +16,7 @@ from kvcore_vllm.worker_side import WorkerSide
 __all__ = [
     "SLOW_COPIES",
     "damage_pool",
+    "disk_chunk_values",
     "engine_digests",
     "external_hits",
     "group_loads",
@@ -31,6 +33,19 @@ SLOW_COPIES = TransferDelays()
 """In an engine's process: the fault hooks of the ranks of an engine configured with
 ``"faults": "tests.integration.probes:SLOW_COPIES"`` (``kvcore_vllm.settings``; the shared
 ``kvcore_engine``); a function run through ``collective_rpc`` slows or restores its copies."""
+
+
+def disk_chunk_values(root: Path) -> dict[str, bytes]:
+    """In the test process: each chunk file's value (after its header) in a disk tier's folder, by file
+    name."""
+    from kvcore_disk.chunk_file import ChunkHeader, header_bytes
+
+    values = {}
+    for path in (root / "chunks").rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            values[path.name] = data[header_bytes(ChunkHeader.unpack(data).key) :]
+    return values
 
 
 def external_hits(llm: Any) -> int:

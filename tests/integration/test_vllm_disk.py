@@ -24,23 +24,11 @@ from tests.integration.conftest import (
     start_engine,
     stop_engine,
 )
-from tests.integration.probes import external_hits, loaded_digests
+from tests.integration.probes import disk_chunk_values, external_hits, loaded_digests
 
 pytestmark = VLLM_MARKS
 
 PROMPT = prompt(500, 4 * BLOCK + 40)  # four whole blocks (chunks of one block) and a tail
-
-
-def _file_values(root: Path) -> dict[str, bytes]:
-    """Each chunk file's value (after its header), by file name."""
-    from kvcore_disk.chunk_file import ChunkHeader, header_bytes
-
-    values = {}
-    for path in (root / "chunks").rglob("*"):
-        if path.is_file():
-            data = path.read_bytes()
-            values[path.name] = data[header_bytes(ChunkHeader.unpack(data).key) :]
-    return values
 
 
 def _metric(llm: Any, name: str, tier: str | None = None) -> int:
@@ -101,7 +89,7 @@ def test_a_new_engine_process_reuses_the_chunks_the_last_one_left_on_disk(
         assert _metric(first, "tier_stored_chunks", tier="1") == 4  # written through at the save
     finally:
         stop_engine(first)
-    files = _file_values(store)
+    files = disk_chunk_values(store)
     assert len(files) == 4  # one file per whole chunk (TP 1: one shard)
     assert all(len(v) == BLOCK * 512 for v in files.values())  # 512 bytes of KV per token
     assert _reused_from_disk(tiny_model, config, files) == recomputed
@@ -116,7 +104,7 @@ def test_a_disk_written_back_gets_the_chunks_the_pool_evicts_and_a_new_engine_re
     first = start_engine(tiny_model, config)
     try:
         recomputed = list(generate(first, PROMPT).outputs[0].token_ids)
-        assert _file_values(store) == {}  # the pool has room: nothing is written back yet
+        assert disk_chunk_values(store) == {}  # the pool has room: nothing is written back yet
         for i in range(4):  # other prompts fill the pool: the prompt's chunks, least recently used, go
             generate(first, prompt(600 + i, 4 * BLOCK + 40))
         written = _metric(first, "written_back_chunks")
@@ -127,6 +115,6 @@ def test_a_disk_written_back_gets_the_chunks_the_pool_evicts_and_a_new_engine_re
         assert written < saved  # the last ones are still dirty in the pool
     finally:
         stop_engine(first)
-    files = _file_values(store)
+    files = disk_chunk_values(store)
     assert len(files) == saved  # the worker wrote the rest back as it shut down: no saved chunk lost
     assert _reused_from_disk(tiny_model, config, files) == recomputed

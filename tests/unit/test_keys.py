@@ -114,20 +114,40 @@ def test_secret_never_shows() -> None:
     assert "secret=None" in repr(namespace())
 
 
+def _derived(secret: bytes) -> bytes:
+    """The HMAC key kvcore derives from a deployment secret: SHA-256 of its domain and the secret."""
+    parts = [b"kvcore.secret.v1", secret]
+    return hashlib.sha256(b"".join(struct.pack("<I", len(p)) + p for p in parts)).digest()
+
+
 def test_keyed_keys_are_hmac_sha256_and_differ_from_unkeyed_and_between_secrets() -> None:
     plain = keys(namespace())
     keyed = keys(namespace(secret=SECRET))
     other = keys(namespace(secret=b"another secret"))
-    long = keys(namespace(secret=b"x" * 100))  # longer than SHA-256's block: RFC 2104 hashes it first
+    long = keys(namespace(secret=b"x" * 100))
     for a, b, c, d in zip(plain, keyed, other, long, strict=True):
         assert len({a, b, c, d}) == 4
     ns = namespace(secret=SECRET)
     shard = SHARD.render().encode()
     message = ns.fingerprint() + struct.pack("<I", len(shard)) + shard + HASHES[1]
-    expected = hmac.new(SECRET, message, hashlib.sha256).hexdigest()
+    expected = hmac.new(_derived(SECRET), message, hashlib.sha256).hexdigest()
     assert keyed[1] == f"kv/{ns.digest()}/{SHARD.render()}/{expected}"
-    expected_long = hmac.new(b"x" * 100, message, hashlib.sha256).hexdigest()
+    expected_long = hmac.new(_derived(b"x" * 100), message, hashlib.sha256).hexdigest()
     assert long[1].endswith(expected_long)
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        (b"s3cret", b"s3cret\0"),  # HMAC zero-pads a short key: these were one key
+        (b"s3cret", b"s3cret\0\0\0"),
+        (b"x" * 100, hashlib.sha256(b"x" * 100).digest()),  # HMAC hashes a long key: these were one key
+        (b"\0", b"\0\0"),
+    ],
+    ids=["zero-padded", "zero-padded-thrice", "hashed-when-long", "nul"],
+)
+def test_two_different_secrets_never_give_one_namespace(one: bytes, other: bytes) -> None:
+    assert not set(keys(namespace(secret=one))) & set(keys(namespace(secret=other)))
 
 
 def test_shard_rendering_has_no_digit_ambiguity() -> None:
