@@ -407,8 +407,8 @@ class CascadeRemote:
             return None
 
     def _await(self, t: int, inner: JobId | None, size: int) -> set[int]:
-        """Wait for tier ``t``'s job ``inner`` (of ``size`` items) to end; the indices it failed. A
-        result with an error fails every item, as the worker reads a remote job's result."""
+        """Wait for tier ``t``'s job ``inner`` (of ``size`` items) to end; the indices it failed
+        (``JobResult.failed_items``, as the worker reads a remote job's result)."""
         failed = set(range(size))
         if inner is not None:
             while True:
@@ -417,8 +417,8 @@ class CascadeRemote:
                     break
                 except TransferTimeout:  # not finished yet: every job of a port ends, and a copy into
                     continue  # the host slot must end before the slot can be given back
-            if results and results[0].error is None:
-                failed = set(results[0].failed)
+            if results:
+                failed = set(results[0].failed_items(size))
         self._count(t, failed=len(failed))
         return failed
 

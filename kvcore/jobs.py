@@ -25,7 +25,9 @@ class JobResult:
     """How one job ended.
 
     ``failed`` lists the indices of the job's items that did not complete (for a get: the misses); the
-    other items completed. ``ok`` is true only when every item did.
+    other items completed. ``error`` says why something failed; a job that failed as a whole may give it
+    with no ``failed`` index (``failed_items`` then counts every item). ``ok`` is true only when every
+    item completed.
 
     ``placed``: a publish to a stack of tiers (``kvcore.cascade.CascadeRemote``) tells, for each item, the
     tiers that stored it (0: the first behind the pool); empty from a single tier, where every item that
@@ -40,6 +42,14 @@ class JobResult:
     @property
     def ok(self) -> bool:
         return not self.failed and self.error is None
+
+    def failed_items(self, count: int) -> tuple[int, ...]:
+        """The indices of the failed items of a job of ``count`` items: ``failed`` where it names any
+        (the others completed, whatever ``error`` says of them), every item where only ``error`` says
+        the job failed."""
+        if self.failed or self.error is None:
+            return self.failed
+        return tuple(range(count))
 
 
 class JobBoard:

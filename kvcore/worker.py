@@ -529,7 +529,7 @@ class BlockWorker:
                 else:
                     run.failed.update(run.copied[i] for i in result.failed)
             else:
-                bad = range(len(run.staged)) if result.error is not None else result.failed
+                bad = result.failed_items(len(run.staged))  # a job that fails part-way keeps the rest
                 self._fail_chunks(run, [run.staged[i] for i in bad])
                 if result.error is not None:
                     self._warnings.warn(f"remote {run.stage.value} failed: {result.error}")

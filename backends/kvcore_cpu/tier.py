@@ -111,6 +111,11 @@ class CPUWorker(BlockWorker):
 
     ``engine_kv`` and ``host`` stay reachable for out-of-band checks (tests compare their bytes). A rank
     with no host pool (``mover`` and ``host`` ``None``) leaves every copy to its remote tier.
+
+    ``checksums`` verify the host pool's blocks against digests taken when they were saved, so they
+    cannot be combined with a remote tier (a fetched chunk carries no digest, and would fail every
+    load): ``UsageError`` naming ``checksums``, raised before anything starts (the caller keeps what it
+    passed).
     """
 
     def __init__(
@@ -125,6 +130,11 @@ class CPUWorker(BlockWorker):
         fence_timeout: float = 30.0,
         slot_blocks: int = 0,
     ) -> None:
+        if checksums and remote is not None:
+            raise UsageError(
+                f"checksums: got True with a remote tier ({type(remote).__name__}); checksums cover the "
+                "local CPU tier only (a chunk fetched from a remote tier carries no digest)"
+            )
         self.checksums = ChecksummedMover(mover, self.host_block_bytes) if checksums and mover else None
         super().__init__(
             self.checksums or mover,

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from kvcore.config import load_config
 from kvcore.engine import EngineSpec
-from kvcore.ids import RequestId
+from kvcore.errors import UsageError
+from kvcore.ids import ChunkKey, RequestId
 from kvcore.layout import KVLayout, LayoutKind
+from kvcore.ports import BlockTransfer, Direction, StoreItem
+from kvcore.remote import StoreRemote
 from kvcore.scheduler import CacheScheduler
 from kvcore.sizing import pool_slots
+from kvcore.testing.support import wait_one
+from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
 from kvcore_cpu.tier import CPUWorker, open_worker
+from kvcore_disk.directory import ChunkDirectory
+from kvcore_disk.store import DiskChunkStore
 
 LAYOUT = KVLayout(
     kind=LayoutKind.VLLM_CPU, num_blocks=32, block_tokens=16, num_kv_heads=2, head_size=32, dtype_size=2
@@ -78,3 +88,23 @@ def test_without_checksums_damage_reaches_the_engine() -> None:
         assert not torch.equal(kv[0][0:6], kv[0][10:16])
     finally:
         worker.close()
+
+
+def test_a_worker_built_with_checksums_and_a_remote_tier_is_refused(tmp_path: Path) -> None:
+    # a fetched chunk carries no digest: every load would fail; refused by name, nothing taken over
+    kv = EngineKV.register([torch.zeros(LAYOUT.shape, dtype=torch.bfloat16) for _ in range(2)], LAYOUT)
+    host = HostMemory.allocate(8, kv.host_block_bytes, kv.device)
+    mover = TorchBlockMover(kv, host)
+    store = DiskChunkStore(ChunkDirectory.open(tmp_path, 1 << 20), host.buffer.numpy().data)
+    remote = StoreRemote(store)
+    try:
+        with pytest.raises(UsageError, match=r"checksums: got True with a remote tier \(StoreRemote\)"):
+            CPUWorker(mover, kv, host, 0, checksums=True, remote=remote, slot_bytes=2 * kv.host_block_bytes)
+        # the caller still holds a working mover and tier
+        assert wait_one(mover, mover.submit(BlockTransfer(Direction.SAVE, [0], [0]))).ok
+        item = StoreItem(ChunkKey("kv/a"), 0, kv.host_block_bytes)
+        assert wait_one(remote, remote.submit_publish("r", [item])).ok
+    finally:
+        remote.close()
+        mover.close()
+        host.close()

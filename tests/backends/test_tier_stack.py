@@ -16,8 +16,10 @@ from kvcore.block_pool import PoolEventKind
 from kvcore.compose import open_scheduler
 from kvcore.config import load_config
 from kvcore.errors import ConfigError
+from kvcore.hashing import ExtraKeys
 from kvcore.ids import RequestId
-from tests.hand_engine import CHUNK_TOKENS, CHUNKS, PER_CHUNK, Engine, engine_spec, prompt, save
+from kvcore_disk.directory import ChunkDirectory
+from tests.hand_engine import BLOCK, CHUNK_TOKENS, CHUNKS, PER_CHUNK, Engine, engine_spec, prompt, save
 
 CHUNK_BYTES = 32 * 1024  # per rank: 2 layers x K,V x 2 heads x 128 tokens x 16 x bf16
 POOL_CHUNKS = CHUNKS  # one prompt's chunks: a second prompt pushes the first out
@@ -221,3 +223,47 @@ def test_a_stack_writes_through_and_back_per_tier(tmp_path: Path) -> None:
         assert (files(tmp_path / "nvme"), files(tmp_path / "shared")) == (CHUNKS, 4 * CHUNKS)
     finally:
         a.close()
+
+
+@pytest.mark.parametrize("damaged", [1, 2])
+def test_a_damaged_chunk_file_costs_its_chunk_and_what_follows_never_what_came_before(
+    tmp_path: Path, damaged: int
+) -> None:
+    spec = engine_spec(1)
+    (tmp_path / "kv").mkdir()
+    config = load_config(
+        {
+            "chunk_tokens": CHUNK_TOKENS,
+            "backend": {"kind": "disk", "path": str(tmp_path / "kv"), "size": "64MiB", "local_size": "1MiB"},
+        }
+    )
+    tokens = prompt(81)
+    a = Engine(config, spec, seed=81)
+    try:
+        save(a, "first", tokens)
+        saved = a.blocks(0, range(CHUNKS * PER_CHUNK))
+        chain = a.sched.keyer.chain(ExtraKeys(), tokens, None, None)
+    finally:
+        a.close()
+    (key,) = chain.rank_keys[damaged]
+    directory = ChunkDirectory.open(tmp_path / "kv", 64 * 2**20)
+    path = directory.path(key)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # one flipped byte of the value: its digest no longer matches
+    path.write_bytes(bytes(data))
+    b = Engine(config, spec, seed=82)  # a new engine: an empty pool, the files on disk
+    try:
+        assert b.lookup("again", tokens) == CHUNKS * CHUNK_TOKENS
+        into = list(range(20, 20 + len(tokens) // BLOCK + 1))
+        b.sched.start_load(RequestId("again"), into)
+        b.step()
+        errors = b.sched.take_load_errors()[RequestId("again")]
+        lost = into[damaged * PER_CHUNK : (damaged + 1) * PER_CHUNK]
+        assert set(lost) <= set(errors) <= set(into[damaged * PER_CHUNK :])  # from the damaged chunk on
+        served = damaged * PER_CHUNK
+        assert b.sched.extra_cached_tokens(RequestId("again")) == served * BLOCK
+        assert b.blocks(0, range(20, 20 + served)) == saved[:served]  # the intact chunks, byte for byte
+        assert not path.exists()  # the damaged file is gone: the next lookup stops before it
+        assert b.lookup("third", tokens) == damaged * CHUNK_TOKENS
+    finally:
+        b.close()

@@ -55,8 +55,8 @@ class RawAccess:
 
 
 def _config(server: LMCacheServer) -> tuple[LMCacheMPConfig, str]:
-    """The tier's config, and a model id of its own as the vLLM adapter renders one ("name@revision":
-    the server refuses '@')."""
+    """The tier's config, and a model id of its own, with the characters an engine's model id may carry
+    and the server refuses ('@')."""
     config = LMCacheMPConfig(url=server.url, request_timeout_s=SETTLE_S / 2, heartbeat_s=1.0)
     return config, f"org/conformance-{uuid.uuid4().hex[:8]}@main"
 

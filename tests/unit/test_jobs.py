@@ -38,3 +38,10 @@ def test_unknown_and_duplicate_results_are_ignored() -> None:
     (result,) = board.poll()
     assert not result.ok
     assert result.error == "boom"
+
+
+def test_failed_items_are_those_named_else_every_item_of_a_job_that_failed_whole() -> None:
+    job = JobBoard().new()
+    assert JobResult(job).failed_items(3) == ()
+    assert JobResult(job, (2,), "1 of 3 reads failed").failed_items(3) == (2,)  # the others completed
+    assert JobResult(job, error="the server is gone").failed_items(3) == (0, 1, 2)
