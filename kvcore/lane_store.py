@@ -4,22 +4,28 @@ shares (the Mooncake store, the disk tier), so that they check, queue, clear and
 - **Checked first.** Every item must name a non-empty range of the host buffer; otherwise
   ``InvalidSpecError`` names the item, and nothing is queued.
 - **Queued on a lane.** Gets are reads and run before queued puts (``kvcore.lane``); a job of no items
-  finishes at once.
+  finishes at once. A store whose writes may wait on something its reads must never wait on (the disk
+  tier's lock, which another process may hold) runs its reads on a lane of their own
+  (``separate_reads``): a get never queues behind a put.
 - **Cleared jobs fail.** ``_clear_queued`` (a subclass's ``clear``, holding ``_io``) dooms every job
   queued before it: such a job fails without running, so no put in flight resurrects a cleared value. A
-  job runs with ``_io`` held, so a ``clear`` waits for the one running.
-- **Closed.** ``close`` refuses new jobs (``UsageError``), fails the queued ones, and joins the lane for
+  job runs with its lane's lock held (``_io`` for writes, and for reads unless they have a lane of
+  their own), and ``_io`` holds every lane's lock, so a ``clear`` waits for the jobs running.
+- **Closed.** ``close`` refuses new jobs (``UsageError``), fails the queued ones, and joins the lanes for
   a bounded time; every job submitted still gets a result through ``poll``/``wait``.
 
-A subclass implements ``_run(job)`` (on the lane thread, ``_io`` held, the job not cleared) and
-``_closed_lane`` (what it releases after its lane).
+A subclass implements ``_run(job)`` (on a lane thread, its lane's lock held, the job not cleared) and
+``_closed_lane`` (what it releases after its lanes). ``_background`` queues work of its own behind the
+puts, with no result.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from functools import partial
 
 from attrs import frozen
@@ -27,10 +33,12 @@ from attrs import frozen
 from kvcore.errors import InvalidSpecError, UsageError
 from kvcore.ids import JobId
 from kvcore.jobs import JobBoard, JobResult
-from kvcore.lane import JobLane, Priority
+from kvcore.lane import JobLane, LaneClosed, Priority
 from kvcore.ports import StoreItem
 
 __all__ = ["LaneStore", "StoreJob"]
+
+log = logging.getLogger(__name__)
 
 
 @frozen(eq=False)
@@ -49,18 +57,23 @@ class StoreJob:
 
 class LaneStore(ABC):
     """The job half of a ``ChunkStore`` (module docstring): ``submit_put``, ``submit_get``, ``poll``,
-    ``wait``, ``close``. ``name`` names the store in errors and its lane's thread; ``buffer_length`` is
-    the host buffer's size in bytes."""
+    ``wait``, ``close``. ``name`` names the store in errors and its lanes' threads; ``buffer_length`` is
+    the host buffer's size in bytes; ``separate_reads`` gives gets a lane of their own."""
 
-    def __init__(self, name: str, buffer_length: int) -> None:
+    def __init__(self, name: str, buffer_length: int, *, separate_reads: bool = False) -> None:
         self._name = name
         self._buffer_length = buffer_length
         self._board = JobBoard()
         self._state = threading.Lock()  # closed flag, generation
-        self._io = threading.Lock()  # held around one job, and by clear
         self._closed = False
         self._generation = 0
-        self._lane = JobLane(f"kvcore-{name.replace(' ', '-')}")
+        thread = f"kvcore-{name.replace(' ', '-')}"
+        self._lane = JobLane(thread)
+        self._read_lane = JobLane(f"{thread}-reads") if separate_reads else self._lane
+        write_lock = threading.Lock()
+        read_lock = threading.Lock() if separate_reads else write_lock
+        self._locks = {True: write_lock, False: read_lock}  # by job kind (put): held around its job
+        self._io = _Both(write_lock, read_lock) if separate_reads else write_lock
 
     def submit_put(self, items: Sequence[StoreItem]) -> JobId:
         return self._submit(True, items)
@@ -81,7 +94,10 @@ class LaneStore(ABC):
             if self._closed:
                 return
             self._closed = True
-        self._lane.close(timeout, why=f"the {self._name} closed before the job ran")
+        why = f"the {self._name} closed before the job ran"
+        deadline = time.monotonic() + timeout
+        for lane in dict.fromkeys((self._read_lane, self._lane)):
+            lane.close(max(0.0, deadline - time.monotonic()), why=why)
         self._closed_lane(timeout)
 
     @abstractmethod
@@ -108,15 +124,27 @@ class LaneStore(ABC):
             if self._closed:
                 raise UsageError(f"the {self._name} is closed")
             job = StoreJob(self._board.new(), put, tuple(items), self._generation)
-            if items:  # under the lock that close takes first: the lane is still open
-                priority = Priority.WRITE if put else Priority.READ
-                self._lane.submit(partial(self._finish, job), partial(self._fail, job), priority)
+            if items:  # under the lock that close takes first: the lanes are still open
+                lane, priority = (self._lane, Priority.WRITE) if put else (self._read_lane, Priority.READ)
+                lane.submit(partial(self._finish, job), partial(self._fail, job), priority)
         if not items:
             self._board.finish(JobResult(job.job_id))
         return job.job_id
 
+    def _background(self, run: Callable[[], object], what: str) -> None:
+        """Queue ``run`` on the write lane, behind the puts queued so far (a cleared store runs it too);
+        a failure, or a store already closed, is logged naming ``what``."""
+
+        def failed(why: str) -> None:
+            log.warning("kvcore: %s: %s", what, why)
+
+        try:
+            self._lane.submit(run, failed, Priority.WRITE)
+        except LaneClosed as exc:
+            failed(str(exc))
+
     def _finish(self, job: StoreJob) -> None:
-        with self._io:
+        with self._locks[job.put]:
             with self._state:
                 cleared = job.generation != self._generation
             result = (
@@ -126,3 +154,18 @@ class LaneStore(ABC):
 
     def _fail(self, job: StoreJob, why: str) -> None:
         self._board.finish(job.failed(why))
+
+
+class _Both:
+    """Two locks as one (``with``): taken in a fixed order, released in the other."""
+
+    def __init__(self, first: threading.Lock, second: threading.Lock) -> None:
+        self._first, self._second = first, second
+
+    def __enter__(self) -> None:
+        self._first.acquire()
+        self._second.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._second.release()
+        self._first.release()

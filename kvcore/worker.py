@@ -35,6 +35,7 @@ from kvcore.ports import (
     SupportsWriteBack,
 )
 from kvcore.remote import close_quietly
+from kvcore.repeats import RepeatedWarnings
 from kvcore.write_back import SESSION as WRITE_BACK_SESSION
 
 __all__ = ["FLUSH_TIMEOUT_S", "BlockWorker"]
@@ -81,28 +82,6 @@ class _Run:
         self.copied: tuple[int, ...] = ()  # the op's block indices in the mover job, in its order
 
 
-class _Repeats:
-    """Warnings about a tier that fails every op (down, misconfigured): each text is logged the first time
-    and then at most once per ``interval`` seconds, with how often it recurred — not once per op."""
-
-    _MAX_TEXTS = 256
-
-    def __init__(self, interval: float = 60.0) -> None:
-        self._interval = interval
-        self._seen: dict[str, tuple[float, int]] = {}  # text -> (last logged, recurrences since)
-
-    def warn(self, text: str) -> None:
-        now = time.monotonic()
-        logged, since = self._seen.get(text, (-self._interval, 0))
-        if now - logged < self._interval:
-            self._seen[text] = (logged, since + 1)
-            return
-        if len(self._seen) >= self._MAX_TEXTS:
-            self._seen.clear()
-        self._seen[text] = (now, 0)
-        log.warning("kvcore: %s%s", text, f" (and {since} more times since)" if since else "")
-
-
 class BlockWorker:
     """One rank's executor of ``StepPlan``s.
 
@@ -140,7 +119,7 @@ class BlockWorker:
         self._fence_timeout = fence_timeout
         self._halted = False
         self._closed = False
-        self._warnings = _Repeats()
+        self._warnings = RepeatedWarnings(log)
         self._mover = mover
         self._rank = rank
         self._remote = remote

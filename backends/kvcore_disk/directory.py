@@ -15,6 +15,10 @@ shared state, the counters, lives in the lock file and changes under ``flock``; 
 the same lock, after a fresh scan, so two processes never evict for the same overflow. LRU order is the
 files' modification time, which every read bumps. The scan at open is the index rebuild: it sums the
 chunk files, and removes the temporaries of writers that are gone (or older than ``ORPHAN_AGE_S``).
+
+Reads never take the lock. Everything that takes it waits a bounded time (``LockBusy`` after it): a
+process that holds it and stops (frozen, stopped by a debugger) costs the others the saves they drop,
+never a hang.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from attrs import frozen
 from kvcore.errors import ConfigError
 from kvcore_disk.chunk_file import FORMAT, chunk_name, fsync_folder
 
-__all__ = ["ChunkDirectory", "DirectoryScan"]
+__all__ = ["LOCK_WAIT_S", "ChunkDirectory", "DirectoryScan", "LockBusy"]
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +53,19 @@ LOW_WATER = 0.9
 not once per chunk."""
 ORPHAN_AGE_S = 3600.0
 """A temporary this old is a dead writer's, whatever its process id says: a chunk file takes seconds."""
+LOCK_WAIT_S = 2.0
+"""How long a save, a removal or an eviction waits for the lock (others hold it for a rename and a
+counter, or for the scan of an eviction) before it gives up."""
+OPEN_WAIT_S = 30.0
+"""How long opening the directory (its scan) and ``clear`` wait for the lock."""
 _COUNTS = struct.Struct("<QQ")  # in the lock file: bytes of chunk files, files evicted since it was made
+
+
+class LockBusy(TimeoutError):
+    """The directory's lock stayed held by another process (or thread) for as long as the caller waits."""
+
+    def __init__(self, lock: Path, holder: str = "another process") -> None:
+        super().__init__(f"{lock} stayed locked by {holder}")
 
 
 @frozen
@@ -66,8 +82,11 @@ class ChunkDirectory:
     """A checked, shared chunk folder of at most ``size`` bytes of chunk files.
 
     ``open`` refuses, with a ``ConfigError`` naming ``field`` and the path, a path that does not exist,
-    is not a directory or not writable, holds another format, or a ``size`` above what its file system
-    can give (free space plus the chunks already there).
+    is not a directory or not writable, holds another format, or that the process cannot use for any
+    other reason the system gives (a name too long, a folder it may not enter, a lock file it may not
+    open: the cause is named), and a ``size`` above what its file system holds in all. A ``size`` above
+    what it can give now (free space plus the chunks already there: another program filled the disk) is
+    taken, with a warning: the tier holds what fits, and saves that find the disk full are dropped.
     """
 
     def __init__(self, root: Path, size: int, field: str = "backend.path") -> None:
@@ -76,7 +95,7 @@ class ChunkDirectory:
         self._field = field
         self._chunks = root / CHUNKS
         self._prefix = f"{self._chunks}/"
-        self._lock_path = root / LOCK
+        self.lock_path = root / LOCK
         self._thread_lock = threading.Lock()  # flock is per open file: threads of one process queue here
         self.evicted_files = 0  # by this process
         self._cleaned = 0  # temporaries removed by the last scan
@@ -85,37 +104,54 @@ class ChunkDirectory:
     def open(
         cls, root: Path, size: int, *, field: str = "backend.path", size_field: str = "backend.size"
     ) -> ChunkDirectory:
-        """Check ``root``, write its marker if it has none, rebuild its usage (``scan``)."""
+        """Check ``root``, write its marker if it has none, rebuild its usage (``scan``), and evict down to
+        ``size`` what a larger size left there."""
         directory = cls(root, size, field)
-        directory._check_folder()
-        directory._check_marker()
         try:
-            for fan in range(256):
-                (directory._chunks / f"{fan:02x}").mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
+            return directory._open(size_field)
+        except LockBusy as exc:
             raise ConfigError(
-                field, str(root), f"a directory this process can make folders in ({exc})"
+                field, str(root), f"a directory whose {LOCK} other processes let go ({exc})"
             ) from None
-        with directory._locked() as fd:
-            found = directory._scan()
-            _write_used(fd, found.bytes)
-        free = shutil.disk_usage(root).free + found.bytes
-        if size > free:
+        except OSError as exc:
+            raise ConfigError(field, str(root), f"a directory this process can use ({_cause(exc)})") from None
+
+    def _open(self, size_field: str) -> ChunkDirectory:
+        root, size = self.root, self.size
+        self._check_folder()
+        self._check_marker()
+        for fan in range(256):
+            (self._chunks / f"{fan:02x}").mkdir(parents=True, exist_ok=True)
+        usage = shutil.disk_usage(root)
+        if size > usage.total:
             raise ConfigError(
                 size_field,
                 size,
-                f"at most the {free} bytes the file system of {str(root)!r} can give "
-                f"({shutil.disk_usage(root).free} free and {found.bytes} in chunk files already there)",
+                f"at most the {usage.total} bytes the file system of {str(root)!r} holds in all",
+            )
+        with self._locked(OPEN_WAIT_S) as fd:
+            found = self._scan()
+            _write_used(fd, self._evict(fd) if found.bytes > size else found.bytes)
+        if size > usage.free + found.bytes:
+            log.warning(
+                "kvcore disk tier %s: size %d is more than its file system can give now (%d free beside %d "
+                "bytes of chunks here): it holds what fits, and saves that find the disk full are dropped",
+                root,
+                size,
+                usage.free,
+                found.bytes,
             )
         log.info(
-            "kvcore disk tier %s: %d chunk files, %d bytes (scanned in %.3f s, %d stale temporaries removed)",
+            "kvcore disk tier %s: %d chunk files, %d bytes (scanned in %.3f s, %d stale temporaries removed"
+            "%s)",
             root,
             found.files,
             found.bytes,
             found.seconds,
             found.removed_temporaries,
+            f", {self.evicted_files} evicted down to the size {size}" if self.evicted_files else "",
         )
-        return directory
+        return self
 
     def path(self, key: str) -> Path:
         """Where ``key``'s chunk file is (or would be)."""
@@ -131,7 +167,7 @@ class ChunkDirectory:
         lock file was made, by every process; read from the lock file without taking the lock (one
         ``pread`` of what one ``pwrite`` wrote), so that a scan in another process never holds it up."""
         try:
-            fd = os.open(self._lock_path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return 0, 0
         try:
@@ -143,14 +179,16 @@ class ChunkDirectory:
         """The bytes of chunk files (``counts``)."""
         return self.counts()[0]
 
-    def commit(self, temporary: str, path: str, nbytes: int, *, fsync: bool = False) -> bool:
+    def commit(
+        self, temporary: str, path: str, nbytes: int, *, fsync: bool = False, wait: float = LOCK_WAIT_S
+    ) -> bool:
         """Rename a chunk file written under ``temporary`` (``write_temporary``) to ``path`` and account its
         ``nbytes``, evicting the least recently used files if the tier is then over its size; under the
-        lock, so that a scan never counts a file twice. A key whose file is already there keeps it (the
-        temporary is removed): returns whether this file became the chunk's. Raises ``OSError`` (the
-        temporary removed)."""
+        lock (waited for at most ``wait`` seconds), so that a scan never counts a file twice. A key whose
+        file is already there keeps it (the temporary is removed): returns whether this file became the
+        chunk's. Raises ``OSError`` (``LockBusy`` after the wait; the temporary removed)."""
         try:
-            with self._locked() as fd:
+            with self._locked(wait) as fd:
                 if os.path.exists(path):
                     _unlink(temporary)
                     return False
@@ -166,16 +204,18 @@ class ChunkDirectory:
             fsync_folder(os.path.dirname(path))
         return True
 
-    def remove(self, paths: list[str] | list[Path]) -> int:
-        """Remove chunk files (missing ones are skipped); the bytes freed."""
-        with self._locked() as fd:
+    def remove(self, paths: list[str] | list[Path], *, wait: float = LOCK_WAIT_S) -> int:
+        """Remove chunk files (missing ones are skipped); the bytes freed. Raises ``LockBusy`` when the
+        lock stays held for ``wait`` seconds (nothing removed)."""
+        with self._locked(wait) as fd:
             freed = sum(_unlink(path) for path in paths)
             _write_used(fd, _read(fd)[0] - freed)
         return freed
 
     def clear(self) -> None:
-        """Remove every chunk file (every process's)."""
-        with self._locked() as fd:
+        """Remove every chunk file (every process's). Raises ``LockBusy`` when the lock stays held for
+        ``OPEN_WAIT_S`` (nothing removed)."""
+        with self._locked(OPEN_WAIT_S) as fd:
             for folder in self._folders():
                 for entry in os.scandir(folder):
                     if entry.is_file(follow_symlinks=False) and not entry.name.startswith("."):
@@ -183,8 +223,9 @@ class ChunkDirectory:
             _write_used(fd, 0)
 
     def scan(self) -> DirectoryScan:
-        """Rebuild the usage counter from the files (and remove dead writers' temporaries)."""
-        with self._locked() as fd:
+        """Rebuild the usage counter from the files (and remove dead writers' temporaries). Raises
+        ``LockBusy`` when the lock stays held for ``OPEN_WAIT_S``."""
+        with self._locked(OPEN_WAIT_S) as fd:
             found = self._scan()
             _write_used(fd, found.bytes)
             return found
@@ -253,14 +294,20 @@ class ChunkDirectory:
                 yield folder
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[int]:
-        with self._thread_lock:
-            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def _locked(self, wait: float) -> Iterator[int]:
+        """The lock file's descriptor, the lock held; ``LockBusy`` when it is not free within ``wait``."""
+        deadline = time.monotonic() + wait
+        if not self._thread_lock.acquire(timeout=wait):
+            raise LockBusy(self.lock_path, "another thread of this process")
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                _flock(fd, deadline, self.lock_path)
                 yield fd
             finally:
                 os.close(fd)  # releases the flock
+        finally:
+            self._thread_lock.release()
 
     # -- checks at open ------------------------------------------------------------------------------
 
@@ -302,6 +349,28 @@ class ChunkDirectory:
                 f"a kvcore disk tier directory of format {FORMAT}, but its {MARKER} says "
                 f"{text.strip()[:80]!r} (another kvcore version wrote it: use another path, or empty it)",
             )
+
+
+def _flock(fd: int, deadline: float, path: Path) -> None:
+    """``flock`` ``fd`` exclusively by ``deadline``, or raise ``LockBusy``: polled, with a growing pause
+    (flock has no timed wait)."""
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LockBusy(path) from None
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, 0.05)
+
+
+def _cause(exc: OSError) -> str:
+    """An ``OSError`` as a person reads it: what the system said, and of which file."""
+    where = f": {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"
 
 
 def _read(fd: int) -> tuple[int, int]:

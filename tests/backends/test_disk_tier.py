@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -24,7 +25,7 @@ from kvcore.errors import ConfigError
 from kvcore.ids import ChunkKey
 from kvcore.ports import StoreItem, TierUsage
 from kvcore_disk.chunk_file import file_bytes, header_bytes
-from kvcore_disk.directory import MARKER, ChunkDirectory
+from kvcore_disk.directory import LOCK_WAIT_S, MARKER, ChunkDirectory
 from kvcore_disk.index import DiskChunkIndex
 from kvcore_disk.store import DiskChunkStore
 
@@ -127,8 +128,11 @@ def test_a_damaged_file_is_a_miss_and_is_removed(
     path.write_bytes(data)
     with caplog.at_level(logging.WARNING, logger="kvcore_disk.store"):
         assert tier.get("kv/a") is None
-    assert not path.exists()
     assert "is not a whole chunk" in caplog.text
+    deadline = time.monotonic() + TIMEOUT_S
+    while path.exists():  # removed behind the puts, off the read's path
+        assert time.monotonic() < deadline, "the damaged file was never removed"
+        time.sleep(0.01)
     assert tier.get("kv/b") == value(2)  # the other chunk is untouched
     assert tier.put("kv/a", value(1))  # and the key can be saved again
     assert tier.get("kv/a") == value(1)
@@ -190,6 +194,139 @@ def test_open_refuses_bad_directories_by_name(tmp_path: Path) -> None:
         ConfigError, match=r"format 1, but its kvcore-disk\.json says .*another kvcore version"
     ):
         ChunkDirectory.open(other, 2**20)
+
+
+def _open_as_nobody(root: Path) -> str:
+    """What opening ``root`` says in a process of an unprivileged user (``nobody``), forked from this one
+    (that user may not run this venv's interpreter): as root, the permission checks would not apply."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to run a process as another user")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: nobody, one open, its outcome down the pipe
+        said = "crashed"
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                ChunkDirectory.open(root, 2**20)
+                said = "opened"
+            except ConfigError as exc:
+                said = f"{exc.field} | {exc.value} | {exc.expected}"
+        finally:
+            os.write(write, said.encode())
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the process of another user never finished its open")
+        time.sleep(0.01)
+    with os.fdopen(read, "rb") as pipe:
+        return pipe.read().decode()
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A folder every user may enter (``tmp_path``'s parents are root's alone)."""
+    root = Path(tempfile.mkdtemp(prefix="kvcore-disk-"))
+    root.chmod(0o777)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_path_the_system_refuses_is_a_config_error_naming_the_path_and_the_cause(tmp_path: Path) -> None:
+    too_long_name = tmp_path / ("x" * 300)  # a component over NAME_MAX (255 bytes)
+    with pytest.raises(ConfigError, match=r"backend.path: got '.*x{300}', expected .*File name too long"):
+        ChunkDirectory.open(too_long_name, 2**20)
+    deep = tmp_path / "/".join(["y" * 200] * 25)  # over PATH_MAX (4096 bytes)
+    with pytest.raises(ConfigError, match=r"backend.path: .*File name too long"):
+        ChunkDirectory.open(deep, 2**20)
+
+
+def test_a_folder_this_user_may_not_enter_is_a_config_error(shared_tmp: Path) -> None:
+    closed = shared_tmp / "closed"
+    (closed / "kv").mkdir(parents=True)
+    closed.chmod(0o700)  # root's: nobody may not enter it
+    said = _open_as_nobody(closed / "kv")
+    assert said.startswith(f"backend.path | {closed / 'kv'} | ")
+    assert "Permission denied" in said
+
+
+def test_a_lock_file_of_another_user_is_a_config_error(shared_tmp: Path) -> None:
+    root = shared_tmp / "kv"
+    root.mkdir()
+    root.chmod(0o777)
+    ChunkDirectory.open(root, 2**20)  # root's marker, folders and usage.lock (0600)
+    for folder in [root, *root.rglob("*")]:
+        if folder.is_dir():
+            folder.chmod(0o777)
+    said = _open_as_nobody(root)
+    assert said.startswith(f"backend.path | {root} | a directory this process can use (Permission denied")
+    assert "usage.lock" in said
+
+
+def test_a_smaller_size_at_restart_evicts_the_least_recently_used_at_open(tmp_path: Path) -> None:
+    t = Tier(tmp_path, size=16 * FILE)
+    for i in range(8):
+        assert t.put(f"kv/{i}", value(i))
+        time.sleep(0.01)  # distinct modification times
+    t.close()
+    again = Tier(tmp_path, size=4 * FILE)
+    try:
+        assert again.directory.usage() <= 4 * FILE  # at open, before any save
+        present = [i for i in range(8) if again.directory.path(f"kv/{i}").exists()]
+        assert present == [5, 6, 7]  # down to 90 % of the size, the most recent kept
+        assert again.directory.evicted_files == 5
+        assert again.get("kv/7") == value(7)
+    finally:
+        again.close()
+
+
+LOCK_HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+os.kill(os.getpid(), 19)  # SIGSTOP: frozen, holding the lock
+"""
+
+
+def test_a_frozen_process_holding_the_lock_delays_no_load_and_drops_saves_in_bounded_time(
+    tier: Tier, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert tier.put("kv/a", value(1))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(tier.directory.lock_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "locked"
+        started = time.monotonic()
+        tier.host[VALUE : 2 * VALUE] = value(2)
+        put = tier.store.submit_put([StoreItem(ChunkKey("kv/b"), VALUE, VALUE)])  # waits for the lock
+        time.sleep(0.2)  # the put is running, its commit waiting
+        get = tier.store.submit_get([StoreItem(ChunkKey("kv/a"), 0, VALUE)])
+        (got,) = tier.store.wait([get], TIMEOUT_S)
+        assert got.ok
+        assert time.monotonic() - started < 1.0  # the load did not queue behind the save
+        assert bytes(tier.host[:VALUE]) == value(1)
+        with caplog.at_level(logging.WARNING, logger="kvcore.repeats"):
+            (saved,) = tier.store.wait([put], TIMEOUT_S)
+        assert saved.failed == (0,)  # dropped after the lock wait, not held forever
+        assert time.monotonic() - started < LOCK_WAIT_S + 1.0
+        assert "chunks not saved: LockBusy" in caplog.text
+        assert not tier.directory.path("kv/b").exists()
+        assert not list((tier.directory.root / "chunks").rglob(".*"))  # its temporary is gone
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+        assert holder.stdout is not None
+        holder.stdout.close()
+    assert tier.put("kv/b", value(2))  # the lock is free again: saves go on
 
 
 def test_start_up_counts_the_chunks_and_removes_only_dead_writers_temporaries(tmp_path: Path) -> None:
