@@ -450,7 +450,7 @@ def test_a_writer_killed_mid_save_leaves_only_whole_chunks(tmp_path: Path) -> No
 
 
 FULL_DISK = """
-import json, logging, sys
+import json, logging, os, sys
 from pathlib import Path
 logging.basicConfig(level=logging.WARNING)
 from kvcore.errors import ConfigError
@@ -481,10 +481,27 @@ for i in range(8):
     ok.append(r.ok and host == bytes([i]) * len(host))
 print("gets:", json.dumps(ok))
 store.close()
+filler = os.open(root / "filler", os.O_WRONLY | os.O_CREAT)  # another program takes what is left
+try:
+    while os.write(filler, bytes(4096)):
+        pass
+except OSError:
+    pass
+os.close(filler)
+directory = ChunkDirectory.open(root, 140 * 1024)  # a restart on the full disk
+store = DiskChunkStore(directory, memoryview(host))
+again = []
+for i in range(8):
+    (r,) = store.wait([store.submit_get([StoreItem(ChunkKey(f"kv/{i}"), 0, len(host))])], 10)
+    again.append(r.ok and host == bytes([i]) * len(host))
+print("gets after a restart on a full disk:", json.dumps(again))
+store.close()
 """
 
 
-def test_a_full_disk_drops_saves_with_a_warning_and_keeps_what_was_saved(tmp_path: Path) -> None:
+def test_a_full_disk_drops_saves_with_one_warning_and_a_restart_on_it_serves_what_was_saved(
+    tmp_path: Path,
+) -> None:
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare(1) to mount a small tmpfs in a namespace of its own")
     mount = tmp_path / "small"
@@ -510,7 +527,9 @@ def test_a_full_disk_drops_saves_with_a_warning_and_keeps_what_was_saved(tmp_pat
     assert False in puts  # the third 68 KiB file does not fit in 160 KiB
     assert lines["temporaries"] == "0"
     assert json.loads(lines["gets"]) == puts  # what was saved reads back whole; what was dropped is a miss
-    assert "No space left on device" in run.stderr
+    assert run.stderr.count("No space left on device") == 1  # 6 saves dropped, one warning
+    assert json.loads(lines["gets after a restart on a full disk"]) == puts  # the chunks stay served
+    assert "more than its file system can give now" in run.stderr
 
 
 def test_without_its_digest_library_the_disk_tier_says_what_to_install(tmp_path: Path) -> None:
