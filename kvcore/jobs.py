@@ -82,7 +82,15 @@ class JobBoard:
             self._done[result.job_id] = result
             self._cond.notify_all()
 
+    def forget(self, job_id: JobId) -> None:
+        """Drop a reserved id whose job never started (its submit was refused after ``new``): it is no
+        longer pending and is never handed out. Unknown ids are ignored."""
+        with self._cond:
+            self._pending.discard(job_id)
+            self._cond.notify_all()
+
     def in_flight(self) -> int:
+        """Jobs reserved and not yet finished."""
         with self._cond:
             return len(self._pending)
 

@@ -84,6 +84,10 @@ class LaneStore(ABC):
     def poll(self) -> tuple[JobResult, ...]:
         return self._board.poll()
 
+    def pending_jobs(self) -> int:
+        """Jobs taken and not yet reported (a conformance harness's ``SupportsPendingJobs``)."""
+        return self._board.in_flight()
+
     def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
         return self._board.wait(job_ids, timeout)
 
@@ -124,9 +128,13 @@ class LaneStore(ABC):
             if self._closed:
                 raise UsageError(f"the {self._name} is closed")
             job = StoreJob(self._board.new(), put, tuple(items), self._generation)
-            if items:  # under the lock that close takes first: the lanes are still open
+            if items:  # under the lock that close takes first: the lanes are open, unless their thread died
                 lane, priority = (self._lane, Priority.WRITE) if put else (self._read_lane, Priority.READ)
-                lane.submit(partial(self._finish, job), partial(self._fail, job), priority)
+                try:
+                    lane.submit(partial(self._finish, job), partial(self._fail, job), priority)
+                except LaneClosed:
+                    self._board.forget(job.job_id)  # refused: no id stays pending
+                    raise
         if not items:
             self._board.finish(JobResult(job.job_id))
         return job.job_id

@@ -170,6 +170,9 @@ class MooncakeClient:
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         tries = max(1, int(config.setup_timeout_s // _SECONDS_PER_SETUP_TRY))
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(tries))
+        # Read by the native client of each process as it sets up: the first config of a process bounds
+        # every client's calls to the master (an operator's own MC_RPC_TIMEOUT_MS wins).
+        os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(1, round(config.rpc_timeout_s * 1000))))
         host, port = _master_address(config.master)
         # A master that is not listening fails here at once, instead of after setup's retries.
         try:
@@ -177,8 +180,8 @@ class MooncakeClient:
         except OSError as exc:
             raise BackendUnavailable(f"Mooncake master {config.master} is not reachable: {exc}") from None
         native = binding()
-        # A master that accepts connections but never answers still holds this call for Mooncake's
-        # RPC timeout per try (about 30 s): documented, not boundable from Python (the GIL is held).
+        # A master that accepts connections but never answers still holds this call for the RPC
+        # timeout per try (rpc_timeout_s): not boundable otherwise from Python (the GIL is held).
         code = native.setup(
             config.local_hostname,
             config.metadata,

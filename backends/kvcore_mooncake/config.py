@@ -30,8 +30,10 @@ class MooncakeStoreConfig:
     staging buffer inside Mooncake. One node holds at least ``local_size + segment_size +
     transfer_buffer_size`` (more with several workers): that sum must fit in this machine's physical
     memory. ``master`` is ``host:port``; ``devices`` may be empty (no RDMA devices named); ``replicas``
-    (copies of each chunk, each in another segment) is at most 1024; ``setup_timeout_s`` lies in
-    [0.001, 86400] seconds.
+    (copies of each chunk, each in another segment) is at most 1024. ``rpc_timeout_s`` bounds each call to
+    the master (Mooncake's ``MC_RPC_TIMEOUT_MS``, 30 s by its default): a master that is frozen or cut off
+    fails each call after it, instead of holding every lookup, get and put for half a minute. Both
+    timeouts lie in [0.001, 86400] seconds.
     """
 
     KIND: ClassVar[str] = "mooncake_store"
@@ -51,6 +53,7 @@ class MooncakeStoreConfig:
     transfer_buffer_size: ByteSize = field(default=ByteSize(64 * 2**20), validator=fits_in_memory)
     replicas: int = field(default=1, validator=within(1, 1024, "a count from 1 to 1024"))
     setup_timeout_s: float = field(default=10.0, validator=seconds)
+    rpc_timeout_s: float = field(default=5.0, validator=seconds)
 
     @property
     def host_bytes(self) -> int:

@@ -15,7 +15,14 @@ from typing import Protocol, runtime_checkable
 
 from kvcore.ids import ChunkKey
 
-__all__ = ["SupportsCapacity", "SupportsFailureInjection", "SupportsPinning", "SupportsStall"]
+__all__ = [
+    "SupportsCapacity",
+    "SupportsFailureInjection",
+    "SupportsOutage",
+    "SupportsPendingJobs",
+    "SupportsPinning",
+    "SupportsStall",
+]
 
 
 @runtime_checkable
@@ -38,6 +45,28 @@ class SupportsStall(Protocol):
 
     def stall(self) -> AbstractContextManager[None]:
         """While inside, jobs (and lookups) queued or submitted do not finish; on exit they proceed."""
+        ...
+
+
+@runtime_checkable
+class SupportsOutage(Protocol):
+    """Take the backend's server away, to test that a tier that is down is an error, never an answer (an
+    ``exists`` that says "absent", a lookup that says 0): the caller must be able to tell a miss from an
+    outage, or no breaker opens and nobody is warned."""
+
+    def outage(self) -> AbstractContextManager[None]:
+        """While inside, the server the backend talks to does not answer (stopped or unreachable); on exit
+        it answers again, holding what it held."""
+        ...
+
+
+@runtime_checkable
+class SupportsPendingJobs(Protocol):
+    """Count the backend's jobs in flight, to test that a refused submit (after ``close``) left none
+    pending: a job id that was taken and then refused is never reported, and waits on it never end."""
+
+    def pending_jobs(self) -> int:
+        """Jobs the backend took and has not yet reported."""
         ...
 
 

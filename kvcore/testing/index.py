@@ -30,6 +30,7 @@ from kvcore.testing.support import (
     require_clear,
     require_failure_injection,
     require_immediate_lookup,
+    require_outage,
     require_pinning,
     require_stall,
     run_threads,
@@ -38,6 +39,7 @@ from kvcore.testing.support import (
 
 __all__ = [
     "ChunkIndexTests",
+    "check_outage",
     "HeldLookupTests",
     "IndexHarness",
     "answer",
@@ -82,6 +84,32 @@ def answer(
 
 def _one_per_chunk(keys: Sequence[ChunkKey]) -> list[list[ChunkKey]]:
     return [[key] for key in keys]
+
+
+def check_outage(harness: IndexHarness[ChunkIndex]) -> None:
+    """Two chunks present; the server goes away: a lookup asked before and one asked during the outage
+    fail (``BackendUnavailable`` at submit, or ``BackendError`` at a poll within ``SETTLE_S``), never
+    answer a count (0 would read as a miss: no breaker opens, nobody is warned); it comes back: so do
+    the answers."""
+    outage = require_outage(harness)
+    chunks = _one_per_chunk(fresh_keys(2))
+    harness.make_present([key for chunk in chunks for key in chunk])
+    before = harness.backend.submit_lookup(chunks)
+    with outage.outage():
+        pending = [before]
+        with contextlib.suppress(BackendUnavailable):
+            pending.append(harness.backend.submit_lookup(chunks))
+        for lookup_id in pending:
+            with pytest.raises(BackendError):
+                settle_lookup(harness.backend, lookup_id)
+
+    def back() -> int | None:
+        try:
+            return answer(harness.backend, chunks) or None
+        except BackendError:  # a breaker still open: not back yet
+            return None
+
+    assert settle(back, "the index, after the outage,") == 2
 
 
 class ChunkIndexTests(HarnessFixture[IndexHarness[IndexT]], Generic[IndexT]):
@@ -134,6 +162,9 @@ class ChunkIndexTests(HarnessFixture[IndexHarness[IndexT]], Generic[IndexT]):
         harness.backend.cancel_lookup(lookup_id)
         harness.backend.cancel_lookup(LookupId(2**62))
         assert answer(harness.backend, [keys]) == 1
+
+    def test_an_unreachable_server_is_an_error_never_an_answer(self, harness: IndexHarness[IndexT]) -> None:
+        check_outage(harness)
 
     def test_close_refuses_lookups_and_drops_pending_ones(self, harness: IndexHarness[IndexT]) -> None:
         keys = fresh_keys(1)
@@ -222,6 +253,9 @@ class ChunkIndexTests(HarnessFixture[IndexHarness[IndexT]], Generic[IndexT]):
 class HeldLookupTests(HarnessFixture[IndexHarness[HeldT]], Generic[HeldT]):
     """The ``SupportsHeldLookups`` contract: a held lookup answers as a plain one, and the locks of its
     answer are handed out once and end once. Define ``make_harness`` as for ``ChunkIndexTests``."""
+
+    def test_an_unreachable_server_is_an_error_never_an_answer(self, harness: IndexHarness[HeldT]) -> None:
+        check_outage(harness)
 
     def test_a_held_lookup_answers_as_a_plain_one_and_holds_its_answer(
         self, harness: IndexHarness[HeldT]

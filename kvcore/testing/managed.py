@@ -223,6 +223,7 @@ class ManagedTierTests(HarnessFixture[ManagedHarness[TierT]], Generic[TierT]):
             harness.backend.close,
             lambda: harness.backend.submit_store(session, items),
             BackendUnavailable,
+            harness,
         )
         assert harness.peek(stored) == (value if result.ok else None)
         with pytest.raises(BackendError):

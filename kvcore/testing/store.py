@@ -18,11 +18,11 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcore.errors import InvalidSpecError, UsageError
+from kvcore.errors import BackendError, InvalidSpecError, UsageError
 from kvcore.ids import ChunkKey
 from kvcore.jobs import JobResult
 from kvcore.ports import ChunkStore, JobQueue, StoreItem, SupportsClear
-from kvcore.testing.capabilities import SupportsFailureInjection
+from kvcore.testing.capabilities import SupportsFailureInjection, SupportsPendingJobs
 from kvcore.testing.support import (
     HarnessFixture,
     check_close,
@@ -35,8 +35,10 @@ from kvcore.testing.support import (
     require_capacity,
     require_clear,
     require_failure_injection,
+    require_outage,
     require_stall,
     run_threads,
+    settle,
     wait_one,
 )
 
@@ -244,11 +246,65 @@ class ChunkStoreTests(HarnessFixture[StoreHarness[StoreT]], Generic[StoreT]):
         values = values_for(fresh_keys(1), 64)
         items = stage(harness, values)
         result = check_close(
-            harness.backend, harness.backend.close, lambda: harness.backend.submit_put(items), UsageError
+            harness.backend,
+            harness.backend.close,
+            lambda: harness.backend.submit_put(items),
+            UsageError,
+            harness,
         )
         assert [harness.peek(key) for key in values] == [v if result.ok else None for v in values.values()]
         with pytest.raises(UsageError, match="closed"):
             harness.backend.submit_get(items)
+        if isinstance(harness, SupportsPendingJobs):
+            assert harness.pending_jobs() == 0, "a get refused after close left its job pending forever"
+
+    def test_close_ends_the_jobs_queued_before_it(self, harness: StoreHarness[StoreT]) -> None:
+        # put and get held in the queue by a stall; close; the stall ends -> both are reported (done or
+        # failed), never left pending
+        stall = require_stall(harness)
+        values = values_for(fresh_keys(2), 64)
+        stored, fresh = values
+        harness.poke(stored, values[stored])
+        with stall.stall():
+            put = harness.backend.submit_put(stage(harness, {fresh: values[fresh]}))
+            get = harness.backend.submit_get([StoreItem(stored, 1024, 64)])
+            harness.backend.close()
+        results = collect(harness.backend, [put, get])
+        assert harness.peek(fresh) in (None, values[fresh])
+        assert not results[get].ok or harness.read_host(1024, 64) == values[stored]
+
+    def test_an_unreachable_server_is_an_error_never_an_answer(self, harness: StoreHarness[StoreT]) -> None:
+        # a, b stored; the server goes away: exists raises (never "absent"), put and get fail every item
+        # within SETTLE_S (or are refused with BackendError); it comes back: so does the store
+        outage = require_outage(harness)
+        held = values_for(fresh_keys(2, "held-"), 64)
+        for key, value in held.items():
+            harness.poke(key, value)
+        new = values_for(fresh_keys(2, "new-"), 64)
+        reads = [StoreItem(key, 1024 + 64 * i, 64) for i, key in enumerate(held)]
+        with outage.outage():
+            with pytest.raises(BackendError):
+                harness.backend.exists(list(held))
+            for submit, items in (
+                (harness.backend.submit_put, stage(harness, new)),
+                (harness.backend.submit_get, reads),
+            ):
+                try:
+                    job = submit(items)
+                except BackendError:
+                    continue
+                result = wait_one(harness.backend, job)
+                assert result.failed_items(len(items)) == tuple(range(len(items)))
+
+        def back() -> int | None:
+            try:
+                return 1 if harness.backend.exists(list(held)) == (True, True) else None
+            except BackendError:  # a breaker still open: not back yet
+                return None
+
+        settle(back, "the store, after the outage,")
+        assert self._get(harness, reads).ok
+        assert read_items(harness, reads) == list(held.values())
 
     def test_capacity_is_respected(self, harness: StoreHarness[StoreT]) -> None:
         # values of capacity/4 bytes, 8 puts -> at most 4 held, the last one among them

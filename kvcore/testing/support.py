@@ -31,6 +31,8 @@ from kvcore.ports import JobQueue, SupportsClear, SupportsImmediateLookup
 from kvcore.testing.capabilities import (
     SupportsCapacity,
     SupportsFailureInjection,
+    SupportsOutage,
+    SupportsPendingJobs,
     SupportsPinning,
     SupportsStall,
 )
@@ -53,6 +55,7 @@ __all__ = [
     "require_clear",
     "require_failure_injection",
     "require_immediate_lookup",
+    "require_outage",
     "require_pinning",
     "require_stall",
     "run_threads",
@@ -132,6 +135,12 @@ def require_capacity(harness: object) -> SupportsCapacity:
     return harness
 
 
+def require_outage(harness: object) -> SupportsOutage:
+    if not isinstance(harness, SupportsOutage):
+        pytest.skip(_reason(harness, "SupportsOutage"))
+    return harness
+
+
 def require_pinning(harness: object) -> SupportsPinning:
     if not isinstance(harness, SupportsPinning):
         pytest.skip(_reason(harness, "SupportsPinning"))
@@ -204,11 +213,16 @@ def check_wait_timeout_then_poll(queue: JobQueue, stall: SupportsStall, submit: 
 
 
 def check_close(
-    queue: JobQueue, close: Callable[[], None], submit: Callable[[], JobId], refused: type[Exception]
+    queue: JobQueue,
+    close: Callable[[], None],
+    submit: Callable[[], JobId],
+    refused: type[Exception],
+    harness: object = None,
 ) -> JobResult:
     """The ``close`` of a port with jobs: idempotent; a job submitted before it is still reported, once;
-    a later submit raises ``refused`` saying the port is closed; ``poll`` and ``wait`` keep working.
-    Returns the earlier job's result (it finished or failed)."""
+    a later submit raises ``refused`` saying the port is closed, and leaves no job pending (where the
+    ``harness`` can count them: ``SupportsPendingJobs``); ``poll`` and ``wait`` keep working. Returns
+    the earlier job's result (it finished or failed)."""
     job_id = submit()
     close()
     close()
@@ -217,6 +231,8 @@ def check_close(
         submit()
     assert queue.poll() == ()
     assert queue.wait([], SHORT_S) == ()
+    if isinstance(harness, SupportsPendingJobs):
+        assert harness.pending_jobs() == 0, "a submit refused after close left its job pending forever"
     return result
 
 

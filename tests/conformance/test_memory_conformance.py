@@ -42,13 +42,15 @@ TierT = TypeVar("TierT", InMemoryChunkStore, InMemoryManagedTier, InMemoryBlockT
 
 
 class MemoryIndexHarness:
-    """The index's keys are the tier's: presence is set on the index itself."""
+    """The index's keys are the tier's: presence is set on the index itself. ``index_class`` may be a
+    variant of the reference (``tests/conformance/mutants.py``)."""
 
-    def __init__(self, capacity: int) -> None:
-        self.backend = InMemoryChunkIndex(capacity)
+    def __init__(self, capacity: int, index_class: type[InMemoryChunkIndex] = InMemoryChunkIndex) -> None:
+        self.backend = index_class(capacity)
         self.capacity = capacity
         self.fail_next = self.backend.fail_next
         self.stall = self.backend.stall
+        self.outage = self.backend.outage
         self.pin = self.backend.pin
         self.unpin = self.backend.unpin
 
@@ -88,6 +90,7 @@ class MemoryTierHarness(Generic[TierT]):
         self._host = host
         self.fail_next = backend.fail_next
         self.stall = backend.stall
+        self.pending_jobs = backend.pending_jobs
 
     def peek(self, key: ChunkKey, preceding: Sequence[ChunkKey] = ()) -> bytes | None:
         return self.backend.peek(key)
@@ -140,15 +143,27 @@ class MemoryPeerHarness:
         return self.space.allocate(length)
 
 
-@contextlib.contextmanager
-def memory_index_harness(capacity: int = INDEX_CAPACITY) -> Iterator[MemoryIndexHarness]:
-    yield MemoryIndexHarness(capacity)
+class MemoryStoreHarness(MemoryTierHarness[InMemoryChunkStore]):
+    """The store, whose client ``outage`` cuts off its (simulated) server."""
+
+    def __init__(self, store_class: type[InMemoryChunkStore] = InMemoryChunkStore) -> None:
+        host = bytearray(HOST_SIZE)
+        super().__init__(store_class(host, STORE_CAPACITY), host, STORE_CAPACITY)
+        self.outage = self.backend.outage
 
 
 @contextlib.contextmanager
-def memory_store_harness() -> Iterator[MemoryTierHarness[InMemoryChunkStore]]:
-    host = bytearray(HOST_SIZE)
-    yield MemoryTierHarness(InMemoryChunkStore(host, STORE_CAPACITY), host, STORE_CAPACITY)
+def memory_index_harness(
+    capacity: int = INDEX_CAPACITY, index_class: type[InMemoryChunkIndex] = InMemoryChunkIndex
+) -> Iterator[MemoryIndexHarness]:
+    yield MemoryIndexHarness(capacity, index_class)
+
+
+@contextlib.contextmanager
+def memory_store_harness(
+    store_class: type[InMemoryChunkStore] = InMemoryChunkStore,
+) -> Iterator[MemoryStoreHarness]:
+    yield MemoryStoreHarness(store_class)
 
 
 class TestInMemoryChunkIndex(ChunkIndexTests[InMemoryChunkIndex]):
@@ -177,7 +192,7 @@ class TestInMemoryBlockMover(BlockMoverTests[InMemoryBlockMover], OrderedMoverTe
 
 
 class TestInMemoryChunkStore(ChunkStoreTests[InMemoryChunkStore]):
-    def make_harness(self) -> contextlib.AbstractContextManager[MemoryTierHarness[InMemoryChunkStore]]:
+    def make_harness(self) -> contextlib.AbstractContextManager[MemoryStoreHarness]:
         return memory_store_harness()
 
 

@@ -9,6 +9,9 @@ offers neither hook) and a capacity (the server's smallest L1 is far larger than
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import signal
 import uuid
 from collections.abc import Iterator, Sequence
 
@@ -126,11 +129,24 @@ class TestLMCacheBlockTransfer(BlockTransferTests[LMCacheManagedTier]):
             yield harness
 
 
+@contextlib.contextmanager
+def stopped(server: LMCacheServer) -> Iterator[None]:
+    """The server frozen (SIGSTOP) while inside: it answers nothing, as one that hangs or is cut off
+    would; thawed (SIGCONT) on exit, holding what it held."""
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+
+
 class IndexHarness:
     """The scheduler's index; ``make_present`` stores the keys as one chain through ``RawClient``."""
 
     def __init__(self, server: LMCacheServer) -> None:
         config, model = _config(server)
+        self.outage = functools.partial(stopped, server)
         self.backend = LMCacheChunkIndex(
             config, value_bytes=VALUE_BYTES, chunk_tokens=server.chunk_tokens, model_name=model
         )

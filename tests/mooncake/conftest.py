@@ -155,10 +155,11 @@ def master(_masters: Masters) -> Iterator[Master]:
 
 
 def config_for(master: str, segment_size: int = 0, setup_timeout_s: float = 5.0) -> MooncakeStoreConfig:
-    """A client config for the master at ``master``: loopback, a small transfer buffer, a short bound."""
+    """A client config for the master at ``master``: loopback, a small transfer buffer, short bounds."""
     return MooncakeStoreConfig(
         master=master,
         segment_size=ByteCount(segment_size),
         transfer_buffer_size=ByteSize(16 * MiB),
         setup_timeout_s=setup_timeout_s,
+        rpc_timeout_s=2.0,
     )

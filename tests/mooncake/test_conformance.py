@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
+import signal
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
@@ -79,11 +81,24 @@ def open_pool(master: Master, store_segment: int) -> Iterator[Pool]:
         raw.close()
 
 
+@contextlib.contextmanager
+def stopped(master: Master) -> Iterator[None]:
+    """The master frozen (SIGSTOP) while inside: it answers no request, as one that hangs or is cut off
+    would; thawed (SIGCONT) on exit, holding what it held."""
+    assert master.process is not None
+    os.kill(master.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(master.process.pid, signal.SIGCONT)
+
+
 class MooncakeStoreHarness:
     """A fresh store on the pool's client, with peek/poke through the pool's raw client."""
 
     def __init__(self, pool: Pool) -> None:
         self._pool = pool
+        self.outage = functools.partial(stopped, pool.master)
         faults = InjectedFaults(stall_limit_s=SETTLE_S)
         self.backend = MooncakeChunkStore(
             pool.client, pool.buffer.address, pool.buffer.length, remove_timeout_s=2.0, faults=faults
@@ -93,6 +108,7 @@ class MooncakeStoreHarness:
         self.write_host = pool.buffer.write
         self.fail_next = faults.fail_next
         self.stall = faults.stall
+        self.pending_jobs = self.backend.pending_jobs
 
     def peek(self, key: ChunkKey) -> bytes | None:
         # every conformance value has at least one byte: an empty answer is a missing key
@@ -140,6 +156,7 @@ class MooncakeIndexHarness:
 
     def __init__(self, pool: Pool) -> None:
         self._raw = pool.raw
+        self.outage = functools.partial(stopped, pool.master)
         faults = InjectedFaults(stall_limit_s=SETTLE_S)
         self.backend = MooncakeChunkIndex(pool.client, timeout_s=2.0, faults=faults)
         self.fail_next = faults.fail_next

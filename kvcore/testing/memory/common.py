@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
 from typing import ClassVar
@@ -18,7 +19,7 @@ from kvcore.errors import (
 )
 from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobBoard, JobResult
-from kvcore.lane import JobLane
+from kvcore.lane import JobLane, LaneClosed
 from kvcore.ports import StoreItem
 from kvcore.testing.faults import InjectedFaults
 
@@ -26,6 +27,7 @@ __all__ = [
     "POISON",
     "Gate",
     "Jobs",
+    "Outages",
     "ValueJobs",
     "Values",
     "Work",
@@ -100,11 +102,19 @@ class Jobs(Gate):
     def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
         return self._board.wait(job_ids, timeout)
 
+    def pending_jobs(self) -> int:
+        """Jobs taken and not yet reported (``SupportsPendingJobs``)."""
+        return self._board.in_flight()
+
     def _submit(self, work: Work) -> JobId:
         with self._cond:
             self._check_open("submit")
             job_id = self._board.new()
-            self._lane.submit(partial(self._run, job_id, work), partial(self._fail, job_id))
+            try:
+                self._lane.submit(partial(self._run, job_id, work), partial(self._fail, job_id))
+            except LaneClosed:
+                self._board.forget(job_id)  # refused: no id stays pending
+                raise
             return job_id
 
     def _run(self, job_id: JobId, work: Work) -> None:
@@ -114,6 +124,30 @@ class Jobs(Gate):
     def _fail(self, job_id: JobId, why: str) -> None:
         """A job whose work raised: a bug in the reference, which the lane logs; the job still ends."""
         self._board.finish(JobResult(job_id, error=why))
+
+
+class Outages:
+    """A reference that stands for a client of a server, which ``outage`` takes away (``SupportsOutage``).
+    Mixed into a ``Gate``: ``_check_reachable`` and ``_down`` are read with ``_cond`` held."""
+
+    _cond: threading.Condition
+    _down = 0
+
+    @contextlib.contextmanager
+    def outage(self) -> Iterator[None]:
+        """While inside, what asks the server raises ``BackendUnavailable`` and jobs fail every item;
+        what the server holds stays."""
+        with self._cond:
+            self._down += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._down -= 1
+
+    def _check_reachable(self) -> None:
+        if self._down:
+            raise BackendUnavailable(f"the server of this {type(self).__name__} is unreachable")
 
 
 def check_items(items: Sequence[StoreItem], host_size: int) -> None:

@@ -11,18 +11,19 @@ from kvcore.errors import (
     UsageError,
 )
 from kvcore.ids import ChunkKey, LookupId
-from kvcore.testing.memory.common import Gate, check_answering, check_positive
+from kvcore.testing.memory.common import Gate, Outages, check_answering, check_positive
 
 __all__ = ["InMemoryChunkIndex"]
 
 
-class InMemoryChunkIndex(Gate):
+class InMemoryChunkIndex(Outages, Gate):
     """A set of keys answering ``ChunkIndex`` and ``SupportsImmediateLookup``.
 
     Optionally bounded to ``capacity`` keys: adding to a full index evicts the least recently added (or
     re-added) key that is not pinned; when every key is pinned the new key is refused. Submitted lookups
-    are answered from the keys held when they are polled. Once closed, it answers none
-    (``BackendUnavailable``); the immediate ``lookup`` still answers.
+    are answered from the keys held when they are polled; polled during an ``outage``, a lookup fails
+    (``BackendUnavailable``). Once closed, it answers none (``BackendUnavailable``); the immediate
+    ``lookup`` still answers.
     """
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -98,7 +99,7 @@ class InMemoryChunkIndex(Gate):
         """Record ``chunks``, answered when polled; keys stand alone here, so ``preceding`` is ignored."""
         with self._cond:
             check_answering(self._closed, self)
-            lookup_id = LookupId(next(self._ids))
+            lookup_id = LookupId(next(self._ids))  # asked while the server is down: the poll says so
             self._lookups[lookup_id] = tuple(tuple(c) for c in chunks)
             return lookup_id
 
@@ -108,6 +109,9 @@ class InMemoryChunkIndex(Gate):
             check_answering(self._closed, self)
             if lookup_id not in self._lookups:
                 raise UsageError(f"lookup {lookup_id} is unknown, cancelled or already answered")
+            if self._down:
+                del self._lookups[lookup_id]
+                self._check_reachable()
             if self._faults.stalled:
                 return None
             chunks = self._lookups.pop(lookup_id)

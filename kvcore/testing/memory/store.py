@@ -9,17 +9,18 @@ from functools import partial
 from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobResult
 from kvcore.ports import StoreItem
-from kvcore.testing.memory.common import ValueJobs, check_items, copy_out
+from kvcore.testing.memory.common import Outages, ValueJobs, check_items, copy_out
 
 __all__ = ["InMemoryChunkStore"]
 
 
-class InMemoryChunkStore(ValueJobs):
+class InMemoryChunkStore(Outages, ValueJobs):
     """A dict of values over one registered host ``bytearray``, optionally bounded in bytes.
 
     A put reserves room when submitted, evicting the least recently used values that no get in flight
     reads (leased); an item that finds no room fails. ``clear`` fails the puts in flight, so none
-    resurrects a value after it.
+    resurrects a value after it. During an ``outage`` (it stands for a store's client), ``exists`` and
+    ``remove`` raise ``BackendUnavailable`` and the jobs that run fail every item.
     """
 
     def __init__(self, host: bytearray, capacity: int | None = None) -> None:
@@ -38,6 +39,7 @@ class InMemoryChunkStore(ValueJobs):
 
     def exists(self, keys: Sequence[ChunkKey]) -> tuple[bool, ...]:
         with self._cond:
+            self._check_reachable()
             return tuple(k in self._values.data for k in keys)
 
     def submit_put(self, items: Sequence[StoreItem]) -> JobId:
@@ -62,7 +64,7 @@ class InMemoryChunkStore(ValueJobs):
             for i, item in enumerate(items):
                 if i in reserved:
                     del self._values.reserved[item.key]
-                injected = self._take_failure()
+                injected = self._take_failure() or bool(self._down)
                 present = item.key in self._values.data
                 if injected or (i not in reserved and not present) or generation != self._generation:
                     failed.append(i)
@@ -82,13 +84,15 @@ class InMemoryChunkStore(ValueJobs):
 
     def _get(self, items: tuple[StoreItem, ...], leased: tuple[ChunkKey, ...], job_id: JobId) -> JobResult:
         with self._cond:
-            failed = copy_out(self._host, items, self._values.data.get, self._take_failure)
+            down = bool(self._down)
+            failed = copy_out(self._host, items, self._values.data.get, lambda: self._take_failure() or down)
             self._leases.subtract(leased)
             self._leases = +self._leases
         return JobResult(job_id, failed)
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
         with self._cond:
+            self._check_reachable()
             for key in keys:
                 self._values.data.pop(key, None)
 
