@@ -52,6 +52,7 @@ class DiskStoreHarness:
         self.capacity = CAPACITY
         self.fail_next = faults.fail_next
         self.stall = faults.stall
+        self.pending_jobs = self.backend.pending_jobs
 
     def read_host(self, offset: int, length: int) -> bytes:
         return bytes(self._host[offset : offset + length])
