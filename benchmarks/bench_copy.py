@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 import torch
 
-from kvcore.layout import KVLayout, LayoutKind
+from kvcore.model.layout import KVLayout, LayoutKind
 from kvcore.ports import BlockTransfer, Direction
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
 

@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from kvcore.hashing import ChunkHasher, HashAlgorithm, regroup_block_hashes
-from kvcore.keys import Keyspace, Namespace, Shard
+from kvcore.keying.hashing import ChunkHasher, HashAlgorithm, regroup_block_hashes
+from kvcore.keying.keys import Keyspace, Namespace, Shard
 
 VLLM_DEFAULT_BLOCK = 16
 KVCORE_DEFAULT_CHUNK = 256

@@ -254,7 +254,7 @@ def kvcore_workers(moved: Moved) -> Transfers:
     """kvcore's workers: every op of every group reported done in the step that asks for it."""
     from vllm.v1.outputs import KVConnectorOutput
 
-    from kvcore.plan import OpReport
+    from kvcore.model.step import OpReport
     from kvcore.ports import Direction
     from kvcore_vllm.metadata import GroupedMetadata, GroupedWorkerMetadata, KVCoreWorkerMetadata
 

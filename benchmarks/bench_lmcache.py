@@ -62,7 +62,7 @@ with warnings.catch_warnings():  # lmcache's OpenTelemetry handler warns of its 
     from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
     from kvcore.ids import ChunkKey, RequestId
-    from kvcore.layout import KVLayout, LayoutKind
+    from kvcore.model.layout import KVLayout, LayoutKind
     from kvcore.ports import BlockItem, StoreItem
     from kvcore_cpu.engine_kv import EngineKV
     from kvcore_cpu.tier import MappedMovers

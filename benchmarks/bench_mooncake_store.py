@@ -34,10 +34,10 @@ from pathlib import Path
 
 from mooncake.store import MooncakeDistributedStore
 
-from kvcore.config_fields import ByteCount, ByteSize
 from kvcore.ids import ChunkKey
-from kvcore.lookup import leading_complete
+from kvcore.kit.settings import ByteCount, ByteSize
 from kvcore.ports import StoreItem
+from kvcore.scheduling.remote_lookup import leading_complete
 from kvcore.testing.support import start_owned
 from kvcore_mooncake import MooncakeChunkIndex, MooncakeChunkStore, MooncakeClient
 from kvcore_mooncake.config import MooncakeStoreConfig

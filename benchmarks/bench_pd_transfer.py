@@ -34,9 +34,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcore.config import PDConfig
-from kvcore.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.transfer_plan import TPSide, TransferPlan, plan_transfer
 from kvcore.ports import MemoryRegion
-from kvcore.transfer_plan import TPSide, TransferPlan, plan_transfer
 
 IntArray = npt.NDArray[np.int64]
 IDLE_S = 0.05  # pause before each timed call, so that the engines' polling threads settle

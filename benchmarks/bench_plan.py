@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from kvcore.layout import HeadOrder, KVLayout, LayoutKind
-from kvcore.transfer_plan import RangeCopy, TPSide, TransferPlan, plan_transfer
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.transfer_plan import RangeCopy, TPSide, TransferPlan, plan_transfer
 
 LAYERS, KV_HEADS, HEAD_SIZE, BLOCK_TOKENS, DTYPE_SIZE, ALLOCATED_BLOCKS = 64, 32, 128, 16, 2, 16384
 

@@ -25,9 +25,9 @@ from typing import Any
 
 from attrs import frozen
 
-from kvcore.block_pool import BlockPool
-from kvcore.eviction import make_policy
 from kvcore.ids import ChunkKey
+from kvcore.pool.block_pool import BlockPool
+from kvcore.pool.eviction import make_policy
 
 BLOCK_TOKENS = 16  # only vLLM needs it; any value works
 

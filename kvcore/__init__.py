@@ -5,16 +5,15 @@ which compose any installed backend, ``CacheScheduler``, ``BlockWorker``, the pl
 and ``KVLayout``, ``ExtraKeys``, ``FaultHooks``, configuration and errors) and what a backend implements
 (the ports of ``kvcore.ports``, with ``JobBoard``/``JobResult`` to implement ``JobQueue``). Everything
 else — hashing, keys, the block pool, load specs, TP transfer plans, the lifecycle — stays importable from
-its own module (``kvcore.keys``, ``kvcore.block_pool``, ...) and may change. The core imports the standard
+its own module (``kvcore.keying.keys``, ``kvcore.pool.block_pool``, ...) and may change. The core imports the standard
 library, attrs and cattrs only; the conformance suite for backend authors is ``kvcore.testing`` (imported
 on demand, never from here).
 """
 
 from __future__ import annotations
 
-from kvcore.compose import open_scheduler, open_worker
+from kvcore import _moved
 from kvcore.config import KVCoreConfig, config_to_dict, load_config, load_config_file, parse_size
-from kvcore.engine import EngineSpec
 from kvcore.errors import (
     BackendError,
     BackendUnavailable,
@@ -27,12 +26,15 @@ from kvcore.errors import (
     UnsupportedConfiguration,
     UsageError,
 )
-from kvcore.faults import FaultHooks
-from kvcore.hashing import ExtraKeys, MMSpan
+from kvcore.execution.worker import BlockWorker
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.jobs import JobBoard, JobResult
-from kvcore.layout import HeadOrder, KVLayout, LayoutKind
-from kvcore.plan import BlockOp, OpReport, RemoteChunk, StepPlan
+from kvcore.keying.hashing import ExtraKeys, MMSpan
+from kvcore.kit.faults import FaultHooks
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.step import BlockOp, OpReport, RemoteChunk, StepPlan
+from kvcore.plugins.compose import open_scheduler, open_worker
 from kvcore.ports import (
     BlockItem,
     BlockMover,
@@ -61,8 +63,9 @@ from kvcore.ports import (
     SupportsTierUsage,
     TierUsage,
 )
-from kvcore.scheduler import CacheScheduler, SchedulerStats
-from kvcore.worker import BlockWorker
+from kvcore.scheduling.scheduler import CacheScheduler, SchedulerStats
+
+_moved.install()
 
 __version__ = "0.1.0"
 __all__ = [

@@ -11,7 +11,7 @@ from typing import NewType
 __all__ = ["ChunkKey", "JobId", "LookupId", "RequestId"]
 
 ChunkKey = NewType("ChunkKey", str)
-"""Namespace digest + shard + chunk hash, rendered as text (see ``kvcore.keys``)."""
+"""Namespace digest + shard + chunk hash, rendered as text (see ``kvcore.keying.keys``)."""
 
 JobId = NewType("JobId", int)
 """An asynchronous unit of work handed to a backend: submit -> id, poll -> result."""

@@ -1,5 +1,5 @@
 """Engines stepped by hand, for the tests of a remote tier: a scheduler and its ranks' workers, each as
-the vLLM adapter composes them (``kvcore.compose``), over random KV in CPU engine blocks. The config
+the vLLM adapter composes them (``kvcore.plugins.compose``), over random KV in CPU engine blocks. The config
 decides the tier (and whether a host pool stands between the engine's blocks and it)."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import uuid
 
 import torch
 
-from kvcore.compose import open_scheduler, open_worker
 from kvcore.config import KVCoreConfig
-from kvcore.engine import EngineSpec
 from kvcore.ids import RequestId
-from kvcore.layout import KVLayout, LayoutKind
-from kvcore.plan import StepPlan
-from kvcore.scheduler import CacheScheduler
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import KVLayout, LayoutKind
+from kvcore.model.step import StepPlan
+from kvcore.plugins.compose import open_scheduler, open_worker
+from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore.testing.support import SETTLE_S
 from kvcore_cpu.tier import CPUWorker
 

@@ -18,15 +18,15 @@ import numpy as np
 import torch
 from attrs import define, frozen
 
-from kvcore.compose import open_scheduler, open_worker
 from kvcore.config import KVCoreConfig, load_config, parse_size
-from kvcore.engine import EngineSpec
+from kvcore.execution.worker import BlockWorker
 from kvcore.ids import RequestId
-from kvcore.layout import KVLayout, LayoutKind
-from kvcore.plan import StepPlan
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import KVLayout, LayoutKind
+from kvcore.model.step import StepPlan
+from kvcore.plugins.compose import open_scheduler, open_worker
 from kvcore.ports import Direction
-from kvcore.scheduler import CacheScheduler
-from kvcore.worker import BlockWorker
+from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore_cli.progress import Progress
 from kvcore_cli.workload import conversations
 

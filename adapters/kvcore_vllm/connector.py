@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcore.errors import InvalidSpecError, UnsupportedConfiguration
-from kvcore.sizing import staging_shortfall
+from kvcore.plugins.sizing import staging_shortfall
 from kvcore_vllm.compat import check_vllm
 from kvcore_vllm.engine_spec import KVGroup, hash_identity, kv_groups
 from kvcore_vllm.grouped_scheduler import GroupedSchedulerSide

@@ -19,8 +19,8 @@ import attrs
 import torch
 from attrs import frozen
 
-from kvcore.engine import EngineSpec
 from kvcore.errors import UnsupportedConfiguration
+from kvcore.model.engine import EngineSpec
 from kvcore_vllm.kv_layout import CPU_BACKEND, cpu_packing, kv_dtype, kv_layout, state_layout
 from kvcore_vllm.model_identity import model_identity
 

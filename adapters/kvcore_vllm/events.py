@@ -28,10 +28,10 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from kvcore.block_pool import PoolEvent, PoolEventKind
-from kvcore.hashing import regroup_block_hashes
 from kvcore.ids import ChunkKey
-from kvcore.keys import Keyspace
+from kvcore.keying.hashing import regroup_block_hashes
+from kvcore.keying.keys import Keyspace
+from kvcore.pool.block_pool import PoolEvent, PoolEventKind
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent

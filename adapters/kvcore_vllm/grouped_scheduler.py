@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvcore.block_pool import PoolUsage
-from kvcore.scheduler import SchedulerStats
+from kvcore.pool.block_pool import PoolUsage
+from kvcore.scheduling.scheduler import SchedulerStats
 from kvcore_vllm.metadata import GroupedMetadata, GroupedWorkerMetadata
 from kvcore_vllm.scheduler_side import SchedulerSide
 

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from kvcore.engine import EngineSpec
 from kvcore.errors import InvalidSpecError, UnsupportedConfiguration
-from kvcore.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec

@@ -9,7 +9,7 @@ from __future__ import annotations
 from attrs import field, frozen
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvcore.plan import OpReport, StepPlan
+from kvcore.model.step import OpReport, StepPlan
 
 __all__ = ["GroupedMetadata", "GroupedWorkerMetadata", "KVCoreMetadata", "KVCoreWorkerMetadata"]
 

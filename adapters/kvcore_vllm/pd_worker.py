@@ -17,8 +17,8 @@ import attrs
 import torch
 
 from kvcore.config import PDConfig
-from kvcore.engine import EngineSpec
 from kvcore.errors import InvalidSpecError, KVCoreError
+from kvcore.model.engine import EngineSpec
 from kvcore.ports import PeerTransport
 from kvcore_cpu.amx import claim_amx
 from kvcore_cpu.engine_kv import EngineKV

@@ -1,7 +1,7 @@
 """The connector's scheduler side (vLLM's engine-core process): vLLM's hooks translated to the core.
 
 Chunk keys come from ``request.block_hashes`` (nothing is re-hashed); lookups, load specs, slot
-bookkeeping and the step's copies are ``kvcore.scheduler.CacheScheduler``'s. This module only keeps what
+bookkeeping and the step's copies are ``kvcore.scheduling.scheduler.CacheScheduler``'s. This module only keeps what
 vLLM does not hand back each step: each request's block table and the live ``Request`` objects, and
 for the two things vLLM-specific around the core, the names of chunks in vLLM's hashes (KV events) and,
 under the lazy store policy, what freed blocks hold (``EvictionWatch``).
@@ -23,13 +23,13 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvcore.compose import open_scheduler
-from kvcore.engine import EngineSpec
 from kvcore.errors import UnsupportedConfiguration
 from kvcore.ids import RequestId
-from kvcore.layout import LayoutKind
-from kvcore.plan import StepPlan
-from kvcore.scheduler import SchedulerStats
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import LayoutKind
+from kvcore.model.step import StepPlan
+from kvcore.plugins.compose import open_scheduler
+from kvcore.scheduling.scheduler import SchedulerStats
 from kvcore_vllm.events import ChunkNames
 from kvcore_vllm.evictions import EvictedChain, EvictionWatch
 from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata

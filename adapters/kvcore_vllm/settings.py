@@ -5,8 +5,8 @@ The extra config is kvcore's own config (``kvcore.config``), validated by the co
 Three keys belong to the adapter rather than the core, taken out before the core's converter, which
 refuses keys it does not know: ``store_policy`` (which blocks of vLLM's cache are saved, and when),
 ``load_mode`` (whether a load holds vLLM's step or the request waits for it alone) and ``faults`` (an
-import path of ``kvcore.faults.FaultHooks`` that each rank's movers call: vLLM builds the workers, so
-tests and instrumentation name their hooks here instead of handing them to ``kvcore.compose``).
+import path of ``kvcore.kit.faults.FaultHooks`` that each rank's movers call: vLLM builds the workers, so
+tests and instrumentation name their hooks here instead of handing them to ``kvcore.plugins.compose``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from attrs import frozen
 
 from kvcore.config import KVCoreConfig, load_config
 from kvcore.errors import ConfigError
-from kvcore.faults import FaultHooks, load_hooks
+from kvcore.kit.faults import FaultHooks, load_hooks
 
 __all__ = ["LoadMode", "StorePolicy", "VLLMSettings", "read_extra_config"]
 

@@ -20,7 +20,7 @@ from attrs import asdict
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvcore.scheduler import SchedulerStats
+from kvcore.scheduling.scheduler import SchedulerStats
 
 __all__ = [
     "COUNTERS",

@@ -34,14 +34,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from kvcore.compose import open_worker
 from kvcore.config import KVCoreConfig
-from kvcore.engine import EngineSpec
 from kvcore.errors import InvalidSpecError
-from kvcore.faults import FaultHooks
-from kvcore.plan import BlockOp, OpReport, StepPlan
+from kvcore.execution.worker import BlockWorker
+from kvcore.kit.faults import FaultHooks
+from kvcore.model.engine import EngineSpec
+from kvcore.model.step import BlockOp, OpReport, StepPlan
+from kvcore.plugins.compose import open_worker
 from kvcore.ports import Direction
-from kvcore.worker import BlockWorker
 from kvcore_vllm.kv_layout import connector_views
 from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata
 from kvcore_vllm.rank_agreement import RankAgreement, alone
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    """``opener`` opens the rank's worker over its KV tensors (default: ``kvcore.compose.open_worker``
+    """``opener`` opens the rank's worker over its KV tensors (default: ``kvcore.plugins.compose.open_worker``
     with this side's config, engine, rank and ``faults``); a test gives a worker over memory it controls.
     ``agree`` tells which of a step's synchronous loads failed on any rank (``rank_agreement``; one
     rank: its own), so that no rank saves what a step computed over another rank's failed load."""

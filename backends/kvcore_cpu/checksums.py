@@ -15,8 +15,8 @@ from collections.abc import Callable, Collection
 
 from kvcore.ids import JobId
 from kvcore.jobs import JobResult
+from kvcore.kit.closing import close_quietly
 from kvcore.ports import BlockMover, BlockTransfer, Direction, SupportsReopen
-from kvcore.remote import close_quietly
 
 __all__ = ["ChecksummedMover"]
 

@@ -1,9 +1,9 @@
 """The CPU engine's copy lane: block copies on a ``JobLane``, so that saves never block the engine's thread.
 
-Loads are reads and saves writes (``kvcore.lane``): a queued load goes before queued saves (a request is
+Loads are reads and saves writes (``kvcore.kit.lane``): a queued load goes before queued saves (a request is
 waiting on a load; a save only has to finish before its slot is used), and jobs of one direction run in
 submission order. The port promises no order between a load and a save. Fault hooks, if given, run on
-the lane before each copy (``kvcore.faults``).
+the lane before each copy (``kvcore.kit.faults``).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from functools import partial
 from attrs import frozen
 
 from kvcore.errors import TransferTimeout
-from kvcore.faults import FaultHooks, leading_failures
 from kvcore.ids import JobId
 from kvcore.jobs import JobBoard, JobResult
-from kvcore.lane import JobLane, LaneClosed, Priority
+from kvcore.kit.faults import FaultHooks, leading_failures
+from kvcore.kit.lane import JobLane, LaneClosed, Priority
 from kvcore.ports import Direction
 from kvcore_cpu.cpu_copy import BlockCopier
 from kvcore_cpu.rows import IntArray

@@ -19,7 +19,7 @@ import torch
 from attrs import frozen
 
 from kvcore.errors import InvalidSpecError
-from kvcore.layout import KVLayout, LayoutKind
+from kvcore.model.layout import KVLayout, LayoutKind
 
 __all__ = ["EngineKV", "SharedRows"]
 

@@ -18,9 +18,9 @@ import numpy as np
 
 from kvcore.checks import is_int_in
 from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguration, UsageError
-from kvcore.faults import FaultHooks
 from kvcore.ids import JobId
 from kvcore.jobs import JobBoard, JobResult
+from kvcore.kit.faults import FaultHooks
 from kvcore.ports import BlockTransfer, Direction
 from kvcore_cpu.cpu_copy import BlockCopier
 from kvcore_cpu.cpu_lane import CpuLane
@@ -58,7 +58,7 @@ class TorchBlockMover:
     def __init__(
         self, engine: EngineKV, host: HostMemory, *, copy_threads: int = 2, faults: FaultHooks | None = None
     ) -> None:
-        """``faults`` (``kvcore.faults``): ``before_queue`` runs in ``submit``, ``before_transfer`` on the
+        """``faults`` (``kvcore.kit.faults``): ``before_queue`` runs in ``submit``, ``before_transfer`` on the
         worker thread before each copy, of a CPU engine.
 
         Raises ``InvalidSpecError`` for an ``engine`` or ``host`` of the wrong type or host blocks of

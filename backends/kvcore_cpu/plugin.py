@@ -9,15 +9,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvcore.config import KVCoreConfig
-from kvcore.engine import EngineSpec
 from kvcore.errors import InvalidSpecError
+from kvcore.model.engine import EngineSpec
 from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
 from kvcore_cpu.config import CPUBackendConfig
 
 if TYPE_CHECKING:
-    from kvcore.faults import FaultHooks
+    from kvcore.execution.worker import BlockWorker
+    from kvcore.kit.faults import FaultHooks
     from kvcore.plugins import RemoteOpener
-    from kvcore.worker import BlockWorker
 
 __all__ = ["BACKEND", "TORCH", "CPUBackend", "TorchMemory"]
 

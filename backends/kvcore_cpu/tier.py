@@ -1,6 +1,6 @@
 """A rank's worker over torch tensors: its host slots, its mover, and its remote tier opened over them.
 
-The scheduler side (``kvcore.scheduler.CacheScheduler``) indexes the slots (``kvcore.sizing`` says how
+The scheduler side (``kvcore.scheduling.scheduler.CacheScheduler``) indexes the slots (``kvcore.plugins.sizing`` says how
 many a config buys); each worker holds the slot memory of its own rank and executes copies
 (docs/architecture.md, "Where things run"). A backend's remote tier sees the rank as a ``RankMemory``.
 """
@@ -15,13 +15,13 @@ from attrs import frozen
 
 from kvcore.checks import is_int_in
 from kvcore.config import KVCoreConfig
-from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguration, UsageError
-from kvcore.faults import FaultHooks
+from kvcore.execution.worker import FLUSH_TIMEOUT_S, BlockWorker
+from kvcore.kit.faults import FaultHooks
+from kvcore.model.engine import EngineSpec
 from kvcore.plugins import RemoteOpener
+from kvcore.plugins.sizing import check_world, host_field, pool_slots, slot_bytes
 from kvcore.ports import RemoteTier
-from kvcore.sizing import check_world, host_field, pool_slots, slot_bytes
-from kvcore.worker import FLUSH_TIMEOUT_S, BlockWorker
 from kvcore_cpu.amx import claim_amx
 from kvcore_cpu.checksums import ChecksummedMover
 from kvcore_cpu.cuda_lane import stream_mark
@@ -179,7 +179,7 @@ def open_worker(
     the rank's remote tier over those slots (AMX claimed first: a tier may start native threads). A
     backend configured with no host memory (``pool_slots`` 0) gets no slots and no mover: its remote
     tier moves every block. Every mover of the rank, its own and those its remote tier maps, calls
-    ``faults`` (``kvcore.faults``) before each copy.
+    ``faults`` (``kvcore.kit.faults``) before each copy.
 
     Raises ``ConfigError`` for a ``world_size`` other than the engine's ``tp_size`` or a ``rank`` outside
     it (and as ``pool_slots``), ``InvalidSpecError`` for tensors that do not match the engine (layer

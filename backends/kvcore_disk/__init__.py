@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvcore.lazy import lazy_exports
+from kvcore.kit.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvcore_disk.directory import ChunkDirectory

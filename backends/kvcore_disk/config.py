@@ -7,7 +7,7 @@ from typing import ClassVar
 from attrs import field, frozen
 from attrs.validators import instance_of
 
-from kvcore.config_fields import ByteSize, fits_in_memory, non_empty, within
+from kvcore.kit.settings import ByteSize, fits_in_memory, non_empty, within
 
 __all__ = ["DiskConfig"]
 

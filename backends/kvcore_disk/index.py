@@ -3,7 +3,7 @@
 It keeps nothing in memory: the directory is the index, shared with every process that writes to it
 (the engine's ranks, other engines on the host), so a lookup asks the file system whether each shard's
 chunk file exists. A ``stat`` of a name costs a few microseconds, so it answers at once
-(``SupportsImmediateLookup``; ``kvcore.immediate_index`` answers its submitted lookups when polled). A file
+(``SupportsImmediateLookup``; ``kvcore.kit.immediate_index`` answers its submitted lookups when polled). A file
 found here that turns out damaged fails its read: the blocks are recomputed and the file removed.
 """
 
@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 
 from kvcore.ids import ChunkKey
-from kvcore.immediate_index import ImmediateIndex
+from kvcore.kit.immediate_index import ImmediateIndex
 from kvcore.ports import TierUsage
 from kvcore_disk.directory import ChunkDirectory
 

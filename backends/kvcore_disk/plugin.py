@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvcore.config import KVCoreConfig
-from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, UsageError
+from kvcore.execution.remote import StoreRemote
+from kvcore.model.engine import EngineSpec
 from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
-from kvcore.remote import StoreRemote
 from kvcore_disk.config import DiskConfig
 
 if TYPE_CHECKING:

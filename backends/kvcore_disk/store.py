@@ -2,9 +2,9 @@
 
 Every ``StoreItem`` names bytes of the rank's host pool; a put writes them as a chunk file, a get reads a
 chunk file straight into them (``chunk_file``). Jobs run as every lane store runs them
-(``kvcore.lane_store``, ``submit_*`` returning at once), gets on a lane and I/O threads of their own:
+(``kvcore.kit.lane_store``, ``submit_*`` returning at once), gets on a lane and I/O threads of their own:
 a put may wait for the directory's lock, which another process may hold, and a get must never wait
-behind it. Fault hooks, if given, run before each job (``kvcore.faults``).
+behind it. Fault hooks, if given, run before each job (``kvcore.kit.faults``).
 
 Semantics chosen, and why:
 
@@ -33,12 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from kvcore.errors import BackendUnavailable, InvalidSpecError
-from kvcore.faults import FaultHooks, leading_failures
 from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobResult
-from kvcore.lane_store import LaneStore, StoreJob
+from kvcore.kit.faults import FaultHooks, leading_failures
+from kvcore.kit.lane_store import LaneStore, StoreJob
+from kvcore.kit.repeats import RepeatedWarnings
 from kvcore.ports import Direction, StoreItem
-from kvcore.repeats import RepeatedWarnings
 from kvcore_disk.chunk_file import BadChunkFile, file_bytes, read_value, write_temporary
 from kvcore_disk.directory import LOCK_WAIT_S, ChunkDirectory, LockBusy
 
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 class DiskChunkStore(LaneStore):
     """The ``ChunkStore`` port (and ``SupportsClear``) between ``host`` (the rank's host pool, which the
     caller keeps alive until ``close``) and the chunk files of ``directory``; jobs as every lane store
-    runs them (``kvcore.lane_store``).
+    runs them (``kvcore.kit.lane_store``).
 
     ``fsync`` flushes each file to the device before it becomes visible (its folder after): chunks then
     survive a power loss too, at the cost of a device flush per chunk; without it they survive any

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from attrs import field, frozen
 
-from kvcore.config_fields import ByteCount, fits_in_memory, one_of, seconds, within, word
+from kvcore.kit.settings import ByteCount, fits_in_memory, one_of, seconds, within, word
 
 __all__ = ["LMCacheMPConfig"]
 

@@ -14,7 +14,7 @@ lock what they read themselves, and a lock that lapsed all the same is a miss at
 too old to trust are never released, only left to lapse (``ServerLink.release``).
 
 A lookup never blocks: submit, then poll; an absent server raises ``BackendUnavailable`` at once and a
-silent one ``TransferTimeout`` at the request timeout, which ``kvcore.lookup.PrefixLookup`` turns into
+silent one ``TransferTimeout`` at the request timeout, which ``kvcore.scheduling.remote_lookup.PrefixLookup`` turns into
 a miss and its circuit breaker.
 """
 

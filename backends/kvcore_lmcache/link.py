@@ -34,8 +34,8 @@ from lmcache.v1.multiprocess.transport.base import RequestClient
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
 from kvcore.errors import BackendError, BackendUnavailable, ConfigError, TransferTimeout
-from kvcore.health import CircuitBreaker
 from kvcore.ids import ChunkKey, RequestId
+from kvcore.kit.health import CircuitBreaker
 from kvcore_lmcache.config import LMCacheMPConfig
 from kvcore_lmcache.wire import HEADER_BYTES, KeyCodec, server_model_name
 

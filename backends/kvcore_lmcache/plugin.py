@@ -5,11 +5,11 @@ use."""
 from __future__ import annotations
 
 from kvcore.config import KVCoreConfig
-from kvcore.engine import EngineSpec
 from kvcore.errors import UsageError
+from kvcore.execution.remote import ManagedRemote
+from kvcore.model.engine import EngineSpec
+from kvcore.plugins.sizing import pool_slots, slot_bytes
 from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
-from kvcore.remote import ManagedRemote
-from kvcore.sizing import pool_slots, slot_bytes
 from kvcore_lmcache.config import LMCacheMPConfig
 
 __all__ = ["BACKEND", "LMCacheBackend"]

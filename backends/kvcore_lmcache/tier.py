@@ -24,9 +24,9 @@ from functools import partial
 from kvcore.errors import BackendError, BackendUnavailable, InvalidSpecError
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.jobs import JobBoard, JobResult
-from kvcore.lane import JobLane, Priority
+from kvcore.kit.closing import close_quietly
+from kvcore.kit.lane import JobLane, Priority
 from kvcore.ports import BlockItem, OrderedMover, StoreItem
-from kvcore.remote import close_quietly
 from kvcore_lmcache.config import LMCacheMPConfig
 from kvcore_lmcache.link import Segment, ServerLink, SlotLayout
 from kvcore_lmcache.lookups import LookupBook

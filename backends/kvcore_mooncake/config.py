@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from attrs import field, frozen
 
-from kvcore.config_fields import (
+from kvcore.kit.settings import (
     ByteCount,
     ByteSize,
     fits_in_memory,

@@ -20,10 +20,10 @@ from functools import partial
 from attrs import define
 
 from kvcore.errors import BackendError, BackendUnavailable, TransferTimeout
-from kvcore.faults import FaultHooks
-from kvcore.health import CircuitBreaker
 from kvcore.ids import ChunkKey, LookupId
-from kvcore.lane import JobLane, Priority
+from kvcore.kit.faults import FaultHooks
+from kvcore.kit.health import CircuitBreaker
+from kvcore.kit.lane import JobLane, Priority
 from kvcore_mooncake.client import MooncakeClient, describe
 from kvcore_mooncake.config import MooncakeStoreConfig
 
@@ -44,7 +44,7 @@ class MooncakeChunkIndex:
 
     Build it from a set-up client, or with ``open`` (a pure client it owns). ``timeout_s`` bounds each
     lookup; ``breaker`` (default: open after 3 failures for 2 s) guards the master. ``faults``
-    (``kvcore.faults``) run on the lookup thread before each lookup asks the master.
+    (``kvcore.kit.faults``) run on the lookup thread before each lookup asks the master.
     """
 
     def __init__(

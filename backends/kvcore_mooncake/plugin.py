@@ -4,10 +4,10 @@ pool. Importing it loads no native library; the client is opened on first use.""
 from __future__ import annotations
 
 from kvcore.config import KVCoreConfig
-from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, UsageError
+from kvcore.execution.remote import StoreRemote
+from kvcore.model.engine import EngineSpec
 from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
-from kvcore.remote import StoreRemote
 from kvcore_mooncake.config import MooncakeStoreConfig
 
 __all__ = ["BACKEND", "MooncakeBackend"]

@@ -4,7 +4,7 @@ One host buffer is registered with the client once, at construction; every ``Sto
 it, and puts and gets move those bytes zero-copy (``batch_put_from`` / ``batch_get_into``) on a
 ``JobLane``, so ``submit_*`` return at once. Gets are reads and run before queued puts: a request waits
 on a get, while a put only has to finish before its host slot is reused. Fault hooks, if given, run
-before each batch (``kvcore.faults``).
+before each batch (``kvcore.kit.faults``).
 
 Semantics chosen, and why:
 
@@ -30,11 +30,11 @@ import time
 from collections.abc import Sequence
 
 from kvcore.errors import BackendError, BackendUnavailable, InvalidSpecError
-from kvcore.faults import FaultHooks, leading_failures
-from kvcore.health import CircuitBreaker
 from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobResult
-from kvcore.lane_store import LaneStore, StoreJob
+from kvcore.kit.faults import FaultHooks, leading_failures
+from kvcore.kit.health import CircuitBreaker
+from kvcore.kit.lane_store import LaneStore, StoreJob
 from kvcore.ports import Direction, StoreItem
 from kvcore_mooncake.client import Code, MooncakeClient, describe
 from kvcore_mooncake.config import MooncakeStoreConfig
@@ -53,9 +53,9 @@ class MooncakeChunkStore(LaneStore):
 
     Build it from a set-up ``MooncakeClient`` and the buffer (``buffer_address``, ``buffer_length``),
     which the caller owns and keeps alive until ``close``; or with ``open``, which also sets up (and
-    then owns) the client. The registration lives as long as the client. ``faults`` (``kvcore.faults``)
+    then owns) the client. The registration lives as long as the client. ``faults`` (``kvcore.kit.faults``)
     run on the job thread before each batch. Jobs run as every lane store runs them
-    (``kvcore.lane_store``).
+    (``kvcore.kit.lane_store``).
     """
 
     def __init__(

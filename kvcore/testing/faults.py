@@ -1,4 +1,4 @@
-"""Fault hooks for tests (``kvcore.faults``): the conformance suite's failures and stalls, and a gate.
+"""Fault hooks for tests (``kvcore.kit.faults``): the conformance suite's failures and stalls, and a gate.
 
 ``InjectedFaults`` is the one implementation of ``SupportsFailureInjection`` and ``SupportsStall``
 (``kvcore.testing.capabilities``) for every backend: the in-memory references consult it directly, and a
@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 
 from kvcore.errors import BackendError, TransferTimeout, UsageError
-from kvcore.faults import FaultHooks
+from kvcore.kit.faults import FaultHooks
 from kvcore.ports import Direction
 
 __all__ = ["InjectedFaults", "TransferDelays", "TransferGate"]

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from kvcore.hashing import ExtraKeys
-from kvcore.plan import OpReport
+from kvcore.keying.hashing import ExtraKeys
+from kvcore.model.step import OpReport
 
 with warnings.catch_warnings():  # vLLM and torch warn about their own deprecations on import
     warnings.simplefilter("ignore")

@@ -21,7 +21,7 @@ with warnings.catch_warnings():
     from kvcore_vllm.engine_spec import kv_groups
 
 from kvcore.errors import UnsupportedConfiguration
-from kvcore.layout import LayoutKind
+from kvcore.model.layout import LayoutKind
 
 BLOCK, BLOCKS, PAGE = 256, 32, 8192
 SPEC = MambaSpec(

@@ -20,11 +20,11 @@ with warnings.catch_warnings():
     from kvcore_vllm.grouped_scheduler import GroupedSchedulerSide, merge_stats
     from kvcore_vllm.grouped_worker import GroupedWorkerSide
 
-from kvcore.block_pool import PoolUsage
-from kvcore.engine import EngineSpec
-from kvcore.layout import KVLayout, LayoutKind
-from kvcore.plan import OpReport, StepPlan
-from kvcore.scheduler import SchedulerStats
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import KVLayout, LayoutKind
+from kvcore.model.step import OpReport, StepPlan
+from kvcore.pool.block_pool import PoolUsage
+from kvcore.scheduling.scheduler import SchedulerStats
 from kvcore_vllm.metadata import GroupedMetadata, GroupedWorkerMetadata, KVCoreMetadata, KVCoreWorkerMetadata
 from kvcore_vllm.scheduler_side import SchedulerSide
 from kvcore_vllm.settings import read_extra_config

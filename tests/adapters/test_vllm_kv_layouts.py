@@ -46,11 +46,11 @@ with warnings.catch_warnings():
 
     from kvcore_vllm.kv_layout import connector_views, kv_dtype, kv_layout, requested_order, state_layout
 
-from kvcore.engine import EngineSpec
 from kvcore.errors import IncompatibleLayoutError, InvalidSpecError, UnsupportedConfiguration
-from kvcore.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.transfer_plan import TPSide, plan_transfer
 from kvcore.ports import BlockTransfer, Direction
-from kvcore.transfer_plan import TPSide, plan_transfer
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
 
 LAYERS, BLOCKS, HEADS, HEAD, TOKENS = 3, 6, 4, 16, 32

@@ -39,10 +39,10 @@ with warnings.catch_warnings():
     from tests.integration.tiny_model import make_tiny_model
 
 from kvcore.config import load_config
-from kvcore.engine import EngineSpec
 from kvcore.errors import UnsupportedConfiguration
-from kvcore.hashing import ExtraKeys
-from kvcore.request_keys import Keyer
+from kvcore.keying.hashing import ExtraKeys
+from kvcore.keying.request_keys import Keyer
+from kvcore.model.engine import EngineSpec
 
 BLOCK = 128
 PROMPT = [(7 * i) % 200 + 10 for i in range(4 * BLOCK)]

@@ -17,10 +17,10 @@ with warnings.catch_warnings():
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
-from kvcore.engine import EngineSpec
 from kvcore.ids import RequestId
-from kvcore.layout import KVLayout, LayoutKind
-from kvcore.plan import OpReport
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import KVLayout, LayoutKind
+from kvcore.model.step import OpReport
 from kvcore_vllm.metadata import KVCoreWorkerMetadata
 from kvcore_vllm.scheduler_side import SchedulerSide
 from kvcore_vllm.settings import read_extra_config

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.config_fields import ByteCount, ByteSize
 from kvcore.errors import ConfigError, UnsupportedConfiguration
+from kvcore.kit.settings import ByteCount, ByteSize
 from kvcore.testing.faults import TransferDelays
 from kvcore_cli.vllm_config import CONNECTOR_NAME, transfer_config
 from kvcore_cpu.config import CPUBackendConfig

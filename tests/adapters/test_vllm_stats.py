@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from attrs import evolve
 
-from kvcore.block_pool import PoolUsage
+from kvcore.pool.block_pool import PoolUsage
 from kvcore.ports import TierUsage
-from kvcore.scheduler import SchedulerStats
+from kvcore.scheduling.scheduler import SchedulerStats
 
 with warnings.catch_warnings():  # vLLM and torch warn about their own deprecations on import
     warnings.simplefilter("ignore")

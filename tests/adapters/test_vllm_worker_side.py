@@ -22,12 +22,12 @@ with warnings.catch_warnings():
     from kvcore_vllm.worker_side import WorkerSide
 
 from kvcore.config import load_config
+from kvcore.execution.remote import StoreRemote
+from kvcore.execution.worker import BlockWorker
 from kvcore.ids import ChunkKey
-from kvcore.plan import BlockOp, RemoteChunk, StepPlan
+from kvcore.model.step import BlockOp, RemoteChunk, StepPlan
 from kvcore.ports import Direction
-from kvcore.remote import StoreRemote
 from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore
-from kvcore.worker import BlockWorker
 from tests.adapters.test_vllm_scheduler_side import ENGINE
 from tests.unit.test_worker_device_order import DeviceOrderedMover
 from tests.unit.test_worker_halt import halted_now

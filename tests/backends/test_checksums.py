@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from kvcore.config import load_config
-from kvcore.engine import EngineSpec
 from kvcore.errors import UsageError
+from kvcore.execution.remote import StoreRemote
 from kvcore.ids import ChunkKey, RequestId
-from kvcore.layout import KVLayout, LayoutKind
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import KVLayout, LayoutKind
+from kvcore.plugins.sizing import pool_slots
 from kvcore.ports import BlockTransfer, Direction, StoreItem
-from kvcore.remote import StoreRemote
-from kvcore.scheduler import CacheScheduler
-from kvcore.sizing import pool_slots
+from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore.testing.support import wait_one
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
 from kvcore_cpu.tier import CPUWorker, open_worker

@@ -16,14 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.config import KVCoreConfig, load_config
-from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError, TransferTimeout, UsageError
-from kvcore.faults import FaultHooks
 from kvcore.ids import JobId
 from kvcore.jobs import JobBoard, JobResult
-from kvcore.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.kit.faults import FaultHooks
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.plugins.sizing import pool_slots
 from kvcore.ports import BlockTransfer, Direction, SupportsReopen
-from kvcore.sizing import pool_slots
 from kvcore.testing.faults import TransferGate
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
 from kvcore_cpu._rowcopy import copy_rows

@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvcore.errors import BackendUnavailable, UsageError
-from kvcore.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.ports import BlockTransfer, Direction
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_cpu.host_memory import HostMemory

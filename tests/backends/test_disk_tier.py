@@ -314,7 +314,7 @@ def test_a_frozen_process_holding_the_lock_delays_no_load_and_drops_saves_in_bou
         assert got.ok
         assert time.monotonic() - started < 1.0  # the load did not queue behind the save
         assert bytes(tier.host[:VALUE]) == value(1)
-        with caplog.at_level(logging.WARNING, logger="kvcore.repeats"):
+        with caplog.at_level(logging.WARNING, logger="kvcore.kit.repeats"):
             (saved,) = tier.store.wait([put], TIMEOUT_S)
         assert saved.failed == (0,)  # dropped after the lock wait, not held forever
         assert time.monotonic() - started < LOCK_WAIT_S + 1.0
@@ -537,7 +537,7 @@ def test_without_its_digest_library_the_disk_tier_says_what_to_install(tmp_path:
         f"""
         import sys
         sys.modules["xxhash"] = None  # as if it were not installed
-        from kvcore.compose import open_scheduler
+        from kvcore.plugins.compose import open_scheduler
         from kvcore.config import load_config
         from kvcore.errors import ConfigError
         from tests.hand_engine import engine_spec

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvcore.errors import InvalidSpecError
-from kvcore.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.ports import BlockTransfer, Direction
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_cpu.host_memory import HostMemory

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from kvcore.block_pool import PoolEventKind
-from kvcore.compose import open_scheduler
 from kvcore.config import load_config
 from kvcore.errors import ConfigError
-from kvcore.hashing import ExtraKeys
 from kvcore.ids import RequestId
+from kvcore.keying.hashing import ExtraKeys
+from kvcore.plugins.compose import open_scheduler
+from kvcore.pool.block_pool import PoolEventKind
 from kvcore.testing.support import SETTLE_S
 from kvcore_disk.directory import ChunkDirectory
 from tests.hand_engine import BLOCK, CHUNK_TOKENS, CHUNKS, PER_CHUNK, Engine, engine_spec, prompt, save

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvcore.config import KVCoreConfig, load_config
-from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError
-from kvcore.layout import KVLayout, LayoutKind
-from kvcore.sizing import pool_slots, slot_bytes
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import KVLayout, LayoutKind
+from kvcore.plugins.sizing import pool_slots, slot_bytes
 from kvcore_cpu.tier import open_worker
 
 LAYOUT = KVLayout(

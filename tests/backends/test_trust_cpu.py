@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 
 from kvcore.config import load_config
-from kvcore.engine import EngineSpec
 from kvcore.ids import RequestId
-from kvcore.layout import HeadOrder, KVLayout, LayoutKind
-from kvcore.scheduler import CacheScheduler
-from kvcore.sizing import pool_slots
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.plugins.sizing import pool_slots
+from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore_cpu import open_worker
 
 LAYOUT = KVLayout(

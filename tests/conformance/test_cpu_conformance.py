@@ -18,10 +18,10 @@ import numpy.typing as npt
 import torch
 from attrs import frozen
 
-from kvcore.block_pool import BlockPool
 from kvcore.ids import ChunkKey
-from kvcore.layout import HeadOrder, KVLayout, LayoutKind
-from kvcore.pool_index import PoolIndex
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.pool.block_pool import BlockPool
+from kvcore.pool.pool_index import PoolIndex
 from kvcore.testing.faults import InjectedFaults
 from kvcore.testing.index import ChunkIndexTests, chunk_index_state_machine
 from kvcore.testing.mover import BlockMoverTests

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvcore.layout import HeadOrder, KVLayout, LayoutKind
-from kvcore.plan import BlockOp, StepPlan
+from kvcore.execution.worker import BlockWorker
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.step import BlockOp, StepPlan
 from kvcore.ports import BlockTransfer, Direction
-from kvcore.worker import BlockWorker
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
 from kvcore_cpu.rows import routes
 from kvcore_cpu.tier import MappedMover

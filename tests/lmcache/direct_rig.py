@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvcore.config import load_config
-from kvcore.engine import EngineSpec
+from kvcore.model.engine import EngineSpec
 from tests.hand_engine import BLOCK, CHUNK_TOKENS, CHUNKS, PER_CHUNK, Engine, engine_spec, prompt, save
 from tests.lmcache.conftest import LMCacheServer
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvcore.ids import ChunkKey
-from kvcore.layout import KVLayout, LayoutKind
+from kvcore.model.layout import KVLayout, LayoutKind
 from kvcore.testing.blocks import BlockTransferTests
 from kvcore.testing.index import HeldLookupTests
 from kvcore.testing.managed import ManagedTierTests

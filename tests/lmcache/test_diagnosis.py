@@ -17,8 +17,8 @@ import pytest
 
 from kvcore.ids import ChunkKey, JobId, RequestId
 from kvcore.jobs import JobResult
-from kvcore.lookup import PrefixLookup
 from kvcore.ports import StoreItem
+from kvcore.scheduling.remote_lookup import PrefixLookup
 from kvcore_lmcache import LMCacheChunkIndex, LMCacheManagedTier, NoSharedMemoryPool
 from kvcore_lmcache.config import LMCacheMPConfig
 from tests.lmcache.conftest import CHUNK_TOKENS, LMCacheServer, ServerFactory, new_shm_name

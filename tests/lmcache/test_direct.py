@@ -1,7 +1,7 @@
 """Engine blocks straight into and out of a real LMCache server's slots (no ``local_size``: no host pool).
 
 Two engines of the same model, each a scheduler and its ranks' workers as the vLLM adapter composes them
-(``kvcore.compose``), share one server: what engine A saves from its KV blocks, engine B loads into
+(``kvcore.plugins.compose``), share one server: what engine A saves from its KV blocks, engine B loads into
 its own, byte for byte, with no host memory of either engine in between.
 """
 

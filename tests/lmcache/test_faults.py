@@ -18,9 +18,9 @@ import torch
 
 from kvcore.errors import BackendError, BackendUnavailable, ConfigError
 from kvcore.ids import ChunkKey, JobId, RequestId
-from kvcore.layout import KVLayout, LayoutKind
-from kvcore.lookup import PendingLookup, PrefixLookup
+from kvcore.model.layout import KVLayout, LayoutKind
 from kvcore.ports import BlockItem, StoreItem
+from kvcore.scheduling.remote_lookup import PendingLookup, PrefixLookup
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_cpu.tier import MappedMovers
 from kvcore_lmcache import LMCacheChunkIndex, LMCacheManagedTier

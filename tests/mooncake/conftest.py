@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.config_fields import ByteCount, ByteSize
+from kvcore.kit.settings import ByteCount, ByteSize
 from kvcore.testing.support import start_owned
 from kvcore_mooncake.config import MooncakeStoreConfig
 from tests.netns import require_loopback_namespace

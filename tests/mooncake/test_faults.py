@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import pytest
 
 from kvcore.errors import BackendUnavailable
-from kvcore.health import CircuitBreaker
 from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobResult
-from kvcore.lookup import PendingLookup, PrefixLookup
+from kvcore.kit.health import CircuitBreaker
 from kvcore.ports import StoreItem
+from kvcore.scheduling.remote_lookup import PendingLookup, PrefixLookup
 from kvcore.testing.support import fresh_keys, payload
 from kvcore_mooncake import MooncakeChunkIndex, MooncakeChunkStore, MooncakeClient
 from tests.mooncake.conftest import MasterFactory, MiB, config_for, free_port

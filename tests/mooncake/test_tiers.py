@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.config import load_config
-from kvcore.engine import EngineSpec
 from kvcore.ids import RequestId
+from kvcore.model.engine import EngineSpec
 from tests.hand_engine import CHUNK_TOKENS, CHUNKS, PER_CHUNK, Engine, engine_spec, prompt, save
 from tests.mooncake.conftest import Master, MasterFactory
 

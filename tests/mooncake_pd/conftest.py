@@ -27,7 +27,7 @@ import torch
 from attrs import frozen
 
 from kvcore.config import PDConfig
-from kvcore.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.ports import PeerTransport
 from kvcore.testing.memory import InMemoryAddressSpace, InMemoryPeerTransport
 from kvcore_mooncake.pd import MooncakePeerTransport, RankSpec

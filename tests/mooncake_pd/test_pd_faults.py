@@ -23,7 +23,7 @@ import zmq
 
 from kvcore.config import PDConfig
 from kvcore.errors import BackendUnavailable, IncompatibleLayoutError
-from kvcore.layout import LayoutKind
+from kvcore.model.layout import LayoutKind
 from kvcore.ports import PeerTransport
 from kvcore.testing.support import start_owned
 from kvcore_mooncake.pd import FreeReason, PDConsumer, PDProducer
@@ -53,7 +53,7 @@ SIDE = f"""
 import sys, time
 import numpy as np
 from kvcore.config import PDConfig
-from kvcore.layout import KVLayout, LayoutKind
+from kvcore.model.layout import KVLayout, LayoutKind
 from kvcore_mooncake.pd import MooncakePeerTransport, PDConsumer, PDProducer, RankSpec
 role, peer, transfer = sys.argv[1:4]
 blocks = {PRODUCER_BLOCKS} if role == "producer" else {CONSUMER_BLOCKS}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvcore.config import PDConfig
-from kvcore.layout import HeadOrder, LayoutKind
+from kvcore.model.layout import HeadOrder, LayoutKind
 from kvcore_mooncake.pd import FreeReason, PDConsumer, PDProducer
 from tests.mooncake_pd.conftest import (
     CONSUMER_BLOCKS,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from kvcore.block_pool import BlockPool
-from kvcore.pool_index import PoolIndex
+from kvcore.execution.remote import ManagedRemote, StoreRemote
+from kvcore.pool.block_pool import BlockPool
+from kvcore.pool.pool_index import PoolIndex
 from kvcore.ports import (
     BlockMover,
     ChunkIndex,
@@ -16,7 +17,6 @@ from kvcore.ports import (
     SupportsClear,
     SupportsImmediateLookup,
 )
-from kvcore.remote import ManagedRemote, StoreRemote
 from kvcore_cpu.checksums import ChecksummedMover
 from kvcore_cpu.mover import TorchBlockMover
 from kvcore_disk import DiskChunkIndex, DiskChunkStore

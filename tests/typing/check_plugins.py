@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvcore.config_fields import BackendSettings
+from kvcore.kit.settings import BackendSettings
 from kvcore.plugins import Backend, EngineMemory
 from kvcore.ports import ChunkIndex, ChunkStore, SupportsImmediateLookup
 from kvcore_cpu.config import CPUBackendConfig

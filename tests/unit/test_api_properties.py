@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 
 from kvcore.config import load_config
 from kvcore.errors import UsageError
-from kvcore.hashing import ExtraKeys, MMSpan
 from kvcore.ids import RequestId
-from kvcore.plan import BlockOp, OpReport, StepPlan
+from kvcore.keying.hashing import ExtraKeys, MMSpan
+from kvcore.model.step import BlockOp, OpReport, StepPlan
 from kvcore.ports import BlockTransfer, Direction
-from kvcore.scheduler import CacheScheduler
+from kvcore.scheduling.scheduler import CacheScheduler
 from tests.unit.test_scheduler import ENGINE, TOKENS
 
 CONFIG = load_config({"backend": {"kind": "cpu", "size": 1 << 20}, "chunk_tokens": 8})

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcore.block_pool import BlockPool, PoolEvent, PoolEventKind, PoolUsage
 from kvcore.errors import ConfigError, InvalidSpecError
-from kvcore.eviction import LRUPolicy, make_policy
 from kvcore.ids import ChunkKey
+from kvcore.pool.block_pool import BlockPool, PoolEvent, PoolEventKind, PoolUsage
+from kvcore.pool.eviction import LRUPolicy, make_policy
 
 STORED, REMOVED = PoolEventKind.STORED, PoolEventKind.REMOVED
 

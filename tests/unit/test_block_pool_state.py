@@ -17,10 +17,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcore.block_pool import BlockPool, PoolEventKind, PoolUsage
 from kvcore.errors import InvalidSpecError
-from kvcore.eviction import make_policy
 from kvcore.ids import ChunkKey
+from kvcore.pool.block_pool import BlockPool, PoolEventKind, PoolUsage
+from kvcore.pool.eviction import make_policy
 
 CAPACITY = 3
 KEYS = [ChunkKey(f"k{i}") for i in range(6)]

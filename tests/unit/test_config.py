@@ -13,7 +13,7 @@ import pytest
 
 from kvcore.config import PDConfig, config_to_dict, load_config, load_config_file, load_pd_config, parse_size
 from kvcore.errors import ConfigError
-from kvcore.hashing import HashAlgorithm, PartialChunkPolicy
+from kvcore.keying.hashing import HashAlgorithm, PartialChunkPolicy
 from kvcore_cpu.config import CPUBackendConfig
 from kvcore_lmcache.config import LMCacheMPConfig
 from kvcore_mooncake.config import MooncakeStoreConfig

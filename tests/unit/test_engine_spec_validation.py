@@ -7,9 +7,9 @@ import re
 import attrs
 import pytest
 
-from kvcore.engine import KV_DTYPE_SIZES, EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguration
-from kvcore.layout import KVLayout, LayoutKind
+from kvcore.model.engine import KV_DTYPE_SIZES, EngineSpec
+from kvcore.model.layout import KVLayout, LayoutKind
 
 LAYOUT = KVLayout(
     LayoutKind.FLASH_INFER, num_blocks=8, block_tokens=16, num_kv_heads=4, head_size=8, dtype_size=2

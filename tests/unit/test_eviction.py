@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcore.errors import ConfigError
-from kvcore.eviction import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
 from kvcore.ids import ChunkKey
+from kvcore.pool.eviction import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
 
 
 def keys(*names: str) -> list[ChunkKey]:

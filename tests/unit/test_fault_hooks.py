@@ -1,4 +1,4 @@
-"""Fault hooks named by import path (``kvcore.faults.load_hooks``) and the delay hooks of
+"""Fault hooks named by import path (``kvcore.kit.faults.load_hooks``) and the delay hooks of
 ``kvcore.testing.faults``: what the vLLM adapter's ``faults`` key resolves, and what the engine tests
 hand a live engine."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvcore.errors import ConfigError, UsageError
-from kvcore.faults import FaultHooks, load_hooks
+from kvcore.kit.faults import FaultHooks, load_hooks
 from kvcore.ports import Direction
 from kvcore.testing.faults import InjectedFaults, TransferDelays
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.errors import ConfigError, InvalidSpecError
-from kvcore.hashing import (
+from kvcore.keying.hashing import (
     NO_EXTRA,
     ChunkHasher,
     ExtraKeys,

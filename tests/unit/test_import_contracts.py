@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.registry import backends
+from kvcore.plugins.registry import backends
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.errors import ConfigError, UnsupportedConfiguration
-from kvcore.hashing import ChunkHasher, ExtraKeys, HashAlgorithm
-from kvcore.keys import Keyspace, Namespace, Shard, writes
+from kvcore.keying.hashing import ChunkHasher, ExtraKeys, HashAlgorithm
+from kvcore.keying.keys import Keyspace, Namespace, Shard, writes
 
 HASHER = ChunkHasher(HashAlgorithm.SHA256, b"seed", 16)
 SECRET = b"s3cr3t-deployment-key"

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvcore.errors import BackendError, KVCoreError, UsageError
-from kvcore.lane import JobLane, LaneClosed, Priority
+from kvcore.kit.lane import JobLane, LaneClosed, Priority
 
 SETTLE = 10.0
 
@@ -107,7 +107,7 @@ def test_a_job_that_raises_fails_alone_and_the_lane_goes_on(
     def refused() -> None:
         raise BackendError("master down")
 
-    with caplog.at_level(logging.WARNING, logger="kvcore.lane"):
+    with caplog.at_level(logging.WARNING, logger="kvcore.kit.lane"):
         lane.submit(log.run("broken", broken), log.fail("broken"))
         lane.submit(log.run("refused", refused), log.fail("refused"))
         lane.submit(log.run("after"), log.fail("after"))
@@ -177,7 +177,7 @@ def test_close_with_a_job_stuck_past_the_timeout_returns_and_says_so(
     log = Log()
     gate = hold(lane, log)
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="kvcore.lane"):
+    with caplog.at_level(logging.WARNING, logger="kvcore.kit.lane"):
         assert not lane.close(0.05)
     assert time.monotonic() - started < SETTLE / 2
     assert any("test-lane" in r.getMessage() and "after close" in r.getMessage() for r in caplog.records)
@@ -192,7 +192,7 @@ def test_a_failing_fail_neither_stops_the_lane_nor_the_close(caplog: pytest.LogC
     def fail_badly(why: str) -> None:
         raise ValueError(f"the failure handler is broken ({why})")
 
-    with caplog.at_level(logging.ERROR, logger="kvcore.lane"):
+    with caplog.at_level(logging.ERROR, logger="kvcore.kit.lane"):
         lane.submit(lambda: 1 / 0, fail_badly)
         lane.submit(log.run("next"), log.fail("next"))
         assert log.wait_for(1) == [("ran", "next")]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.errors import InvalidSpecError
-from kvcore.layout import ByteRange, HeadOrder, KVLayout, LayoutKind
+from kvcore.model.layout import ByteRange, HeadOrder, KVLayout, LayoutKind
 
 CPU, FA, FI, MLA = LayoutKind.VLLM_CPU, LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER, LayoutKind.MLA
 PG = LayoutKind.PAGED

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.checks import SIZE_LIMIT
-from kvcore.engine import KV_DTYPE_SIZES, EngineSpec
 from kvcore.errors import UsageError
-from kvcore.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.engine import KV_DTYPE_SIZES, EngineSpec
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
 
 LAYOUT_FIELDS = (
     "kind",

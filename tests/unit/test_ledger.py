@@ -1,12 +1,12 @@
-"""The ops in flight (``kvcore.ledger``): an op is done once every rank reported it, and a remote tier
+"""The ops in flight (``kvcore.scheduling.ledger``): an op is done once every rank reported it, and a remote tier
 holds one of its chunks only where every rank that writes a shard of it stored its shard there."""
 
 from __future__ import annotations
 
 from kvcore.ids import ChunkKey, RequestId
-from kvcore.ledger import OpLedger
-from kvcore.plan import BlockOp, OpReport, RemoteChunk
+from kvcore.model.step import BlockOp, OpReport, RemoteChunk
 from kvcore.ports import Direction
+from kvcore.scheduling.ledger import OpLedger
 
 A, B = ChunkKey("pool/a"), ChunkKey("pool/b")
 

@@ -6,7 +6,7 @@ import pytest
 
 from kvcore.errors import InvalidSpecError
 from kvcore.ids import ChunkKey, JobId, RequestId
-from kvcore.lifecycle import JobRole, Phase, RequestTable
+from kvcore.scheduling.lifecycle import JobRole, Phase, RequestTable
 
 R = RequestId("r1")
 K = (ChunkKey("k1"),)

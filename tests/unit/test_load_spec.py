@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcore.errors import InvalidSpecError
-from kvcore.load_spec import ChunkPiece, hit_tokens, plan_load
+from kvcore.scheduling.load_spec import ChunkPiece, hit_tokens, plan_load
 
 
 def test_load_starts_after_local_hit() -> None:

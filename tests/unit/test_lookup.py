@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcore.health import CircuitBreaker
 from kvcore.ids import ChunkKey, LookupId
-from kvcore.lookup import PendingLookup, PrefixLookup, leading_complete
+from kvcore.kit.health import CircuitBreaker
+from kvcore.scheduling.remote_lookup import PendingLookup, PrefixLookup, leading_complete
 from kvcore.testing.memory import InMemoryChunkIndex
 
 

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcore.block_pool import BlockPool
 from kvcore.errors import UsageError
 from kvcore.ids import ChunkKey, LookupId
-from kvcore.pool_index import PoolIndex
+from kvcore.pool.block_pool import BlockPool
+from kvcore.pool.pool_index import PoolIndex
 from kvcore.ports import ChunkIndex, SupportsImmediateLookup
 
 

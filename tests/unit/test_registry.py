@@ -16,21 +16,21 @@ import pytest
 import torch
 from attrs import field, frozen
 
-from kvcore.compose import open_scheduler, open_worker
 from kvcore.config import KVCoreConfig, config_to_dict, load_config
-from kvcore.config_fields import ByteSize, fits_in_memory, within
-from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, UsageError
-from kvcore.layout import KVLayout, LayoutKind
-from kvcore.ports import BlockMover, BlockTransfer, ChunkIndex, Direction, RankMemory, RemoteTier
-from kvcore.registry import (
+from kvcore.execution.remote import StoreRemote
+from kvcore.kit.settings import ByteSize, fits_in_memory, within
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import KVLayout, LayoutKind
+from kvcore.plugins.compose import open_scheduler, open_worker
+from kvcore.plugins.registry import (
     backend,
     backends,
     engine_memory,
     register_backend,
     unregister_backend,
 )
-from kvcore.remote import StoreRemote
+from kvcore.ports import BlockMover, BlockTransfer, ChunkIndex, Direction, RankMemory, RemoteTier
 from kvcore.testing.faults import InjectedFaults
 from kvcore.testing.memory import InMemoryChunkIndex
 from kvcore_cpu.tier import CPUWorker

@@ -1,4 +1,4 @@
-"""``RemoteTier.close`` of both remote tiers (``kvcore.remote``): whatever the tier beneath raises once
+"""``RemoteTier.close`` of both remote tiers (``kvcore.execution.remote``): whatever the tier beneath raises once
 closed, the remote tier refuses with ``UsageError``, and reports the jobs submitted before."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from collections.abc import Callable
 import pytest
 
 from kvcore.errors import UsageError
+from kvcore.execution.remote import ManagedRemote, StoreRemote
 from kvcore.ids import ChunkKey
 from kvcore.ports import BlockItem, StoreItem
-from kvcore.remote import ManagedRemote, StoreRemote
 from kvcore.testing.memory import (
     InMemoryBlockMover,
     InMemoryBlockTransferTier,

@@ -10,15 +10,15 @@ import attrs
 import pytest
 
 from kvcore.config import KVCoreConfig, load_config
-from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguration
-from kvcore.hashing import NO_EXTRA
+from kvcore.execution.worker import BlockWorker
 from kvcore.ids import ChunkKey, RequestId
-from kvcore.layout import KVLayout, LayoutKind
-from kvcore.plan import OpReport, StepPlan
-from kvcore.scheduler import CacheScheduler
+from kvcore.keying.hashing import NO_EXTRA
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import KVLayout, LayoutKind
+from kvcore.model.step import OpReport, StepPlan
+from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkIndex
-from kvcore.worker import BlockWorker
 
 LAYOUT = KVLayout(
     kind=LayoutKind.VLLM_CPU, num_blocks=64, block_tokens=4, num_kv_heads=2, head_size=2, dtype_size=1

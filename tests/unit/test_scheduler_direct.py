@@ -10,17 +10,17 @@ from collections.abc import Collection, Sequence
 import pytest
 
 from kvcore.config import KVCoreConfig, load_config
-from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError
+from kvcore.execution.remote import ManagedRemote, StoreRemote
+from kvcore.execution.worker import BlockWorker
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.jobs import JobBoard, JobResult
-from kvcore.layout import KVLayout, LayoutKind
-from kvcore.lookup import leading_complete
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import KVLayout, LayoutKind
 from kvcore.ports import BlockItem, StoreItem
-from kvcore.remote import ManagedRemote, StoreRemote
-from kvcore.scheduler import CacheScheduler
+from kvcore.scheduling.remote_lookup import leading_complete
+from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore, InMemoryManagedTier
-from kvcore.worker import BlockWorker
 
 LAYOUT = KVLayout(
     kind=LayoutKind.VLLM_CPU, num_blocks=64, block_tokens=4, num_kv_heads=2, head_size=2, dtype_size=1

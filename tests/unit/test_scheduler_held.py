@@ -13,13 +13,13 @@ from collections.abc import Sequence
 import pytest
 
 from kvcore.errors import InvalidSpecError
+from kvcore.execution.remote import StoreRemote
+from kvcore.execution.worker import BlockWorker
 from kvcore.ids import ChunkKey, LookupId, RequestId
-from kvcore.plan import BlockOp, StepPlan
+from kvcore.model.step import BlockOp, StepPlan
 from kvcore.ports import Direction, HeldChunks, SupportsHeldLookups
-from kvcore.remote import StoreRemote
-from kvcore.scheduler import CacheScheduler
+from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore.testing.memory import InMemoryChunkStore
-from kvcore.worker import BlockWorker
 from tests.unit.test_scheduler_remote import CONFIG, ENGINE, OTHER, TOKENS, Rig, StoreIndex
 
 

@@ -11,17 +11,17 @@ import attrs
 import pytest
 
 from kvcore.config import KVCoreConfig, load_config
-from kvcore.engine import EngineSpec
 from kvcore.errors import BackendUnavailable
+from kvcore.execution.remote import StoreRemote
+from kvcore.execution.worker import BlockWorker
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
-from kvcore.layout import KVLayout, LayoutKind
-from kvcore.lookup import leading_complete
-from kvcore.plan import BlockOp, RemoteChunk, StepPlan
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import KVLayout, LayoutKind
+from kvcore.model.step import BlockOp, RemoteChunk, StepPlan
 from kvcore.ports import Direction, RemoteTier, StoreItem
-from kvcore.remote import StoreRemote
-from kvcore.scheduler import CacheScheduler
+from kvcore.scheduling.remote_lookup import leading_complete
+from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkIndex, InMemoryChunkStore
-from kvcore.worker import BlockWorker
 
 LAYOUT = KVLayout(
     kind=LayoutKind.VLLM_CPU, num_blocks=64, block_tokens=4, num_kv_heads=2, head_size=2, dtype_size=1
@@ -431,7 +431,7 @@ def test_a_tier_that_fails_every_op_is_warned_about_once_not_per_op(caplog: pyte
     rig.worker = BlockWorker(
         rig.mover, remote=StoreRemote(down), slot_bytes=2 * rig.mover.host_block_bytes, slot_blocks=2
     )
-    with caplog.at_level(logging.WARNING, logger="kvcore.worker"):
+    with caplog.at_level(logging.WARNING, logger="kvcore.execution.worker"):
         for n in range(4):
             tokens = list(range(2000 + 100 * n, 2030 + 100 * n))
             rig.serve_and_save(f"r{n}", tokens, range(8 * n, 8 * n + 8))

@@ -10,12 +10,12 @@ import hashlib
 import pytest
 
 from kvcore.config import load_config
-from kvcore.engine import EngineSpec
-from kvcore.hashing import ExtraKeys
 from kvcore.ids import ChunkKey, RequestId
-from kvcore.layout import KVLayout, LayoutKind
-from kvcore.request_keys import Keyer
-from kvcore.scheduler import CacheScheduler
+from kvcore.keying.hashing import ExtraKeys
+from kvcore.keying.request_keys import Keyer
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import KVLayout, LayoutKind
+from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore.testing.memory import InMemoryChunkStore
 from tests.unit.test_scheduler import ENGINE, TOKENS
 from tests.unit.test_scheduler_remote import StoreIndex, answer

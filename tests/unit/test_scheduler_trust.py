@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 
 from kvcore.config import KVCoreConfig, load_config
 from kvcore.errors import InvalidSpecError
-from kvcore.hashing import ExtraKeys, MMSpan
+from kvcore.execution.remote import StoreRemote
+from kvcore.execution.worker import BlockWorker
 from kvcore.ids import RequestId
-from kvcore.plan import StepPlan
-from kvcore.remote import StoreRemote
-from kvcore.scheduler import CacheScheduler
+from kvcore.keying.hashing import ExtraKeys, MMSpan
+from kvcore.model.step import StepPlan
+from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore
-from kvcore.worker import BlockWorker
 from tests.unit.test_scheduler import ENGINE, LAYOUT, TOKENS
 from tests.unit.test_scheduler_remote import StoreIndex, answer
 

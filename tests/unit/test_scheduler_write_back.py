@@ -8,14 +8,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from kvcore.block_pool import PoolEventKind
-from kvcore.cascade import CascadeRemote
 from kvcore.config import load_config
-from kvcore.hashing import NO_EXTRA
+from kvcore.execution.cascade_remote import CascadeRemote
+from kvcore.execution.remote import StoreRemote
 from kvcore.ids import ChunkKey, RequestId
-from kvcore.plan import StepPlan
-from kvcore.remote import StoreRemote
-from kvcore.write_back import SESSION
+from kvcore.keying.hashing import NO_EXTRA
+from kvcore.model.step import WRITE_BACK_SESSION, StepPlan
+from kvcore.pool.block_pool import PoolEventKind
 from tests.unit import test_scheduler_remote as remote
 from tests.unit.test_scheduler_remote import answer
 
@@ -135,7 +134,7 @@ def test_a_reset_drops_dirty_chunks_and_a_write_back_in_flight_frees_its_slots()
         rig.save(f"r{i}", prompt(i))
     rig.queue_save("r3", prompt(3))
     plan = rig.sched.take_plan()
-    assert [op.request_id for op in plan.ops if op.write_back] == [SESSION]
+    assert [op.request_id for op in plan.ops if op.write_back] == [WRITE_BACK_SESSION]
     rig.worker.execute(plan)
     rig.sched.reset()  # before the reports: every dirty chunk is dropped, the write-back's at its end
     rig.sched.complete(rig.worker.wait(plan.op_ids(), 5.0))

@@ -9,10 +9,10 @@ import attrs
 import pytest
 
 from kvcore.config import KVCoreConfig, load_config
-from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError
-from kvcore.layout import KVLayout, LayoutKind
-from kvcore.sizing import pool_slots, staging_shortfall
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import KVLayout, LayoutKind
+from kvcore.plugins.sizing import pool_slots, staging_shortfall
 
 BLOCK = 16
 CHUNK = 64

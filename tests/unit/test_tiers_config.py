@@ -1,4 +1,4 @@
-"""A stack of tiers in the config (``{"tiers": [...]}``, ``kvcore.tiers``): what is accepted, what each
+"""A stack of tiers in the config (``{"tiers": [...]}``, ``kvcore.config.tiers``): what is accepted, what each
 mistake is told, and that a stack of the pool and one remote tier sizes the pool as ``backend`` does."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from kvcore.config import config_to_dict, load_config
+from kvcore.config.tiers import TierStack
 from kvcore.errors import ConfigError
-from kvcore.sizing import host_field
-from kvcore.tiers import TierStack
+from kvcore.plugins.sizing import host_field
 
 POOL = {"kind": "cpu", "size": "64MiB"}
 DISK = {"kind": "disk", "path": "/var/kv", "size": "1GiB"}

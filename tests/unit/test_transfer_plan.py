@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcore.errors import IncompatibleLayoutError, InvalidSpecError
-from kvcore.layout import HeadOrder, KVLayout, LayoutKind
-from kvcore.transfer_plan import CopyColumns, RangeCopy, TPSide, TransferPlan, plan_transfer
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.transfer_plan import CopyColumns, RangeCopy, TPSide, TransferPlan, plan_transfer
 
 CPU, FA, FI, MLA = LayoutKind.VLLM_CPU, LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER, LayoutKind.MLA
 NHD, HND = HeadOrder.NHD, HeadOrder.HND

@@ -14,8 +14,8 @@ import random
 import pytest
 
 from kvcore.errors import IncompatibleLayoutError
-from kvcore.layout import HeadOrder, KVLayout, LayoutKind
-from kvcore.transfer_plan import TPSide, plan_transfer
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.transfer_plan import TPSide, plan_transfer
 
 TOKENS, HEAD, DTYPE, REQUEST_BLOCKS, LAYERS = 2, 2, 2, 3, 2
 PRODUCER_BLOCKS, CONSUMER_BLOCKS = 5, 4  # different sizes, so a stride taken from the wrong side shows

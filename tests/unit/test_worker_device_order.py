@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from kvcore.execution.remote import StoreRemote
+from kvcore.execution.worker import BlockWorker
 from kvcore.ids import ChunkKey, JobId
-from kvcore.layout import KVLayout, LayoutKind
-from kvcore.plan import BlockOp, RemoteChunk, StepPlan
+from kvcore.model.layout import KVLayout, LayoutKind
+from kvcore.model.step import BlockOp, RemoteChunk, StepPlan
 from kvcore.ports import Direction, SupportsDeviceOrder
-from kvcore.remote import StoreRemote
 from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore
-from kvcore.worker import BlockWorker
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
 
 BLOCK = 32

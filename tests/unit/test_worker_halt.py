@@ -4,12 +4,12 @@ mover can reopen (``SupportsReopen``); a worker whose remote tier moves blocks i
 
 from __future__ import annotations
 
+from kvcore.execution.remote import StoreRemote
+from kvcore.execution.worker import BlockWorker
 from kvcore.ids import ChunkKey
-from kvcore.plan import BlockOp, RemoteChunk, StepPlan
+from kvcore.model.step import BlockOp, RemoteChunk, StepPlan
 from kvcore.ports import Direction, SupportsReopen
-from kvcore.remote import StoreRemote
 from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore
-from kvcore.worker import BlockWorker
 from tests.unit.test_scheduler_direct import DirectTier
 
 BLOCK = 32

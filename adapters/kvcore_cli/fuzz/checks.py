@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcore.plan import BlockOp, OpReport
+from kvcore.model.step import BlockOp, OpReport
 from kvcore_cli.fuzz.memory import EngineMemory, held
 from kvcore_cli.fuzz.oracle import Bytes, KVOracle, fingerprint
 from kvcore_cli.fuzz.requests import BLOCK_TOKENS, Request, RequestBook

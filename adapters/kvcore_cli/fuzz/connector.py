@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import random
 
-from kvcore.hashing import ExtraKeys
+from kvcore.execution.worker import BlockWorker
 from kvcore.ids import RequestId
-from kvcore.plan import BlockOp, OpReport
+from kvcore.keying.hashing import ExtraKeys
+from kvcore.model.step import WRITE_BACK_SESSION, BlockOp, OpReport
 from kvcore.ports import Direction
-from kvcore.scheduler import CacheScheduler
-from kvcore.worker import BlockWorker
-from kvcore.write_back import SESSION
+from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore_cli.fuzz.checks import KVChecks
 from kvcore_cli.fuzz.faulty_ports import FaultyPorts
 from kvcore_cli.fuzz.memory import EngineMemory
@@ -222,7 +221,7 @@ class Connector:
         """A load writes only blocks its request's load covers; a save reads only blocks it computed; a
         write-back touches no engine block (its bytes are checked when a load brings them back)."""
         if op.write_back:
-            if op.engine_blocks or op.host_blocks or op.request_id != SESSION or not op.remote:
+            if op.engine_blocks or op.host_blocks or op.request_id != WRITE_BACK_SESSION or not op.remote:
                 self._trace.fail(None, f"write-back {op.op_id} is malformed: {op}")
             return
         req = self._book.live.get(RequestId(op.request_id))

@@ -18,12 +18,12 @@ from functools import partial
 from pathlib import Path
 from typing import cast
 
-from kvcore.cascade import CascadeRemote
 from kvcore.errors import BackendError, UsageError
+from kvcore.execution.cascade_remote import CascadeRemote
+from kvcore.execution.remote import StoreRemote
 from kvcore.ids import ChunkKey, JobId, LookupId
 from kvcore.jobs import JobResult
 from kvcore.ports import BlockMover, BlockTransfer, Direction, HeldChunks, RemoteTier, StoreItem
-from kvcore.remote import StoreRemote
 from kvcore.testing.faults import InjectedFaults
 from kvcore.testing.memory import InMemoryChunkIndex, InMemoryChunkStore
 from kvcore_cli.fuzz.options import FuzzOptions

@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 
 from kvcore.config import KVCoreConfig, config_to_dict, load_config
-from kvcore.engine import EngineSpec
 from kvcore.errors import UsageError
-from kvcore.layout import KVLayout, LayoutKind
+from kvcore.execution.worker import BlockWorker
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import KVLayout, LayoutKind
+from kvcore.plugins.sizing import pool_slots
 from kvcore.ports import Direction
-from kvcore.scheduler import CacheScheduler
-from kvcore.sizing import pool_slots
-from kvcore.worker import BlockWorker
+from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore_cli.fuzz.checks import KVChecks
 from kvcore_cli.fuzz.connector import Connector
 from kvcore_cli.fuzz.engine import ModelEngine

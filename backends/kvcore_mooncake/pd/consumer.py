@@ -24,8 +24,8 @@ from attrs import frozen
 
 from kvcore.config import PDConfig
 from kvcore.errors import BackendError, IncompatibleLayoutError, InvalidSpecError, KVCoreError, UsageError
+from kvcore.model.transfer_plan import TransferPlan
 from kvcore.ports import PeerTransport
-from kvcore.transfer_plan import TransferPlan
 from kvcore_mooncake.pd.endpoint import Endpoint
 from kvcore_mooncake.pd.handshake import check_pair
 from kvcore_mooncake.pd.messages import (

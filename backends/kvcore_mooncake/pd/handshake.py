@@ -8,8 +8,8 @@ names every difference, and it happens before any byte moves.
 from __future__ import annotations
 
 from kvcore.errors import IncompatibleLayoutError, InvalidSpecError
-from kvcore.layout import HeadOrder, KVLayout, LayoutKind
-from kvcore.transfer_plan import TPSide, TransferPlan, plan_transfer
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.transfer_plan import TPSide, TransferPlan, plan_transfer
 from kvcore_mooncake.pd.messages import PROTOCOL_VERSION, LayoutInfo, RankInfo
 from kvcore_mooncake.pd.spec import RankSpec
 

@@ -49,7 +49,7 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class LayoutInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A ``kvcore.layout.KVLayout`` as plain fields."""
+    """A ``kvcore.model.layout.KVLayout`` as plain fields."""
 
     kind: str
     num_blocks: int

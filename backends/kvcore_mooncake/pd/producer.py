@@ -27,8 +27,8 @@ from kvcore.config import PDConfig
 from kvcore.errors import BackendError, InvalidSpecError, KVCoreError
 from kvcore.ids import JobId
 from kvcore.jobs import JobResult
+from kvcore.model.transfer_plan import TransferPlan
 from kvcore.ports import PeerTransport
-from kvcore.transfer_plan import TransferPlan
 from kvcore_mooncake.pd.endpoint import Endpoint
 from kvcore_mooncake.pd.handshake import check_pair
 from kvcore_mooncake.pd.messages import (

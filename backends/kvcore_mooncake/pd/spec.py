@@ -11,9 +11,9 @@ from attrs import field, frozen
 from attrs.validators import ge, min_len
 
 from kvcore.errors import InvalidSpecError
-from kvcore.layout import KVLayout
+from kvcore.model.layout import KVLayout
+from kvcore.model.transfer_plan import TPSide
 from kvcore.ports import MemoryRegion, int_ids, int_tuple
-from kvcore.transfer_plan import TPSide
 from kvcore_mooncake.pd.messages import Fingerprint
 
 __all__ = ["RankSpec"]

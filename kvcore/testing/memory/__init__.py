@@ -5,7 +5,7 @@ contract that the conformance suite is written against. Each also offers the tes
 ``kvcore.testing.capabilities``: ``fail_next`` (the next items fail), ``stall`` (jobs stay in flight)
 and, when built with one, a capacity.
 
-Jobs run in submission order on a ``JobLane`` (``kvcore.lane``), whose thread the first ``submit`` starts
+Jobs run in submission order on a ``JobLane`` (``kvcore.kit.lane``), whose thread the first ``submit`` starts
 and which ends once the backend is dropped: nothing runs at import or construction, and ``submit``
 returns before anything is copied. ``close`` refuses new work as each port says; jobs queued before it
 still run. Stalls and failures are ``InjectedFaults`` (``kvcore.testing.faults``),

@@ -19,7 +19,7 @@ from kvcore.errors import (
 )
 from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobBoard, JobResult
-from kvcore.lane import JobLane, LaneClosed
+from kvcore.kit.lane import JobLane, LaneClosed
 from kvcore.ports import StoreItem
 from kvcore.testing.faults import InjectedFaults
 

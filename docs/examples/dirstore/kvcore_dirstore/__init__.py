@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvcore.config import KVCoreConfig
-from kvcore.engine import EngineSpec
 from kvcore.errors import ConfigError, UsageError
+from kvcore.execution.remote import StoreRemote
+from kvcore.model.engine import EngineSpec
 from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
-from kvcore.remote import StoreRemote
 from kvcore_dirstore.config import DirStoreConfig
 from kvcore_dirstore.index import DirChunkIndex
 from kvcore_dirstore.store import DirChunkStore

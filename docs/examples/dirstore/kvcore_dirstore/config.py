@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from attrs import field, frozen
 
-from kvcore.config_fields import ByteSize, fits_in_memory, non_empty
+from kvcore.kit.settings import ByteSize, fits_in_memory, non_empty
 
 __all__ = ["DirStoreConfig"]
 

@@ -1,0 +1,88 @@
+"""What a distribution registers to plug into kvcore: a backend per ``kind``, and the engine memory of a
+tensor library.
+
+A **backend** (entry-point group ``kvcore.backends``, one entry per ``kind``) owns its config class and
+opens the two halves of its tier for an engine: the scheduler side's index of the chunks the tier holds
+beyond the local pool, and each rank's remote tier over that rank's memory. A backend that keeps chunks
+in the local pool only (the ``cpu`` kind) opens neither.
+
+An **engine memory** (entry-point group ``kvcore.engine_memory``, one entry per tensor library) holds a
+rank's engine KV tensors and its host pool and runs the block mover between them; it opens a rank's
+``BlockWorker`` and hands the backend's ``open_remote`` that rank's memory (``kvcore.ports.RankMemory``).
+So a backend never depends on a tensor library, and a tensor library on no backend.
+
+``kvcore.plugins.registry`` finds both; ``kvcore.plugins.compose`` puts them together for an engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
+
+if TYPE_CHECKING:  # the config reads backends through the registry, which checks them against these
+    from kvcore.config.model import KVCoreConfig
+    from kvcore.execution.worker import BlockWorker
+    from kvcore.kit.faults import FaultHooks
+    from kvcore.kit.settings import BackendSettings
+    from kvcore.model.engine import EngineSpec
+    from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
+
+__all__ = ["Backend", "EngineMemory", "RemoteOpener"]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One backend kind: ``{"backend": {"kind": kind, ...}}`` selects it.
+
+    ``config_class`` structures the rest of the ``backend`` section (its ``KIND`` is ``kind``). Both
+    ``open_*`` methods may import what the backend needs (a native client, a socket library) on first
+    use: loading the object from its entry point must stay cheap, since every installed backend is loaded
+    to read any config. What either returns is closed by kvcore (``close`` where it has one).
+    """
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def config_class(self) -> type[BackendSettings]: ...
+
+    def open_index(self, config: KVCoreConfig, engine: EngineSpec) -> ChunkIndex | None:
+        """The scheduler side's index of the tier beyond the local pool, or ``None`` (no such tier)."""
+        ...
+
+    def open_remote(self, config: KVCoreConfig, engine: EngineSpec, memory: RankMemory) -> RemoteTier | None:
+        """One rank's remote tier over its memory, or ``None`` (no such tier). Raises ``ConfigError``
+        for memory the tier cannot work with (no host pool where it needs one)."""
+        ...
+
+
+RemoteOpener: TypeAlias = "Callable[[RankMemory], RemoteTier | None]"
+"""Opens a rank's remote tier over its memory: a backend's ``open_remote`` with the config bound."""
+
+
+@runtime_checkable
+class EngineMemory(Protocol):
+    """How one tensor library holds a rank's engine KV and host pool."""
+
+    @property
+    def name(self) -> str: ...
+
+    def accepts(self, tensors: Sequence[object]) -> bool:
+        """Whether ``tensors`` (one KV tensor per layer) are this library's."""
+        ...
+
+    def open_worker(
+        self,
+        config: KVCoreConfig,
+        engine: EngineSpec,
+        tensors: Sequence[object],
+        *,
+        rank: int,
+        remote: RemoteOpener,
+        faults: FaultHooks | None = None,
+    ) -> BlockWorker:
+        """Register the rank's tensors, allocate its host pool (``kvcore.plugins.sizing.pool_slots``), start its
+        mover and open its remote tier through ``remote``; every mover of the rank calls ``faults``
+        (``kvcore.kit.faults``) before each copy. Raises ``UsageError`` for tensors, a rank, a config or
+        ``faults`` that do not fit the engine; nothing then stays allocated."""
+        ...

@@ -1,0 +1,196 @@
+"""The index of a stack of tiers behind the pool (``CascadeIndex``): the scheduler side of
+``kvcore.config.tiers``'s ``TierStack``; the worker side is ``kvcore.execution.cascade_remote``.
+
+Each tier is asked for the chunks the tiers before it lack: the first for every chunk after the pool's
+leading run, the next for the chunks after the first's leading run, and so on; the answer is the sum. A
+tier whose lookup fails answers 0 and the next tier is asked for the same chunks, so a tier that is down
+hides none of the others' chunks; a tier still pending when the lookup's budget is spent is cancelled and
+the lookup answers what the tiers before it found.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import cast
+
+from attrs import define
+
+from kvcore.errors import BackendError, KVCoreError, UsageError
+from kvcore.ids import ChunkKey, LookupId
+from kvcore.kit.closing import close_quietly
+from kvcore.kit.health import CircuitBreaker
+from kvcore.ports import ChunkIndex, SupportsImmediateLookup, SupportsTierUsage, TierUsage
+
+__all__ = ["CascadeIndex", "ImmediateCascadeIndex", "cascade_index", "tier_usage"]
+
+log = logging.getLogger(__name__)
+
+
+def tier_usage(index: ChunkIndex) -> TierUsage | None:
+    """How full ``index``'s tier is, if it can tell (``SupportsTierUsage``); ``None`` if not, or if it
+    fails to (logged: a metric is never worth an engine's step)."""
+    if not isinstance(index, SupportsTierUsage):
+        return None
+    try:
+        return index.usage()
+    except (KVCoreError, OSError) as exc:
+        log.warning("kvcore: %s could not tell its usage: %s", type(index).__name__, exc)
+        return None
+
+
+@define(eq=False)
+class _Lookup:
+    chunks: list[Sequence[ChunkKey]]
+    preceding: list[Sequence[ChunkKey]]
+    deadline: float
+    stage: int = 0
+    found: int = 0
+    inner: LookupId | None = None
+
+
+class CascadeIndex:
+    """The ``ChunkIndex`` of several tiers asked in order (module docstring). ``found[i]`` counts the
+    chunks tier ``i``'s lookups found.
+
+    ``budget_s`` bounds a whole lookup: a tier still pending past it is cancelled and the lookup answers
+    what the tiers before it found (the caller's own timeout, ``lookup_timeout_s``, would answer 0 for
+    all of them). A tier that fails ``BREAKER_FAILURES`` lookups in a row is skipped for a back-off
+    (``kvcore.kit.health.CircuitBreaker``), so a tier that is down costs the others nothing per lookup.
+    """
+
+    BREAKER_FAILURES = 3
+    BREAKER_BACKOFF_S = 5.0
+
+    def __init__(
+        self, indexes: Sequence[ChunkIndex], budget_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if len(indexes) < 2:
+            raise UsageError(f"indexes: got {len(indexes)}, expected at least two tiers to cascade")
+        self._indexes = tuple(indexes)
+        self._budget = budget_s
+        self._clock = clock
+        self._breakers = [
+            CircuitBreaker(self.BREAKER_FAILURES, self.BREAKER_BACKOFF_S, clock) for _ in indexes
+        ]
+        self._ids = itertools.count(1)
+        self._lookups: dict[LookupId, _Lookup] = {}
+        self.found = [0 for _ in indexes]
+
+    def submit_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
+        lookup = _Lookup(list(chunks), list(preceding), self._clock() + self._budget)
+        lookup_id = LookupId(next(self._ids))
+        self._lookups[lookup_id] = lookup
+        self._ask(lookup)
+        return lookup_id
+
+    def poll_lookup(self, lookup_id: LookupId) -> int | None:
+        lookup = self._lookups.get(lookup_id)
+        if lookup is None:
+            return 0
+        while lookup.inner is not None:
+            index, breaker = self._indexes[lookup.stage], self._breakers[lookup.stage]
+            try:
+                answer = index.poll_lookup(lookup.inner)
+            except BackendError as exc:
+                log.warning(
+                    "kvcore: tier %d's lookup failed (%s): asking the next tier", lookup.stage + 1, exc
+                )
+                breaker.record_failure()
+                answer = 0
+            else:
+                if answer is None:
+                    if self._clock() < lookup.deadline:
+                        return None
+                    index.cancel_lookup(lookup.inner)  # too late: answer what the tiers before it found
+                    log.warning(
+                        "kvcore: tier %d's lookup took too long: answered without it", lookup.stage + 1
+                    )
+                    breaker.record_failure()
+                    break
+                breaker.record_success()
+            answer = max(0, min(int(answer), len(lookup.chunks) - lookup.found))
+            self.found[lookup.stage] += answer
+            lookup.found += answer
+            lookup.stage += 1
+            self._ask(lookup)
+        del self._lookups[lookup_id]
+        return lookup.found
+
+    def usage(self) -> tuple[TierUsage | None, ...]:
+        """Each tier's usage (``tier_usage``), in order."""
+        return tuple(tier_usage(index) for index in self._indexes)
+
+    def cancel_lookup(self, lookup_id: LookupId) -> None:
+        lookup = self._lookups.pop(lookup_id, None)
+        if lookup is not None and lookup.inner is not None:
+            self._indexes[lookup.stage].cancel_lookup(lookup.inner)
+
+    def close(self) -> None:
+        """Close every tier's index; pending lookups are dropped."""
+        self._lookups.clear()
+        for index in self._indexes:
+            close_quietly(index)
+
+    def _ask(self, lookup: _Lookup) -> None:
+        """Submit the lookup's chunks not found yet to its current tier, or end it (``inner`` None) once
+        every chunk is found or every tier asked. A tier that refuses, or whose breaker is open, is
+        skipped."""
+        lookup.inner = None
+        while lookup.stage < len(self._indexes) and lookup.found < len(lookup.chunks):
+            rest = lookup.chunks[lookup.found :]
+            before = lookup.preceding + lookup.chunks[: lookup.found]
+            breaker = self._breakers[lookup.stage]
+            if breaker.allow():
+                try:
+                    lookup.inner = self._indexes[lookup.stage].submit_lookup(rest, before)
+                    return
+                except BackendError as exc:
+                    log.warning("kvcore: tier %d refused a lookup (%s)", lookup.stage + 1, exc)
+                    breaker.record_failure()
+            lookup.stage += 1
+
+
+class ImmediateCascadeIndex(CascadeIndex):
+    """A ``CascadeIndex`` whose tiers all answer at once (``SupportsImmediateLookup``: local disks), so
+    that it does too and a lookup costs the engine no step."""
+
+    def __init__(
+        self,
+        indexes: Sequence[SupportsImmediateLookup],
+        budget_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(cast(Sequence[ChunkIndex], indexes), budget_s, clock)
+        self._immediate = tuple(indexes)
+
+    def lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> int:
+        found = 0
+        for tier, (index, breaker) in enumerate(zip(self._immediate, self._breakers, strict=True)):
+            if found == len(chunks):
+                break
+            if not breaker.allow():
+                continue
+            try:
+                answer = index.lookup(chunks[found:])
+            except BackendError as exc:
+                log.warning("kvcore: tier %d's lookup failed (%s): asking the next tier", tier + 1, exc)
+                breaker.record_failure()
+                continue
+            breaker.record_success()
+            answer = max(0, min(int(answer), len(chunks) - found))
+            self.found[tier] += answer
+            found += answer
+        return found
+
+
+def cascade_index(indexes: Sequence[ChunkIndex], budget_s: float) -> CascadeIndex:
+    """The cascade of ``indexes``: immediate when every one of them is."""
+    immediate = [index for index in indexes if isinstance(index, SupportsImmediateLookup)]
+    if len(immediate) == len(indexes):
+        return ImmediateCascadeIndex(immediate, budget_s)
+    return CascadeIndex(indexes, budget_s)
