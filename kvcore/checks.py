@@ -13,7 +13,7 @@ already evicted): chunks with a hole are never saved, and a load never writes on
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias, TypeGuard
 
 from attrs import Attribute
@@ -26,7 +26,9 @@ __all__ = [
     "block_id",
     "check_block_table",
     "instance",
+    "int_ids",
     "int_in",
+    "int_tuple",
     "is_int_in",
     "positive_count",
     "text",
@@ -119,3 +121,31 @@ def check_block_table(name: str, values: object, num_blocks: int) -> tuple[int |
             )
         seen.add(block)
     return table
+
+
+class _NotIds:
+    """What ``int_tuple`` makes of a value that is not a collection of ids, for ``int_ids`` to refuse
+    with the field's name (a converter does not know it)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    """Converter for integer-id fields: any iterable in, a tuple out (values stay hashable); pair it with
+    the ``int_ids`` validator, which refuses what is not an integer id (a lone value, a string, None)."""
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        return (_NotIds(values),)  # type: ignore[return-value]  # int_ids refuses it, by name
+    return tuple(values)
+
+
+def int_ids(_: object, attribute: Attribute[tuple[int, ...]], value: tuple[int, ...]) -> None:
+    """Validator of an integer-id field (after ``converter=tuple``): a bool, float or string among the
+    ids is refused with ``InvalidSpecError`` naming the field, never truncated."""
+    for item in value:
+        block_id(attribute.name, item)

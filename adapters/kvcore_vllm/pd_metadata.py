@@ -10,7 +10,7 @@ from __future__ import annotations
 from attrs import field, frozen
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvcore.ports import int_ids, int_tuple
+from kvcore.checks import int_ids, int_tuple
 
 __all__ = ["Offer", "PDMetadata", "Receive"]
 

@@ -17,7 +17,7 @@ from typing import Any, TypeGuard
 from attrs import field, frozen
 from attrs.validators import ge, min_len
 
-from kvcore.ports import int_ids, int_tuple
+from kvcore.checks import int_ids, int_tuple
 
 __all__ = ["RemotePrefill", "rank_addresses", "wants_remote_decode", "wants_remote_prefill"]
 

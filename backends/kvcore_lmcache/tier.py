@@ -26,13 +26,13 @@ from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.jobs import JobBoard, JobResult
 from kvcore.kit.closing import close_quietly
 from kvcore.kit.lane import JobLane, Priority
-from kvcore.ports import BlockItem, OrderedMover, StoreItem
+from kvcore.ports import BlockItem, BlockMovers, OrderedMover, StoreItem
 from kvcore_lmcache.config import LMCacheMPConfig
 from kvcore_lmcache.link import Segment, ServerLink, SlotLayout
 from kvcore_lmcache.lookups import LookupBook
 from kvcore_lmcache.sessions import SessionLocks
 from kvcore_lmcache.slot_io import SlotIO
-from kvcore_lmcache.values import BlockMovers, BlockValues, HostValues, Values
+from kvcore_lmcache.values import BlockValues, HostValues, Values
 
 __all__ = ["LMCacheManagedTier"]
 

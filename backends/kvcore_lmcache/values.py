@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import abc
 import logging
-import mmap
 import threading
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 from kvcore.errors import InvalidSpecError, TransferTimeout, UsageError
 from kvcore.ids import ChunkKey
@@ -22,22 +20,9 @@ from kvcore.jobs import JobResult
 from kvcore.ports import BlockItem, BlockTransfer, Direction, OrderedMover, StoreItem
 from kvcore_lmcache.link import Segment, SlotLayout
 
-__all__ = ["BlockMovers", "BlockValues", "HostValues", "Values"]
+__all__ = ["BlockValues", "HostValues", "Values"]
 
 log = logging.getLogger(__name__)
-
-
-class BlockMovers(Protocol):
-    """What the tier needs to move engine blocks itself (``kvcore_cpu.tier.MappedMovers``)."""
-
-    def mark(self) -> object:
-        """The engine's work queued so far, taken on the engine's thread (see ``OrderedMover``)."""
-        ...
-
-    def over(self, pool: mmap.mmap) -> OrderedMover:
-        """A mover between the engine's blocks and the server's mapped pool, as host blocks of the
-        layout's ``align`` bytes. Raises ``BackendError`` when the pool cannot be used (page-locking)."""
-        ...
 
 
 class Values(abc.ABC):

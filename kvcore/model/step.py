@@ -9,9 +9,9 @@ from __future__ import annotations
 from attrs import field, frozen
 from attrs.validators import ge, optional
 
-from kvcore.checks import instance
+from kvcore.checks import instance, int_ids, int_tuple
 from kvcore.ids import ChunkKey, RequestId
-from kvcore.ports import Direction, HeldChunks, int_ids, int_tuple
+from kvcore.ports.common import Direction, HeldChunks
 
 __all__ = ["WRITE_BACK_SESSION", "BlockOp", "OpReport", "RemoteChunk", "StepPlan"]
 

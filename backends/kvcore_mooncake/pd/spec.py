@@ -10,10 +10,11 @@ from __future__ import annotations
 from attrs import field, frozen
 from attrs.validators import ge, min_len
 
+from kvcore.checks import int_ids, int_tuple
 from kvcore.errors import InvalidSpecError
 from kvcore.model.layout import KVLayout
 from kvcore.model.transfer_plan import TPSide
-from kvcore.ports import MemoryRegion, int_ids, int_tuple
+from kvcore.ports import MemoryRegion
 from kvcore_mooncake.pd.messages import Fingerprint
 
 __all__ = ["RankSpec"]
