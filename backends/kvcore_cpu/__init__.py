@@ -2,7 +2,7 @@
 
 ``EngineKV`` registers the engine's KV tensors against their layout, ``HostMemory`` holds the host
 blocks, and ``TorchBlockMover`` (the ``kvcore.ports.BlockMover`` port) copies whole blocks between them:
-on a worker thread for a CPU engine, on copy streams for a CUDA engine. ``open_worker`` composes them
+on a worker thread for a CPU engine, on copy streams for a CUDA engine. ``open_rank`` composes them
 for one rank from kvcore's configuration.
 """
 
@@ -16,9 +16,9 @@ if TYPE_CHECKING:
     from kvcore_cpu.engine_kv import EngineKV
     from kvcore_cpu.host_memory import HostMemory
     from kvcore_cpu.mover import TorchBlockMover
-    from kvcore_cpu.tier import open_worker
+    from kvcore_cpu.tier import open_rank
 
-__all__ = ["EngineKV", "HostMemory", "TorchBlockMover", "open_worker"]
+__all__ = ["EngineKV", "HostMemory", "TorchBlockMover", "open_rank"]
 
 __getattr__ = lazy_exports(
     __name__,
@@ -26,6 +26,6 @@ __getattr__ = lazy_exports(
         "EngineKV": "kvcore_cpu.engine_kv",
         "HostMemory": "kvcore_cpu.host_memory",
         "TorchBlockMover": "kvcore_cpu.mover",
-        "open_worker": "kvcore_cpu.tier",
+        "open_rank": "kvcore_cpu.tier",
     },
 )

@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING
 from kvcore.config import KVCoreConfig
 from kvcore.errors import InvalidSpecError
 from kvcore.model.engine import EngineSpec
-from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
+from kvcore.plugins import RemotePort
+from kvcore.ports import ChunkIndex, RankMemory
 from kvcore_cpu.config import CPUBackendConfig
 
 if TYPE_CHECKING:
     from kvcore.execution.worker import BlockWorker
     from kvcore.kit.faults import FaultHooks
-    from kvcore.plugins import RemoteOpener
+    from kvcore.plugins import MoverWrap, RemoteOpener
 
 __all__ = ["BACKEND", "TORCH", "CPUBackend", "TorchMemory"]
 
@@ -31,13 +32,13 @@ class CPUBackend:
     def open_index(self, config: KVCoreConfig, engine: EngineSpec) -> ChunkIndex | None:
         return None
 
-    def open_remote(self, config: KVCoreConfig, engine: EngineSpec, memory: RankMemory) -> RemoteTier | None:
+    def open_remote(self, config: KVCoreConfig, engine: EngineSpec, memory: RankMemory) -> RemotePort | None:
         return None
 
 
 class TorchMemory:
     """Engine KV in torch tensors (CPU or CUDA), a host pool in (page-locked) host memory, copies by
-    ``TorchBlockMover``: ``kvcore_cpu.tier.open_worker``."""
+    ``TorchBlockMover``: ``kvcore_cpu.tier.open_rank``."""
 
     name = "torch"
 
@@ -46,7 +47,7 @@ class TorchMemory:
 
         return bool(tensors) and all(isinstance(t, torch.Tensor) for t in tensors)
 
-    def open_worker(
+    def open_rank(
         self,
         config: KVCoreConfig,
         engine: EngineSpec,
@@ -55,10 +56,11 @@ class TorchMemory:
         rank: int,
         remote: RemoteOpener,
         faults: FaultHooks | None = None,
+        mover: MoverWrap | None = None,
     ) -> BlockWorker:
         import torch
 
-        from kvcore_cpu.tier import open_worker
+        from kvcore_cpu.tier import open_rank
 
         kv: list[torch.Tensor] = []
         for i, tensor in enumerate(tensors):
@@ -66,7 +68,9 @@ class TorchMemory:
                 raise InvalidSpecError(f"tensors[{i}]: got {type(tensor).__name__}, expected a torch.Tensor")
             kv.append(tensor)
         world = engine.tp_size
-        return open_worker(config, engine, kv, rank=rank, world_size=world, remote=remote, faults=faults)
+        return open_rank(
+            config, engine, kv, rank=rank, world_size=world, remote=remote, faults=faults, mover=mover
+        )
 
 
 BACKEND = CPUBackend()

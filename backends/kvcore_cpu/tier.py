@@ -17,11 +17,12 @@ from kvcore.checks import is_int_in
 from kvcore.config import KVCoreConfig
 from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguration, UsageError
 from kvcore.execution.worker import FLUSH_TIMEOUT_S, BlockWorker
+from kvcore.kit.closing import close_quietly
 from kvcore.kit.faults import FaultHooks
 from kvcore.model.engine import EngineSpec
-from kvcore.plugins import RemoteOpener
+from kvcore.plugins import MoverWrap, RemoteOpener
 from kvcore.plugins.sizing import check_world, host_field, pool_slots, slot_bytes
-from kvcore.ports import RemoteTier
+from kvcore.ports import BlockMover, RemoteTier
 from kvcore_cpu.amx import claim_amx
 from kvcore_cpu.checksums import ChecksummedMover
 from kvcore_cpu.cuda_lane import stream_mark
@@ -29,7 +30,7 @@ from kvcore_cpu.engine_kv import EngineKV
 from kvcore_cpu.host_memory import HostMemory
 from kvcore_cpu.mover import TorchBlockMover
 
-__all__ = ["CPUWorker", "MappedMover", "MappedMovers", "TorchRankMemory", "open_worker"]
+__all__ = ["CPUWorker", "MappedMover", "MappedMovers", "TorchRankMemory", "open_rank"]
 
 
 class MappedMover(TorchBlockMover):
@@ -120,7 +121,7 @@ class CPUWorker(BlockWorker):
 
     def __init__(
         self,
-        mover: TorchBlockMover | None,
+        mover: BlockMover | None,
         engine_kv: EngineKV,
         host: HostMemory | None,
         rank: int,
@@ -165,7 +166,7 @@ class CPUWorker(BlockWorker):
             self.host.close()
 
 
-def open_worker(
+def open_rank(
     config: KVCoreConfig,
     engine: EngineSpec,
     tensors: Sequence[torch.Tensor],
@@ -174,12 +175,14 @@ def open_worker(
     world_size: int = 1,
     remote: RemoteOpener | None = None,
     faults: FaultHooks | None = None,
+    mover: MoverWrap | None = None,
 ) -> CPUWorker:
     """Register the rank's KV tensors, allocate its host slots and start its mover; with ``remote``, open
     the rank's remote tier over those slots (AMX claimed first: a tier may start native threads). A
     backend configured with no host memory (``pool_slots`` 0) gets no slots and no mover: its remote
     tier moves every block. Every mover of the rank, its own and those its remote tier maps, calls
-    ``faults`` (``kvcore.kit.faults``) before each copy.
+    ``faults`` (``kvcore.kit.faults``) before each copy; the worker drives ``mover(its own mover)`` where
+    ``mover`` is given.
 
     Raises ``ConfigError`` for a ``world_size`` other than the engine's ``tp_size`` or a ``rank`` outside
     it (and as ``pool_slots``), ``InvalidSpecError`` for tensors that do not match the engine (layer
@@ -198,32 +201,35 @@ def open_worker(
     if faults is not None and kv.device.type == "cuda":
         raise UnsupportedConfiguration(f"faults: got {faults!r}, expected None on a CUDA engine")
     if slots == 0:
-        tier = _open_remote(remote, TorchRankMemory.of(rank, kv, None, faults))
-        if tier is None:
+        alone = _open_remote(remote, TorchRankMemory.of(rank, kv, None, faults))
+        if alone is None:
             raise ConfigError(host_field(config), 0, "a size for the host pool")
-        return CPUWorker(None, kv, None, rank, remote=tier, fence_timeout=config.transfer_timeout_s)
+        return CPUWorker(None, kv, None, rank, remote=alone, fence_timeout=config.transfer_timeout_s)
     blocks_per_chunk = engine.blocks_per_chunk(config.chunk_tokens)
     host = HostMemory.allocate(slots * blocks_per_chunk, kv.host_block_bytes, kv.device)
-    mover: TorchBlockMover | None = None
+    own: TorchBlockMover | None = None
+    tier: RemoteTier | None = None
     try:
-        mover = TorchBlockMover(kv, host, faults=faults)
+        own = TorchBlockMover(kv, host, faults=faults)
+        driven = own if mover is None else mover(own)
         tier = _open_remote(remote, TorchRankMemory.of(rank, kv, host, faults))
+        return CPUWorker(
+            driven,
+            kv,
+            host,
+            rank,
+            config.checksums,
+            tier,
+            slot_bytes(config, engine) if tier is not None else 0,
+            config.transfer_timeout_s,
+            blocks_per_chunk,
+        )
     except BaseException:
-        if mover is not None:
-            mover.close()
+        close_quietly(tier)
+        if own is not None:
+            own.close()
         host.close()
         raise
-    return CPUWorker(
-        mover,
-        kv,
-        host,
-        rank,
-        config.checksums,
-        tier,
-        slot_bytes(config, engine) if tier is not None else 0,
-        config.transfer_timeout_s,
-        blocks_per_chunk,
-    )
 
 
 def _open_remote(remote: RemoteOpener | None, memory: TorchRankMemory) -> RemoteTier | None:

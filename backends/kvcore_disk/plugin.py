@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvcore.config import KVCoreConfig
-from kvcore.errors import ConfigError, UsageError
-from kvcore.execution.remote import StoreRemote
+from kvcore.errors import ConfigError
 from kvcore.model.engine import EngineSpec
-from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
+from kvcore.plugins import RemotePort, settings_of
+from kvcore.ports import ChunkIndex, RankMemory
 from kvcore_disk.config import DiskConfig
 
 if TYPE_CHECKING:
@@ -32,20 +32,15 @@ class DiskBackend:
 
         return DiskChunkIndex(_directory(config))
 
-    def open_remote(self, config: KVCoreConfig, engine: EngineSpec, memory: RankMemory) -> RemoteTier | None:
-        settings = _settings(config)
+    def open_remote(self, config: KVCoreConfig, engine: EngineSpec, memory: RankMemory) -> RemotePort | None:
+        settings = settings_of(config, DiskConfig)
         _require_dependencies()
         if memory.host is None:
             raise ConfigError(f"backend.{settings.HOST_FIELD}", 0, "a host pool to stage the chunk files")
         from kvcore_disk.store import DiskChunkStore
 
-        return StoreRemote(
-            DiskChunkStore(
-                _directory(config),
-                memory.host,
-                fsync=settings.fsync,
-                io_threads=settings.io_threads,
-            )
+        return DiskChunkStore(
+            _directory(config), memory.host, fsync=settings.fsync, io_threads=settings.io_threads
         )
 
 
@@ -58,16 +53,10 @@ def _require_dependencies() -> None:
         raise ConfigError("backend.kind", "disk", expected) from exc
 
 
-def _settings(config: KVCoreConfig) -> DiskConfig:
-    if not isinstance(config.backend, DiskConfig):
-        raise UsageError(f"config.backend: got {config.backend!r}, expected a DiskConfig")
-    return config.backend
-
-
 def _directory(config: KVCoreConfig) -> ChunkDirectory:
     from kvcore_disk.directory import ChunkDirectory
 
-    settings = _settings(config)
+    settings = settings_of(config, DiskConfig)
     return ChunkDirectory.open(Path(settings.path), settings.size)
 
 

@@ -5,11 +5,10 @@ use."""
 from __future__ import annotations
 
 from kvcore.config import KVCoreConfig
-from kvcore.errors import UsageError
-from kvcore.execution.remote import ManagedRemote
 from kvcore.model.engine import EngineSpec
+from kvcore.plugins import RemotePort, settings_of
 from kvcore.plugins.sizing import pool_slots, slot_bytes
-from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
+from kvcore.ports import ChunkIndex, RankMemory
 from kvcore_lmcache.config import LMCacheMPConfig
 
 __all__ = ["BACKEND", "LMCacheBackend"]
@@ -34,7 +33,7 @@ class LMCacheBackend:
             block_bytes=_block_bytes(config, engine),
         )
 
-    def open_remote(self, config: KVCoreConfig, engine: EngineSpec, memory: RankMemory) -> RemoteTier | None:
+    def open_remote(self, config: KVCoreConfig, engine: EngineSpec, memory: RankMemory) -> RemotePort | None:
         from kvcore_lmcache.tier import LMCacheManagedTier
 
         tier = LMCacheManagedTier(
@@ -46,7 +45,7 @@ class LMCacheBackend:
             block_movers=memory.movers if memory.host is None else None,
             block_bytes=_block_bytes(config, engine),
         )
-        return ManagedRemote(tier)
+        return tier
 
 
 def _block_bytes(config: KVCoreConfig, engine: EngineSpec) -> int:
@@ -56,9 +55,7 @@ def _block_bytes(config: KVCoreConfig, engine: EngineSpec) -> int:
 
 
 def _settings(config: KVCoreConfig) -> LMCacheMPConfig:
-    if not isinstance(config.backend, LMCacheMPConfig):
-        raise UsageError(f"config.backend: got {config.backend!r}, expected an LMCacheMPConfig")
-    return config.backend
+    return settings_of(config, LMCacheMPConfig)
 
 
 BACKEND = LMCacheBackend()

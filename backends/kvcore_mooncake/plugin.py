@@ -4,10 +4,10 @@ pool. Importing it loads no native library; the client is opened on first use.""
 from __future__ import annotations
 
 from kvcore.config import KVCoreConfig
-from kvcore.errors import ConfigError, UsageError
-from kvcore.execution.remote import StoreRemote
+from kvcore.errors import ConfigError
 from kvcore.model.engine import EngineSpec
-from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
+from kvcore.plugins import RemotePort, settings_of
+from kvcore.ports import ChunkIndex, RankMemory
 from kvcore_mooncake.config import MooncakeStoreConfig
 
 __all__ = ["BACKEND", "MooncakeBackend"]
@@ -23,21 +23,15 @@ class MooncakeBackend:
     def open_index(self, config: KVCoreConfig, engine: EngineSpec) -> ChunkIndex | None:
         from kvcore_mooncake.index import MooncakeChunkIndex
 
-        return MooncakeChunkIndex.open(_settings(config), config.lookup_timeout_s)
+        return MooncakeChunkIndex.open(settings_of(config, MooncakeStoreConfig), config.lookup_timeout_s)
 
-    def open_remote(self, config: KVCoreConfig, engine: EngineSpec, memory: RankMemory) -> RemoteTier | None:
-        settings = _settings(config)
+    def open_remote(self, config: KVCoreConfig, engine: EngineSpec, memory: RankMemory) -> RemotePort | None:
+        settings = settings_of(config, MooncakeStoreConfig)
         if memory.host is None or memory.host_address is None:
             raise ConfigError(f"backend.{settings.HOST_FIELD}", 0, "a host pool to stage transfers")
         from kvcore_mooncake.store import MooncakeChunkStore
 
-        return StoreRemote(MooncakeChunkStore.open(settings, memory.host_address, memory.host.nbytes))
-
-
-def _settings(config: KVCoreConfig) -> MooncakeStoreConfig:
-    if not isinstance(config.backend, MooncakeStoreConfig):
-        raise UsageError(f"config.backend: got {config.backend!r}, expected a MooncakeStoreConfig")
-    return config.backend
+        return MooncakeChunkStore.open(settings, memory.host_address, memory.host.nbytes)
 
 
 BACKEND = MooncakeBackend()

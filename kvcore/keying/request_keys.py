@@ -36,7 +36,16 @@ class ChunkChain:
     last taken from (the tokens, or the block hashes of ``hash_block_tokens`` tokens each): the keys of
     tails are taken from it when asked for."""
 
-    __slots__ = ("by_hashes", "counts", "extra", "hash_block_tokens", "hashes", "keys", "rank_keys", "source")
+    __slots__ = (
+        "by_hashes",
+        "extra",
+        "hash_block_tokens",
+        "hashes",
+        "keys",
+        "rank_keys",
+        "source",
+        "token_counts",
+    )
 
     def __init__(self, extra: ExtraKeys, by_hashes: bool) -> None:
         self.extra = extra
@@ -44,13 +53,13 @@ class ChunkChain:
         self.source: Sequence[object] = ()
         self.hash_block_tokens = 1
         self.hashes: tuple[bytes, ...] = ()
-        self.counts: tuple[int, ...] = ()
+        self.token_counts: tuple[int, ...] = ()
         self.keys: tuple[ChunkKey, ...] = ()
         self.rank_keys: tuple[tuple[ChunkKey, ...], ...] = ()
 
     def full_chunks(self, chunk_tokens: int) -> int:
         """Leading chunks keyed with all their tokens (a trailing partial one is not)."""
-        counts = self.counts
+        counts = self.token_counts
         return len(counts) - 1 if counts and counts[-1] != chunk_tokens else len(counts)
 
 
@@ -128,7 +137,7 @@ class Keyer:
         elif tokens is not None:
             chain.source = tuple(tokens)  # a copy: the caller may reuse its list
             chain.hashes = self.hasher.hash_tokens(tokens, extra)
-            chain.counts = self.hasher.chunk_token_counts(len(tokens))
+            chain.token_counts = self.hasher.chunk_token_counts(len(tokens))
             self.refresh(chain)
         else:
             raise InvalidSpecError("lookup needs tokens or block_hashes")
@@ -142,8 +151,8 @@ class Keyer:
         old = chain.keys
         chain.source, chain.hash_block_tokens = tuple(hashes), per_hash
         grouped = regroup_block_hashes(hashes, per_hash, self.chunk_tokens)
-        chain.counts = self.hasher.chunk_token_counts(len(hashes) * per_hash)
-        chain.hashes = self.hasher.fold_extra(grouped, chain.counts, chain.extra)
+        chain.token_counts = self.hasher.chunk_token_counts(len(hashes) * per_hash)
+        chain.hashes = self.hasher.fold_extra(grouped, chain.token_counts, chain.extra)
         self.refresh(chain)
         return next((i for i, (a, b) in enumerate(zip(old, chain.keys, strict=False)) if a != b), len(old))
 
@@ -152,13 +161,13 @@ class Keyer:
         on); returns the first chunk whose key changed."""
         full = chain.full_chunks(self.chunk_tokens)
         chain.source = tuple(tokens)
-        chain.hashes, chain.counts = chain.hashes[:full], chain.counts[:full]
+        chain.hashes, chain.token_counts = chain.hashes[:full], chain.token_counts[:full]
         chain.keys, chain.rank_keys = chain.keys[:full], chain.rank_keys[:full]
-        known = sum(chain.counts)
+        known = sum(chain.token_counts)
         parent = chain.hashes[-1] if chain.hashes else None
         more = self.hasher.hash_tokens(tokens[known:], chain.extra, parent, start=known)
         chain.hashes += more
-        chain.counts += self.hasher.chunk_token_counts(len(tokens) - known)
+        chain.token_counts += self.hasher.chunk_token_counts(len(tokens) - known)
         chain.keys += self.keyspace.keys(more)
         chain.rank_keys += self._ranked(more)
         return full

@@ -1,56 +1,87 @@
-"""One composition for every engine: a config, an engine spec and each rank's KV tensors in, the
-scheduler side and the rank workers out, whatever the backend.
+"""One composition for every engine: a config, an engine spec and each rank's KV tensors in, the scheduler
+side and the rank workers out, whatever the backend. The only place that assembles either side.
 
-The backend comes from the registry by ``config.backend.kind`` (``kvcore.plugins.registry``), the engine memory
-by the tensors' library. A stack of tiers (``kvcore.config.tiers``) opens each remote tier's backend with its
-own settings, and cascades them (``kvcore.scheduling.cascade_index``, ``kvcore.execution.cascade_remote``) when there are several or one is written back.
-vLLM's connector, the CLI's demo and any other engine build kvcore through these two calls
-(docs/engine-api.md).
+The backend comes from the registry by ``config.backend.kind`` (``kvcore.plugins.registry``), the engine
+memory by the tensors' library. A stack of tiers (``kvcore.config.tiers``) opens each remote tier's
+backend with its own settings, and cascades them when there are several or one is written back
+(``kvcore.scheduling.cascade_index`` on the scheduler side, ``kvcore.execution.cascade_remote`` on each
+rank). A backend's remote tier is the port it implements; it becomes the rank's ``RemoteTier`` here
+(``kvcore.execution.remote``). vLLM's connector, the CLI's demo, the lifecycle fuzzer and any other engine
+build kvcore through these two calls (docs/engine-api.md); a test or a fuzzer may give the index, the
+remote tiers or a wrapper of the mover instead of what the config names.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import attrs
 
 from kvcore.checks import is_int_in
 from kvcore.config.model import KVCoreConfig
 from kvcore.config.tiers import TierStack
-from kvcore.errors import ConfigError
+from kvcore.errors import ConfigError, UsageError
 from kvcore.execution.cascade_remote import CascadeRemote
+from kvcore.execution.remote import ManagedRemote, StoreRemote
 from kvcore.execution.worker import BlockWorker
 from kvcore.kit.closing import close_quietly
 from kvcore.kit.faults import FaultHooks
 from kvcore.model.engine import EngineSpec
-from kvcore.plugins import Backend
+from kvcore.plugins import Backend, MoverWrap, RemoteOpener, RemotePort
 from kvcore.plugins.registry import backend, engine_memory
 from kvcore.plugins.sizing import pool_slots
-from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
+from kvcore.ports import ChunkIndex, ChunkStore, ManagedTier, RankMemory, RemoteTier
 from kvcore.scheduling.cascade_index import cascade_index
 from kvcore.scheduling.scheduler import CacheScheduler
 
-__all__ = ["open_scheduler", "open_worker"]
+__all__ = ["FROM_CONFIG", "FromConfig", "open_scheduler", "open_worker"]
+
+
+class FromConfig(enum.Enum):
+    """The default of an override: what the config names."""
+
+    FROM_CONFIG = "from the config"
+
+
+FROM_CONFIG = FromConfig.FROM_CONFIG
 
 Opened = TypeVar("Opened", ChunkIndex, RemoteTier)
 
 
 def open_scheduler(
-    config: KVCoreConfig, engine: EngineSpec, *, hash_identity: str | None = None
+    config: KVCoreConfig,
+    engine: EngineSpec,
+    *,
+    hash_identity: str | None = None,
+    index: ChunkIndex | Literal[FromConfig.FROM_CONFIG] | None = FROM_CONFIG,
+    write_back: bool | Literal[FromConfig.FROM_CONFIG] = FROM_CONFIG,
 ) -> CacheScheduler:
     """The scheduler side for ``engine``: the index of its host slots (``pool_slots`` per rank) and of the
-    backend's tier beyond them. ``hash_identity`` names the engine's own block hashing when lookups pass
-    its block hashes (see ``CacheScheduler``). Raises ``ConfigError`` as ``pool_slots`` does, and for a
-    backend that is not installed; the backend's index is then closed again."""
+    tiers beyond them. ``hash_identity`` names the engine's own block hashing when lookups pass its block
+    hashes (see ``CacheScheduler``). ``index`` replaces the index of the tiers the config names (``None``:
+    no tier beyond the pool), ``write_back`` whether one of them is written back (by default, whether one
+    of the config's is). Raises ``ConfigError`` as ``pool_slots`` does, and for a backend that is not
+    installed; an index opened here is then closed again."""
     slots = pool_slots(config, engine, engine.tp_size)
-    index = _cascade_index(config, engine)
+    opened = _cascade_index(config, engine) if index is FROM_CONFIG else index
+    stack = config.backend
     try:
         return CacheScheduler(
-            config, engine, slots, world_size=engine.tp_size, hash_identity=hash_identity, remote=index
+            config,
+            engine,
+            slots,
+            world_size=engine.tp_size,
+            hash_identity=hash_identity,
+            remote=opened,
+            write_back=(isinstance(stack, TierStack) and stack.writes_back)
+            if write_back is FROM_CONFIG
+            else write_back,
         )
     except BaseException:
-        close_quietly(index)
+        if index is FROM_CONFIG:
+            close_quietly(opened)
         raise
 
 
@@ -61,18 +92,44 @@ def open_worker(
     *,
     rank: int = 0,
     faults: FaultHooks | None = None,
+    remote: RemoteOpener | Literal[FromConfig.FROM_CONFIG] = FROM_CONFIG,
+    mover: MoverWrap | None = None,
 ) -> BlockWorker:
     """Rank ``rank``'s worker over its KV ``tensors`` (one per layer, the engine's layout): its host
-    slots, its mover and the backend's remote tier over them. The rank's movers call ``faults``
-    (``kvcore.kit.faults``: tests, instrumentation) before each copy. Raises ``ConfigError`` for a rank
-    outside the engine's ``tp_size`` or a backend that is not installed, ``UsageError`` for tensors no
-    installed engine memory accepts or that do not match the engine, or ``faults`` its movers cannot
-    call; nothing then stays open."""
+    slots, its mover and the remote tiers over them. The rank's movers call ``faults``
+    (``kvcore.kit.faults``: tests, instrumentation) before each copy. ``remote`` opens the rank's remote
+    tier instead of the config's backends (over the same ``RankMemory``); ``mover`` wraps the mover the
+    worker drives. Raises ``ConfigError`` for a rank outside the engine's ``tp_size`` or a backend that is
+    not installed, ``UsageError`` for tensors no installed engine memory accepts or that do not match the
+    engine, or ``faults`` its movers cannot call; nothing then stays open."""
     if not is_int_in(rank, 0, engine.tp_size - 1):
         raise ConfigError("rank", rank, f"an int in [0, {engine.tp_size}) (the engine's tp_size)")
+    opener = _remote_tiers(config, engine) if remote is FROM_CONFIG else remote
+    memory = engine_memory(tensors)
+    return memory.open_rank(config, engine, tensors, rank=rank, remote=opener, faults=faults, mover=mover)
+
+
+def as_remote_tier(port: RemotePort) -> RemoteTier:
+    """The worker's ``RemoteTier`` over a backend's port: a ``ChunkStore`` (``StoreRemote``), a
+    ``ManagedTier`` (``ManagedRemote``) or a ``RemoteTier`` as it is. Raises ``UsageError`` for anything
+    else."""
+    if isinstance(port, RemoteTier):
+        return port
+    if isinstance(port, ChunkStore):
+        return StoreRemote(port)
+    if isinstance(port, ManagedTier):
+        return ManagedRemote(port)
+    raise UsageError(
+        f"a backend's open_remote returned {type(port).__name__}: expected a ChunkStore or a ManagedTier"
+    )
+
+
+def _remote_tiers(config: KVCoreConfig, engine: EngineSpec) -> RemoteOpener:
+    """Opens a rank's remote tiers from the config: each backend's port as a ``RemoteTier``, several (or
+    one written back) as their cascade."""
 
     def remote(memory: RankMemory) -> RemoteTier | None:
-        opened = _open_each(config, lambda tier, plugin: plugin.open_remote(tier, engine, memory))
+        opened = _open_each(config, lambda tier, plugin: _remote_of(plugin.open_remote(tier, engine, memory)))
         stack = config.backend
         if not isinstance(stack, TierStack) or (len(opened) < 2 and not stack.writes_back):
             return opened[0] if opened else None
@@ -80,10 +137,17 @@ def open_worker(
             opened, [t.admit_after for t in stack.remote], [t.writes_back for t in stack.remote]
         )
 
-    memory = engine_memory(tensors)
-    if faults is None:  # an engine memory written before ``faults`` existed still opens workers
-        return memory.open_worker(config, engine, tensors, rank=rank, remote=remote)
-    return memory.open_worker(config, engine, tensors, rank=rank, remote=remote, faults=faults)
+    return remote
+
+
+def _remote_of(port: RemotePort | None) -> RemoteTier | None:
+    if port is None:
+        return None
+    try:
+        return as_remote_tier(port)
+    except UsageError:
+        close_quietly(port)
+        raise
 
 
 def _tiers(config: KVCoreConfig) -> tuple[KVCoreConfig, ...]:
@@ -122,8 +186,8 @@ def _open_each(
 
 
 def _cascade_index(config: KVCoreConfig, engine: EngineSpec) -> ChunkIndex | None:
-    """The index of every remote tier, cascading when there are several (``kvcore.scheduling.cascade_index``, ``kvcore.execution.cascade_remote``); a lookup
-    of the cascade answers within three quarters of ``lookup_timeout_s``, what it found so far."""
+    """The index of every remote tier, cascading when there are several; a lookup of the cascade
+    answers within three quarters of ``lookup_timeout_s``, what it found so far."""
     opened = _open_each(config, lambda tier, plugin: plugin.open_index(tier, engine))
     if len(opened) < 2:
         return opened[0] if opened else None

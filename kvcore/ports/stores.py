@@ -14,6 +14,7 @@ from kvcore.ports.common import BlockItem, JobQueue, StoreItem
 __all__ = ["ChunkStore", "ManagedTier", "SupportsAdoptedLocks", "SupportsBlockTransfer"]
 
 
+@runtime_checkable
 class ChunkStore(JobQueue, Protocol):
     """A content-addressed remote tier that the client fills and drains (e.g. Mooncake store).
 
@@ -51,6 +52,7 @@ class ChunkStore(JobQueue, Protocol):
         ...
 
 
+@runtime_checkable
 class ManagedTier(JobQueue, Protocol):
     """A tier that manages its own memory and sessions (e.g. an LMCache server); it cannot remove.
 

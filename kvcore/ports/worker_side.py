@@ -154,6 +154,7 @@ class PeerTransport(JobQueue, Protocol):
         ...
 
 
+@runtime_checkable
 class RemoteTier(JobQueue, Protocol):
     """Moves chunk values between the remote tier and this rank's host slots."""
 

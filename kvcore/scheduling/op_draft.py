@@ -20,13 +20,13 @@ class OpDraft:
 
     __slots__ = (
         "blocks_per_chunk",
+        "chain_end",
         "engine_blocks",
         "fetched",
         "host_blocks",
         "keys",
         "remote",
         "sizes",
-        "through",
     )
 
     def __init__(self, blocks_per_chunk: int) -> None:
@@ -37,7 +37,8 @@ class OpDraft:
         self.sizes: list[int] = []  # the op's blocks of each key
         self.remote: list[RemoteChunk] = []
         self.fetched: set[ChunkKey] = set()  # a load's chunks that come from the remote tier
-        self.through = 0  # one past the last chunk that crosses the remote tier
+        # how far into the request's chain the op reaches: one past its last chunk crossing the remote tier
+        self.chain_end = 0
 
     def add(
         self,
@@ -61,7 +62,7 @@ class OpDraft:
         if shard_keys is not None:
             first = len(self.engine_blocks)
             self.remote.append(RemoteChunk(slot, shard_keys, first, count, first_block, value_blocks))
-            self.through = chunk + 1
+            self.chain_end = chunk + 1
         if fetched:
             self.fetched.add(key)
         self.keys.append(key)

@@ -18,7 +18,7 @@ from kvcore.ports import BlockTransfer, Direction, StoreItem
 from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore.testing.support import wait_one
 from kvcore_cpu import EngineKV, HostMemory, TorchBlockMover
-from kvcore_cpu.tier import CPUWorker, open_worker
+from kvcore_cpu.tier import CPUWorker, open_rank
 from kvcore_disk.directory import ChunkDirectory
 from kvcore_disk.store import DiskChunkStore
 
@@ -34,7 +34,7 @@ def _rig(checksums: bool) -> tuple[CacheScheduler, CPUWorker, list[torch.Tensor]
         {"backend": {"kind": "cpu", "size": "4MiB"}, "chunk_tokens": 32, "checksums": checksums}
     )
     kv = [torch.randn(LAYOUT.shape).to(torch.bfloat16) for _ in range(2)]
-    return CacheScheduler(config, ENGINE, pool_slots(config, ENGINE)), open_worker(config, ENGINE, kv), kv
+    return CacheScheduler(config, ENGINE, pool_slots(config, ENGINE)), open_rank(config, ENGINE, kv), kv
 
 
 def _step(sched: CacheScheduler, worker: CPUWorker) -> None:

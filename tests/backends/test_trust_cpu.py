@@ -1,4 +1,4 @@
-"""Fencing on the real CPU tier (``open_worker``: torch tensors, the copy thread): a preempted request's
+"""Fencing on the real CPU tier (``open_rank``: torch tensors, the copy thread): a preempted request's
 save that has not been reported keeps nothing, whatever the copy thread did, and one already reported
 kept the request's own bytes. The engine follows docs/engine-api.md: it executes each plan before it
 reuses a freed block."""
@@ -13,7 +13,7 @@ from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.plugins.sizing import pool_slots
 from kvcore.scheduling.scheduler import CacheScheduler
-from kvcore_cpu import open_worker
+from kvcore_cpu import open_rank
 
 LAYOUT = KVLayout(
     kind=LayoutKind.FLASH_INFER,
@@ -42,7 +42,7 @@ def _write(kv: list[torch.Tensor], blocks: range, seed: int) -> None:
 def test_a_preempted_requests_unreported_save_keeps_nothing_on_the_cpu_tier() -> None:
     kv = _kv()
     sched = CacheScheduler(CONFIG, ENGINE, pool_slots(CONFIG, ENGINE))
-    worker = open_worker(CONFIG, ENGINE, kv)
+    worker = open_rank(CONFIG, ENGINE, kv)
     try:
         a = RequestId("a")
         assert sched.lookup(a, tokens=PROMPT) == 0
@@ -64,7 +64,7 @@ def test_a_preempted_requests_unreported_save_keeps_nothing_on_the_cpu_tier() ->
 def test_a_save_reported_before_the_preemption_is_kept_and_loads_bit_exact() -> None:
     kv = _kv()
     sched = CacheScheduler(CONFIG, ENGINE, pool_slots(CONFIG, ENGINE))
-    worker = open_worker(CONFIG, ENGINE, kv)
+    worker = open_rank(CONFIG, ENGINE, kv)
     try:
         a = RequestId("a")
         assert sched.lookup(a, tokens=PROMPT) == 0

@@ -71,13 +71,15 @@ def answer(sched: CacheScheduler, rid: str, tokens: Sequence[int]) -> int:
 
 class Rig:
     """A scheduler and one worker over an in-memory mover, the store behind them as the remote tier
-    (``tier`` wraps it: ``StoreRemote``, or a cascade of it)."""
+    (``tier`` wraps it: ``StoreRemote``, or a cascade of it; ``write_back``: that tier is written back)."""
 
     def __init__(
         self,
         slots: int = 3,
         config: KVCoreConfig = CONFIG,
         tier: Callable[[InMemoryChunkStore], RemoteTier] = StoreRemote,
+        *,
+        write_back: bool = False,
     ) -> None:
         self.mover = InMemoryBlockMover(
             num_engine_blocks=64,
@@ -87,7 +89,7 @@ class Rig:
         )
         self.store = InMemoryChunkStore(self.mover.host)
         self.index = StoreIndex(self.store)
-        self.sched = CacheScheduler(config, ENGINE, slots, remote=self.index)
+        self.sched = CacheScheduler(config, ENGINE, slots, remote=self.index, write_back=write_back)
         slot_bytes = 2 * self.mover.host_block_bytes
         self.worker = BlockWorker(self.mover, remote=tier(self.store), slot_bytes=slot_bytes, slot_blocks=2)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from kvcore.config import load_config
 from kvcore.execution.cascade_remote import CascadeRemote
 from kvcore.execution.remote import StoreRemote
 from kvcore.ids import ChunkKey, RequestId
@@ -19,17 +18,6 @@ from tests.unit import test_scheduler_remote as remote
 from tests.unit.test_scheduler_remote import answer
 
 SLOTS = 8  # write-back keeps two of them free or clean
-# the scheduler learns from the config that its tier is written back; the rig's store plays that tier
-CONFIG = load_config(
-    {
-        "tiers": [
-            {"kind": "cpu", "size": 1 << 20},
-            {"kind": "disk", "path": "/unused", "size": "1GiB", "write": "back"},
-        ],
-        "chunk_tokens": 8,
-        "partial_chunks": "drop",
-    }
-)
 
 
 def prompt(seed: int) -> list[int]:
@@ -40,7 +28,12 @@ class Rig(remote.Rig):
     """The remote tests' rig with eight slots, its store a tier written back (a cascade of one)."""
 
     def __init__(self) -> None:
-        super().__init__(SLOTS, CONFIG, lambda store: CascadeRemote([StoreRemote(store)], [1], [True]))
+        super().__init__(
+            SLOTS,
+            remote.CONFIG,
+            lambda store: CascadeRemote([StoreRemote(store)], [1], [True]),
+            write_back=True,
+        )
         self.blocks = 0
 
     def queue_save(self, rid: str, tokens: Sequence[int]) -> None:

@@ -71,8 +71,9 @@ class Connector:
         self._worker.execute(plan)
         loads = plan.op_ids(Direction.LOAD)
         reports = self._worker.wait(loads, WAIT_S) if loads else self._worker.reports()
-        if self._ports.mover.refused:
-            self._trace.fail(None, f"the mover refused a copy kvcore planned: {self._ports.mover.refused[0]}")
+        refused = self._ports.mover.refused if self._ports.mover is not None else []
+        if refused:
+            self._trace.fail(None, f"the mover refused a copy kvcore planned: {refused[0]}")
         for report in reports:
             self._reported(report)
         self._sched.complete(reports)

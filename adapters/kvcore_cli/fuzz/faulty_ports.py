@@ -23,14 +23,13 @@ from kvcore.execution.cascade_remote import CascadeRemote
 from kvcore.execution.remote import StoreRemote
 from kvcore.ids import ChunkKey, JobId, LookupId
 from kvcore.jobs import JobResult
-from kvcore.ports import BlockMover, BlockTransfer, Direction, HeldChunks, RemoteTier, StoreItem
+from kvcore.ports import BlockMover, BlockTransfer, Direction, HeldChunks, RankMemory, RemoteTier, StoreItem
 from kvcore.testing.faults import InjectedFaults
 from kvcore.testing.memory import InMemoryChunkIndex, InMemoryChunkStore
 from kvcore_cli.fuzz.options import FuzzOptions
 from kvcore_cli.fuzz.postponed import INNER_WAIT_S, Fate, Postponed
 from kvcore_cli.fuzz.results import FuzzSummary
 from kvcore_cli.fuzz.trace import Clock
-from kvcore_cpu.host_memory import HostMemory
 from kvcore_disk.directory import ChunkDirectory
 from kvcore_disk.store import DiskChunkStore
 
@@ -46,60 +45,85 @@ P_STALE_LOCKS = 0.1  # a hand-over is refused: the locks are too old
 
 class FaultyPorts:
     """The mover, and with ``options.remote`` the remote tier and index, each with its own seeded stream of
-    faults (none without ``options.faults``). A failed copy leaves garbage through ``spoil``; the remote
-    store keeps its values in ``host``'s buffer, as a Mooncake client registers the pool."""
+    faults (none without ``options.faults``), given to kvcore's composition (``kvcore.plugins.compose``):
+    the index at once, the mover as a wrapper of the rank's own (``wrap_mover``), the remote tier over the
+    rank's memory (``open_remote``: the store keeps its values in the rank's host pool, as a Mooncake
+    client registers it). A failed copy leaves garbage through ``spoil``."""
 
     def __init__(
         self,
         seed: int,
         options: FuzzOptions,
         clock: Clock,
-        mover: BlockMover,
         spoil: Spoil,
-        host: HostMemory,
         slot_bytes: int,
         workdir: Path | None = None,
     ) -> None:
+        self._seed = seed
+        self._options = options
         self._clock = clock
+        self._spoil = spoil
+        self._slot_bytes = slot_bytes
+        self._workdir = workdir
         self._faults = options.faults
-        rng = random.Random(f"kvcore-fuzz:{seed}:mover")
-        self.mover = _FaultyMover(mover, clock, rng, options.faults, spoil)
+        self._inner_mover: BlockMover | None = None
+        self.mover: _FaultyMover | None = None
         self.index: _FaultyIndex | None = None
         self.remote: _FaultyRemote | None = None
         self._inner: RemoteTier | None = None
         if options.remote or options.disk or options.stack:
             index_rng = random.Random(f"kvcore-fuzz:{seed}:index")
             self.index = _FaultyIndex(InMemoryChunkIndex(), index_rng, options.faults)
-            # a memoryview slices and assigns as the bytearray it is annotated with does
-            view = cast(bytearray, host.buffer.numpy().data)
-            capacity = 4 * options.pool_slots * slot_bytes
-            remote: RemoteTier
-            if options.disk or options.stack:
-                if workdir is None:
-                    raise UsageError("workdir: a directory for the disk tier's files, with the disk option")
-                hooks = InjectedFaults()
-                # room for the same values as the in-memory store's, and their files' headers
-                directory = ChunkDirectory.open(workdir, capacity + 4 * options.pool_slots * 256)
-                disk = StoreRemote(DiskChunkStore(directory, memoryview(view), io_threads=1, faults=hooks))
-                fail_next = hooks.fail_next
-                # a stack: the disk, then a smaller in-memory store behind it (its own evictions)
-                behind = StoreRemote(InMemoryChunkStore(view, capacity=capacity // 2))
-                back = options.write_back
-                if options.stack:
-                    remote = CascadeRemote([disk, behind], (1, 1), (back, False))
-                else:
-                    remote = CascadeRemote([disk], (1,), (True,)) if back else disk
+
+    def wrap_mover(self, mover: BlockMover) -> BlockMover:
+        """The rank's mover, with faults (``kvcore.plugins.MoverWrap``)."""
+        rng = random.Random(f"kvcore-fuzz:{self._seed}:mover")
+        self._inner_mover = mover
+        self.mover = _FaultyMover(mover, self._clock, rng, self._faults, self._spoil)
+        return self.mover
+
+    def open_remote(self, memory: RankMemory) -> RemoteTier | None:
+        """The rank's remote tier over its host pool, with faults (``kvcore.plugins.RemoteOpener``)."""
+        options, index = self._options, self.index
+        if index is None:
+            return None
+        if memory.host is None:
+            raise UsageError("the fuzzer's remote tier needs the rank's host pool")
+        # a memoryview slices and assigns as the bytearray it is annotated with does
+        view = cast(bytearray, memory.host)
+        capacity = 4 * options.pool_slots * self._slot_bytes
+        remote: RemoteTier
+        if options.disk or options.stack:
+            if self._workdir is None:
+                raise UsageError("workdir: a directory for the disk tier's files, with the disk option")
+            hooks = InjectedFaults()
+            # room for the same values as the in-memory store's, and their files' headers
+            directory = ChunkDirectory.open(self._workdir, capacity + 4 * options.pool_slots * 256)
+            disk = StoreRemote(DiskChunkStore(directory, memoryview(view), io_threads=1, faults=hooks))
+            fail_next = hooks.fail_next
+            # a stack: the disk, then a smaller in-memory store behind it (its own evictions)
+            behind = StoreRemote(InMemoryChunkStore(view, capacity=capacity // 2))
+            back = options.write_back
+            if options.stack:
+                remote = CascadeRemote([disk, behind], (1, 1), (back, False))
             else:
-                memory = InMemoryChunkStore(view, capacity=capacity)
-                remote, fail_next = StoreRemote(memory), memory.fail_next
-            rng = random.Random(f"kvcore-fuzz:{seed}:remote")
-            self.remote = _FaultyRemote(remote, fail_next, self.index.inner, clock, rng, options.faults)
-            self._inner = remote
+                remote = CascadeRemote([disk], (1,), (True,)) if back else disk
+        else:
+            store = InMemoryChunkStore(view, capacity=capacity)
+            remote, fail_next = StoreRemote(store), store.fail_next
+        rng = random.Random(f"kvcore-fuzz:{self._seed}:remote")
+        self.remote = _FaultyRemote(remote, fail_next, index.inner, self._clock, rng, options.faults)
+        self._inner = remote
+        return self.remote
 
     def close(self) -> None:
-        """Close the remote tier (its stores' threads end); its jobs are all reported by now."""
+        """Close the remote tier (its stores' threads end) and the rank's own mover, which the worker's
+        close leaves open (a halt closes the faulty mover only, and reopens it); every job is reported by
+        now."""
         if self._inner is not None:
             self._inner.close()
+        if self._inner_mover is not None:
+            self._inner_mover.close()
 
     def weather(self, rng: random.Random) -> None:
         """The remote index stalls for a few steps, or fails its next answer, as the engine's ``rng``
@@ -122,17 +146,17 @@ class FaultyPorts:
 
     def held(self) -> int:
         """Jobs held for a later step."""
-        return self.mover.held() + (self.remote.held() if self.remote else 0)
+        return (self.mover.held() if self.mover else 0) + (self.remote.held() if self.remote else 0)
 
     def count(self, summary: FuzzSummary) -> None:
         """Put the faults injected, and the step the mover was closed at, into ``summary``."""
-        summary.mover_faults = self.mover.failed
+        summary.mover_faults = self.mover.failed if self.mover else 0
         summary.remote_faults = self.remote.failed if self.remote else 0
-        summary.late_jobs = self.mover.late + (self.remote.late if self.remote else 0)
+        summary.late_jobs = (self.mover.late if self.mover else 0) + (self.remote.late if self.remote else 0)
         summary.lookup_faults = self.index.failures if self.index else 0
         summary.index_stalls = self.index.stalls if self.index else 0
         summary.locks_handed_over = self.index.handed if self.index else 0
-        summary.halts = tuple(self.mover.halts)
+        summary.halts = tuple(self.mover.halts) if self.mover else ()
 
 
 class _FaultyMover(Postponed):

@@ -1,6 +1,7 @@
-"""``run_fuzz``: one seeded run. It puts kvcore's two sides over the CPU tier, a small model's engine KV and
-a small host pool (``CacheScheduler``, and a ``BlockWorker`` over the fuzzer's faulty ports), builds the
-model engine and the oracle over them, runs the engine and drains it, and closes kvcore's sides."""
+"""``run_fuzz``: one seeded run. It composes kvcore's two sides as for any engine (``kvcore.plugins.compose``)
+over a small model's engine KV and a small host pool, with the fuzzer's faulty ports in place of the
+config's tiers, builds the model engine and the oracle over them, runs the engine and drains it, and
+closes kvcore's sides."""
 
 from __future__ import annotations
 
@@ -10,14 +11,12 @@ from pathlib import Path
 
 import torch
 
-from kvcore.config import KVCoreConfig, config_to_dict, load_config
+from kvcore.config import KVCoreConfig, load_config
 from kvcore.errors import UsageError
-from kvcore.execution.worker import BlockWorker
 from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import KVLayout, LayoutKind
-from kvcore.plugins.sizing import pool_slots
+from kvcore.plugins.compose import open_scheduler, open_worker
 from kvcore.ports import Direction
-from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore_cli.fuzz.checks import KVChecks
 from kvcore_cli.fuzz.connector import Connector
 from kvcore_cli.fuzz.engine import ModelEngine
@@ -28,7 +27,7 @@ from kvcore_cli.fuzz.oracle import Bytes, KVOracle
 from kvcore_cli.fuzz.requests import BLOCK_TOKENS, RequestBook
 from kvcore_cli.fuzz.results import FuzzSummary
 from kvcore_cli.fuzz.trace import Clock, Trace
-from kvcore_cpu.tier import open_worker
+from kvcore_cpu.tier import CPUWorker
 
 __all__ = ["run_fuzz"]
 
@@ -55,30 +54,25 @@ def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzS
     kv: Bytes = storage.view(torch.uint8).numpy()
     slot_bytes = CHUNK_TOKENS // BLOCK_TOKENS * spec.host_block_bytes
     config = _config(options, slot_bytes)
-    cpu = open_worker(config, spec, list(storage.unbind(0)))
-    if cpu.mover is None or cpu.host is None:
-        raise UsageError("the CPU tier opened without a host pool")
-    host_kv: Bytes = cpu.host.blocks.numpy().reshape(-1, LAYERS, *kv.shape[2:])
     oracle = KVOracle(kv[:, 0].shape)
+    host: list[Bytes] = []  # the host pool's bytes, once the rank is open
 
     def spoil(direction: Direction, block: int, why: str) -> None:
-        oracle.scribble(kv[:, block] if direction is Direction.LOAD else host_kv[block], why)
+        oracle.scribble(kv[:, block] if direction is Direction.LOAD else host[0][block], why)
 
     workdir = tempfile.TemporaryDirectory(prefix="kvcore-fuzz-") if options.disk or options.stack else None
-    ports = FaultyPorts(
-        seed, options, clock, cpu.mover, spoil, cpu.host, slot_bytes, Path(workdir.name) if workdir else None
+    ports = FaultyPorts(seed, options, clock, spoil, slot_bytes, Path(workdir.name) if workdir else None)
+    # kvcore composed as for any engine, over the fuzzer's ports instead of the config's backends
+    sched = open_scheduler(
+        config, spec, hash_identity=HASH_IDENTITY, index=ports.index, write_back=options.write_back
     )
-    # the scheduler learns from its config that a tier is written back; the fuzzer's own ports are that tier
-    written_back = _written_back(config, Path(workdir.name)) if workdir and options.write_back else config
-    sched = CacheScheduler(
-        written_back, spec, pool_slots(config, spec), hash_identity=HASH_IDENTITY, remote=ports.index
+    worker = open_worker(
+        config, spec, list(storage.unbind(0)), remote=ports.open_remote, mover=ports.wrap_mover
     )
-    worker = BlockWorker(
-        ports.mover,
-        remote=ports.remote,
-        slot_bytes=slot_bytes if ports.remote else 0,
-        slot_blocks=CHUNK_TOKENS // BLOCK_TOKENS,
-    )
+    if not isinstance(worker, CPUWorker) or worker.host is None or ports.mover is None:
+        raise UsageError("the fuzzer's rank opened without a host pool")
+    host_kv: Bytes = worker.host.blocks.numpy().reshape(-1, LAYERS, *kv.shape[2:])
+    host.append(host_kv)
     memory = EngineMemory(kv, oracle)
     book = RequestBook()
     checks = KVChecks(memory, oracle, book, host_kv, trace)
@@ -101,7 +95,7 @@ def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzS
     finally:
         ports.resume()
         sched.close()
-        cpu.close()
+        worker.close()
         ports.close()
         if workdir is not None:
             workdir.cleanup()
@@ -129,14 +123,6 @@ def _spec(engine_blocks: int, window: int) -> EngineSpec:
         layout=layout,
         window_tokens=window * BLOCK_TOKENS or None,
     )
-
-
-def _written_back(config: KVCoreConfig, workdir: Path) -> KVCoreConfig:
-    """``config`` with its pool as the first tier of a stack whose disk tier is written back."""
-    disk = {"kind": "disk", "path": str(workdir), "size": "1GiB", "write": "back"}
-    data = config_to_dict(config)
-    pool = data.pop("backend")
-    return load_config({**data, "tiers": [pool, disk]})
 
 
 def _config(options: FuzzOptions, slot_bytes: int) -> KVCoreConfig:

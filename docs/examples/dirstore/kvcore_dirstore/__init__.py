@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvcore.config import KVCoreConfig
-from kvcore.errors import ConfigError, UsageError
-from kvcore.execution.remote import StoreRemote
+from kvcore.errors import ConfigError
 from kvcore.model.engine import EngineSpec
-from kvcore.ports import ChunkIndex, RankMemory, RemoteTier
+from kvcore.plugins import RemotePort, settings_of
+from kvcore.ports import ChunkIndex, RankMemory
 from kvcore_dirstore.config import DirStoreConfig
 from kvcore_dirstore.index import DirChunkIndex
 from kvcore_dirstore.store import DirChunkStore
@@ -31,16 +31,15 @@ class DirStoreBackend:
     def open_index(self, config: KVCoreConfig, engine: EngineSpec) -> ChunkIndex | None:
         return DirChunkIndex(_root(config))
 
-    def open_remote(self, config: KVCoreConfig, engine: EngineSpec, memory: RankMemory) -> RemoteTier | None:
+    def open_remote(self, config: KVCoreConfig, engine: EngineSpec, memory: RankMemory) -> RemotePort | None:
+        """The rank's ``ChunkStore``: kvcore makes it the worker's remote tier."""
         if memory.host is None:
             raise ConfigError("backend.local_size", 0, "a host pool to stage the files' chunks")
-        return StoreRemote(DirChunkStore(_root(config), memory.host))
+        return DirChunkStore(_root(config), memory.host)
 
 
 def _root(config: KVCoreConfig) -> Path:
-    if not isinstance(config.backend, DirStoreConfig):
-        raise UsageError(f"config.backend: got {config.backend!r}, expected a DirStoreConfig")
-    return Path(config.backend.path)
+    return Path(settings_of(config, DirStoreConfig).path)
 
 
 BACKEND = DirStoreBackend()

@@ -1,0 +1,53 @@
+"""What the scheduler side reports of itself (``SchedulerStats``): counters since start, the pool's usage,
+and for each remote tier what its lookups found, what it stored and how full it is."""
+
+from __future__ import annotations
+
+from attrs import frozen
+
+from kvcore.pool.block_pool import PoolUsage
+from kvcore.ports import TierUsage
+from kvcore.scheduling.cascade_index import CascadeIndex, tier_usage
+from kvcore.scheduling.state import SchedulerState
+
+__all__ = ["SchedulerStats", "stats"]
+
+
+@frozen
+class SchedulerStats:
+    """Counters since start (monotonic), and the pool's current usage."""
+
+    lookups: int
+    hit_tokens: int
+    loaded_blocks: int
+    async_loads: int  # loads started asynchronously (``start_load(is_async=True)``)
+    saved_blocks: int
+    failed_load_blocks: int
+    failed_save_chunks: int
+    pool: PoolUsage
+    requests: int  # live request trackers (0 once every request ended and its copies completed)
+    ops_in_flight: int
+    tier_found: tuple[int, ...] = ()  # chunks each remote tier's lookups found beyond the pool, in order
+    tier_usage: tuple[TierUsage | None, ...] = ()  # how full each remote tier is, where it can tell
+    tier_stored: tuple[int, ...] = ()  # chunks each remote tier stored (every shard of them)
+    written_back_chunks: int = 0  # pool chunks written back to the tiers written back (``Tier.write``)
+    failed_write_back_chunks: int = 0  # of those, chunks that no tier stored
+
+
+def stats(state: SchedulerState) -> SchedulerStats:
+    index = state.remote_index
+    if isinstance(index, CascadeIndex):
+        found, usage = tuple(index.found), index.usage()
+    elif index is not None:
+        found, usage = (state.remote_found,), (tier_usage(index),)
+    else:
+        found, usage = (), ()
+    return SchedulerStats(
+        **state.counters,
+        pool=state.pool.usage(),
+        requests=len(state.requests),
+        ops_in_flight=len(state.ops),
+        tier_found=found,
+        tier_usage=usage,
+        tier_stored=tuple(state.tier_stored.get(t, 0) for t in range(len(found))),
+    )
