@@ -19,7 +19,6 @@ from kvcore.errors import BackendError, BackendUnavailable, InvalidSpecError
 from kvcore.ids import ChunkKey, RequestId
 from kvcore.jobs import JobResult
 from kvcore.ports import JobQueue, ManagedTier, StoreItem
-from kvcore.testing.store import StoreHarness, held_bytes, read_items, scribble, stage, values_for
 from kvcore.testing.support import (
     HarnessFixture,
     check_close,
@@ -34,6 +33,7 @@ from kvcore.testing.support import (
     settle,
     wait_one,
 )
+from kvcore.testing.values import StoreHarness, held_bytes, read_items, scribble, stage, values_for
 
 __all__ = ["ManagedHarness", "ManagedTierTests", "new_session", "peek_chain"]
 

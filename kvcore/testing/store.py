@@ -4,15 +4,15 @@ A backend's test module subclasses ``ChunkStoreTests[MyStore]`` and defines ``ma
 manager that yields a ``StoreHarness``, the store, its registered host buffer, and ``peek``/``poke`` of
 stored values that bypass the store, so that the store itself is what is tested.
 ``chunk_store_state_machine(factory)`` builds the stateful test from the same factory. The suite and
-its state machine share one module (a little over 400 lines): the machine checks the same contract
-against a model, and apart they would drift.
+its state machine share one module: the machine checks the same contract against a model, and apart they
+would drift. (The harness and the helpers the managed-tier suite shares are ``kvcore.testing.values``.)
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 import pytest
 from hypothesis import strategies as st
@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvcore.errors import BackendError, InvalidSpecError, UsageError
 from kvcore.ids import ChunkKey
 from kvcore.jobs import JobResult
-from kvcore.ports import ChunkStore, JobQueue, StoreItem, SupportsClear
+from kvcore.ports import ChunkStore, StoreItem, SupportsClear
 from kvcore.testing.capabilities import SupportsFailureInjection, SupportsPendingJobs
 from kvcore.testing.support import (
     HarnessFixture,
@@ -41,80 +41,11 @@ from kvcore.testing.support import (
     settle,
     wait_one,
 )
+from kvcore.testing.values import StoreHarness, held_bytes, read_items, scribble, stage, values_for
 
-__all__ = [
-    "ChunkStoreTests",
-    "StoreHarness",
-    "chunk_store_state_machine",
-    "held_bytes",
-    "read_items",
-    "scribble",
-    "stage",
-    "values_for",
-]
+__all__ = ["ChunkStoreTests", "StoreHarness", "chunk_store_state_machine"]
 
 StoreT = TypeVar("StoreT", bound=ChunkStore)
-QueueT_co = TypeVar("QueueT_co", bound=JobQueue, covariant=True)
-
-
-class StoreHarness(Protocol[QueueT_co]):
-    """A tier over a host buffer (a ``ChunkStore`` or a ``ManagedTier``), with out-of-band access.
-
-    The suites need ``host_size`` >= 16 KiB and, for a bounded tier, ``capacity`` >= 4 KiB with
-    ``host_size`` >= 2 x ``capacity``.
-    """
-
-    @property
-    def backend(self) -> QueueT_co: ...
-
-    @property
-    def host_size(self) -> int:
-        """Bytes of the host buffer registered with the backend; ``StoreItem`` offsets index it."""
-        ...
-
-    def read_host(self, offset: int, length: int) -> bytes: ...
-
-    def write_host(self, offset: int, data: bytes) -> None: ...
-
-    def peek(self, key: ChunkKey) -> bytes | None:
-        """The value the tier holds under ``key``, read without the backend; ``None`` if absent."""
-        ...
-
-    def poke(self, key: ChunkKey, value: bytes) -> None:
-        """Make the tier hold ``value`` under ``key``, written without the backend."""
-        ...
-
-
-def stage(
-    harness: StoreHarness[JobQueue], values: Mapping[ChunkKey, bytes], base: int = 0
-) -> list[StoreItem]:
-    """Write ``values`` one after another into the host buffer from ``base``; their items."""
-    items = []
-    for key, value in values.items():
-        items.append(StoreItem(key, base, len(value)))
-        harness.write_host(base, value)
-        base += len(value)
-    return items
-
-
-def read_items(harness: StoreHarness[JobQueue], items: Sequence[StoreItem]) -> list[bytes]:
-    """The host bytes of each item."""
-    return [harness.read_host(item.offset, item.length) for item in items]
-
-
-def scribble(harness: StoreHarness[JobQueue], items: Sequence[StoreItem]) -> None:
-    """Overwrite the items' host bytes, so that a get that copies nothing shows."""
-    for item in items:
-        harness.write_host(item.offset, payload(item.length, ("scribble", item)))
-
-
-def values_for(keys: Sequence[ChunkKey], *sizes: int) -> dict[ChunkKey, bytes]:
-    """Random values of the given sizes (cycled) for ``keys``."""
-    return {key: payload(sizes[i % len(sizes)], key) for i, key in enumerate(keys)}
-
-
-def held_bytes(harness: StoreHarness[JobQueue], keys: Sequence[ChunkKey]) -> int:
-    return sum(len(v) for k in keys if (v := harness.peek(k)) is not None)
 
 
 class ChunkStoreTests(HarnessFixture[StoreHarness[StoreT]], Generic[StoreT]):
