@@ -35,9 +35,9 @@ from pathlib import Path
 from mooncake.store import MooncakeDistributedStore
 
 from kvcore.ids import ChunkKey
+from kvcore.kit.leading import leading_chunks
 from kvcore.kit.settings import ByteCount, ByteSize
 from kvcore.ports import StoreItem
-from kvcore.scheduling.remote_lookup import leading_complete
 from kvcore.testing.support import start_owned
 from kvcore_mooncake import MooncakeChunkIndex, MooncakeChunkStore, MooncakeClient
 from kvcore_mooncake.config import MooncakeStoreConfig
@@ -183,7 +183,7 @@ class Bench:
             ours.append(time.perf_counter() - start)
             start = time.perf_counter()
             flags = self.raw.batch_is_exist(list(keys))
-            raw_answer = leading_complete([f == 1 for f in flags], 1)
+            raw_answer = leading_chunks(flags, lambda flag: flag == 1)
             raw.append(time.perf_counter() - start)
             if answer != raw_answer:
                 raise RuntimeError(f"index answered {answer}, raw {raw_answer}")

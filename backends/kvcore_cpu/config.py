@@ -21,7 +21,7 @@ class CPUBackendConfig:
 
     KIND: ClassVar[str] = "cpu"
     HOST_FIELD: ClassVar[str] = "size"
-    DIRECT: ClassVar[bool] = False
+    MOVES_BLOCKS: ClassVar[bool] = False
     NODE_FIELDS: ClassVar[tuple[str, ...]] = ("size",)
     REMOTE: ClassVar[bool] = False
     size: ByteSize = field(validator=fits_in_memory)

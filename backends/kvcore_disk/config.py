@@ -24,7 +24,7 @@ class DiskConfig:
 
     KIND: ClassVar[str] = "disk"
     HOST_FIELD: ClassVar[str] = "local_size"
-    DIRECT: ClassVar[bool] = False  # every chunk is staged through the host pool
+    MOVES_BLOCKS: ClassVar[bool] = False  # every chunk is staged through the host pool
     REMOTE: ClassVar[bool] = True  # chunks live outside the engine: saves are published to the files
     NODE_FIELDS: ClassVar[tuple[str, ...]] = ("local_size",)
     path: str = field(validator=non_empty)

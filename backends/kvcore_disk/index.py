@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from kvcore.ids import ChunkKey
 from kvcore.kit.immediate_index import ImmediateIndex
+from kvcore.kit.leading import leading_chunks
 from kvcore.ports import TierUsage
 from kvcore_disk.directory import ChunkDirectory
 
@@ -30,12 +31,7 @@ class DiskChunkIndex(ImmediateIndex):
     def lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> int:
         self._check_open()
         file, isfile = self._directory.file, os.path.isfile
-        hits = 0
-        for shards in chunks:
-            if not all(isfile(file(key)) for key in shards):
-                break
-            hits += 1
-        return hits
+        return leading_chunks(chunks, lambda shards: all(isfile(file(key)) for key in shards))
 
     def usage(self) -> TierUsage:
         """``SupportsTierUsage``: the directory's bytes in use, its size, and its evictions (every

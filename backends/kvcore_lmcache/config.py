@@ -29,7 +29,7 @@ class LMCacheMPConfig:
 
     KIND: ClassVar[str] = "lmcache_mp"
     HOST_FIELD: ClassVar[str] = "local_size"
-    DIRECT: ClassVar[bool] = True
+    MOVES_BLOCKS: ClassVar[bool] = True
     REMOTE: ClassVar[bool] = True
     NODE_FIELDS: ClassVar[tuple[str, ...]] = ("local_size",)
     url: str = field(

@@ -38,7 +38,7 @@ class MooncakeStoreConfig:
 
     KIND: ClassVar[str] = "mooncake_store"
     HOST_FIELD: ClassVar[str] = "local_size"
-    DIRECT: ClassVar[bool] = False
+    MOVES_BLOCKS: ClassVar[bool] = False
     REMOTE: ClassVar[bool] = True
     NODE_FIELDS: ClassVar[tuple[str, ...]] = ("local_size", "segment_size", "transfer_buffer_size")
     master: str = field(default="127.0.0.1:50051", validator=host_and_port)

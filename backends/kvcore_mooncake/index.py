@@ -24,6 +24,7 @@ from kvcore.ids import ChunkKey, LookupId
 from kvcore.kit.faults import FaultHooks
 from kvcore.kit.health import CircuitBreaker
 from kvcore.kit.lane import JobLane, Priority
+from kvcore.kit.leading import by_chunk, leading_chunks
 from kvcore_mooncake.client import MooncakeClient, describe
 from kvcore_mooncake.config import MooncakeStoreConfig
 
@@ -162,12 +163,7 @@ def _leading(codes: list[int], lookup: _Lookup) -> int | None:
     """Leading chunks with every shard present; ``None`` when the answer is not 0/1 per key."""
     if len(codes) != len(lookup.keys) or any(c not in (0, 1) for c in codes):
         return None
-    hits, start = 0, 0
-    for size in lookup.sizes:
-        if not all(codes[start : start + size]):
-            break
-        hits, start = hits + 1, start + size
-    return hits
+    return leading_chunks(by_chunk(codes, lookup.sizes), all)
 
 
 def _bad(codes: list[int]) -> str:

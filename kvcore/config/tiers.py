@@ -15,7 +15,7 @@ before lost them, reach it), and ``write``: ``"through"`` (the default) writes e
 once, side by side with the pool; ``"back"`` writes a chunk to it only when the pool is about to evict
 the chunk (``CacheScheduler``: a chunk not yet written back is never evicted), or as the workers close
 (``kvcore.pool.write_back``): saves cost the tier nothing until the pool needs room. A tier that moves engine
-blocks itself (``DIRECT``, e.g. LMCache's) is written through only: it may address chunks by their
+blocks itself (``MOVES_BLOCKS``, e.g. LMCache's) is written through only: it may address chunks by their
 request's chain, which a write-back, long after the request, does not carry.
 """
 
@@ -43,7 +43,7 @@ class Tier:
     write: str = field(default="through", validator=one_of("through", "back"))
 
     def __attrs_post_init__(self) -> None:
-        if self.write == "back" and self.settings.DIRECT:
+        if self.write == "back" and self.settings.MOVES_BLOCKS:
             raise BadValue(
                 self.write,
                 f"'through' for kind {self.settings.KIND!r} (a tier that moves engine blocks itself is "
@@ -76,14 +76,14 @@ class TierStack:
 
     KIND: ClassVar[str] = "tiers"
     HOST_FIELD: ClassVar[str] = "size"
-    DIRECT: ClassVar[bool] = False
+    MOVES_BLOCKS: ClassVar[bool] = False
     REMOTE: ClassVar[bool] = True
     NODE_FIELDS: ClassVar[tuple[str, ...]] = ()
     local: BackendSettings
     remote: tuple[Tier, ...] = field(validator=_remote_tiers)
 
     def __attrs_post_init__(self) -> None:
-        if self.local.REMOTE or self.local.DIRECT:
+        if self.local.REMOTE or self.local.MOVES_BLOCKS:
             raise BadValue(self.local.KIND, "a local pool first (a tier that is not remote)", "tiers[0].kind")
 
     @property

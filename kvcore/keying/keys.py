@@ -3,7 +3,7 @@
 A key must differ whenever the stored bytes could differ, and be equal whenever they cannot: the
 namespace holds every deployment fact that changes KV bytes, the shard says which layers, heads and
 ranks a worker holds, and the chunk hash stands for the tokens. Ranks that hold the same heads share
-keys (one of them writes, see ``writes``). With a deployment secret the chunk part is an HMAC, so a
+keys (one of them writes, see ``is_shard_writer``). With a deployment secret the chunk part is an HMAC, so a
 client without the secret can neither predict nor plant keys.
 """
 
@@ -22,7 +22,7 @@ from kvcore.errors import ConfigError, UnsupportedConfiguration
 from kvcore.ids import ChunkKey
 from kvcore.keying.hashing import HashAlgorithm
 
-__all__ = ["Keyspace", "Namespace", "Shard", "writes"]
+__all__ = ["Keyspace", "Namespace", "Shard", "is_shard_writer"]
 
 _U32 = struct.Struct("<I")
 _NAMESPACE_DOMAIN = b"kvcore.namespace.v1"
@@ -188,7 +188,7 @@ def _head_ownership(total_kv_heads: int, tp_size: int, tp_rank: int, mla: bool) 
     return head, head + 1, replicas
 
 
-def writes(tp_rank: int, tp_size: int, total_kv_heads: int, *, mla: bool = False) -> bool:
+def is_shard_writer(tp_rank: int, tp_size: int, total_kv_heads: int, *, mla: bool = False) -> bool:
     """Whether ``tp_rank`` stores its shard: among ranks holding the same heads, only the lowest writes."""
     _, _, replicas = _head_ownership(total_kv_heads, tp_size, tp_rank, mla)
     return tp_rank % replicas == 0

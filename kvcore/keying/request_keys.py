@@ -22,7 +22,7 @@ from kvcore.config.model import KVCoreConfig
 from kvcore.errors import InvalidSpecError
 from kvcore.ids import ChunkKey
 from kvcore.keying.hashing import ChunkHasher, ExtraKeys, PartialChunkPolicy, regroup_block_hashes
-from kvcore.keying.keys import Keyspace, Namespace, Shard, writes
+from kvcore.keying.keys import Keyspace, Namespace, Shard, is_shard_writer
 from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import LayoutKind
 
@@ -114,7 +114,9 @@ class Keyer:
             )
         )
         world = engine.tp_size
-        self.writers = tuple(writes(r, world, engine.total_kv_heads, mla=self._mla) for r in range(world))
+        self.shard_writers = tuple(
+            is_shard_writer(r, world, engine.total_kv_heads, mla=self._mla) for r in range(world)
+        )
         """Whether each rank writes its shard to a shared tier (of replicas, only the lowest rank)."""
 
     def new_epoch(self, label: str) -> None:

@@ -44,7 +44,7 @@ class BackendSettings(Protocol):
 
     The class variables tell the core what it needs without knowing the backend: ``KIND`` is the value of
     ``backend.kind`` that selects it; ``HOST_FIELD`` names the field that sizes the host pool and
-    ``host_bytes`` is that size in bytes, total across the ranks of one engine; ``DIRECT`` says the
+    ``host_bytes`` is that size in bytes, total across the ranks of one engine; ``MOVES_BLOCKS`` says the
     backend can work with no host pool (``host_bytes`` 0: its remote tier moves engine blocks itself);
     ``NODE_FIELDS`` name the fields whose bytes one node holds (summed, they must fit in its memory, see
     ``fits_in_memory``); ``REMOTE`` says chunks also live outside the engine (a store, a server): saves
@@ -54,7 +54,7 @@ class BackendSettings(Protocol):
     __attrs_attrs__: ClassVar[Any]
     KIND: ClassVar[str]
     HOST_FIELD: ClassVar[str]
-    DIRECT: ClassVar[bool]
+    MOVES_BLOCKS: ClassVar[bool]
     NODE_FIELDS: ClassVar[tuple[str, ...]]
     REMOTE: ClassVar[bool]
 

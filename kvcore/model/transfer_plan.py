@@ -117,10 +117,6 @@ class CopyColumns:
     def __iter__(self) -> Iterator[RangeCopy]:
         return map(RangeCopy, self.src_offsets, self.dst_offsets, self.lengths)
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.lengths)
-
 
 @frozen
 class TransferPlan:
@@ -133,11 +129,6 @@ class TransferPlan:
     @property
     def num_layers(self) -> int:
         return self.producer.num_layers
-
-    @property
-    def min_range_bytes(self) -> int:
-        """The shortest range any pair copies (before merging across blocks): small means slow transfers."""
-        return min(copy.length for pair in self.pairs for copy in pair.block_copies)
 
     def pairs_for_consumer(self, consumer_rank: int) -> tuple[RankPairPlan, ...]:
         """The producer ranks (and their copies) that together fill ``consumer_rank``'s heads."""

@@ -33,7 +33,7 @@ def pool_slots(config: KVCoreConfig, engine: EngineSpec, world_size: int = 1) ->
     """Host slots that the backend's host memory buys per rank (``size`` for the CPU tier, ``local_size``
     in front of a remote tier); for one KV-cache group of a hybrid model, the slots of every group
     (``EngineSpec.sibling_block_bytes``) share that memory, each group as many. 0 for a backend that
-    moves blocks straight to its own memory and was given no host memory (``DIRECT``).
+    moves blocks straight to its own memory and was given no host memory (``MOVES_BLOCKS``).
 
     Raises ``ConfigError`` for a ``world_size`` other than the engine's ``tp_size``, a ``chunk_tokens``
     that is not a multiple of the block size, or a size below one slot on each rank.
@@ -41,7 +41,7 @@ def pool_slots(config: KVCoreConfig, engine: EngineSpec, world_size: int = 1) ->
     check_world(engine, world_size)
     one = _group_slots_bytes(config, engine)
     backend = config.backend
-    if backend.DIRECT and backend.host_bytes == 0:
+    if backend.MOVES_BLOCKS and backend.host_bytes == 0:
         return 0
     slots = backend.host_bytes // world_size // one
     if slots < 1:

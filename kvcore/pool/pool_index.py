@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from kvcore.ids import ChunkKey
 from kvcore.kit.immediate_index import ImmediateIndex
+from kvcore.kit.leading import leading_chunks
 from kvcore.pool.block_pool import BlockPool
 
 __all__ = ["PoolIndex"]
@@ -31,9 +32,4 @@ class PoolIndex(ImmediateIndex):
     def lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> int:
         """How many leading chunks have every shard key ready in the pool. Changes nothing."""
         ready = self._pool.lookup
-        count = 0
-        for chunk in chunks:
-            if ready(chunk) != len(chunk):
-                break
-            count += 1
-        return count
+        return leading_chunks(chunks, lambda shards: ready(shards) == len(shards))

@@ -248,7 +248,7 @@ class RankMemory(Protocol):
 
     ``host`` is the rank's host pool, through which every chunk the tier moves is staged, and
     ``host_address`` the address of its first byte (for a native transfer engine to register); both are
-    ``None`` when the backend is configured with no host pool (``BackendSettings.DIRECT``), and then
+    ``None`` when the backend is configured with no host pool (``BackendSettings.MOVES_BLOCKS``), and then
     ``movers`` is how the tier reaches the engine's blocks itself. The memory stays valid until the
     rank's worker is closed, after the tier.
     """

@@ -106,7 +106,7 @@ def load_reads_remote(state: SchedulerState, request_id: RequestId) -> bool:
     first = max(req.load.start // chunk, req.local_hits)
     remote_tail = req.tail is not None and req.tail.remote
     last = min((req.load.stop - 1) // chunk, (req.hit_chunks or 0) - 1 + remote_tail)
-    return state.direct or last >= first
+    return state.no_pool or last >= first
 
 
 def _leading_held(state: SchedulerState, req: RequestState) -> int | None:

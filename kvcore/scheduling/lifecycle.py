@@ -158,6 +158,3 @@ class RequestTable:
         tracker.move(phase)
         del self._trackers[request_id]
         return False
-
-    def jobs_in_flight(self) -> int:
-        return len(self._owners)

@@ -75,7 +75,7 @@ def start_load(
         slot: int | None = None
         if local:
             slot = state.pool.slots_of((key,))[0]
-        elif not state.direct:
+        elif not state.no_pool:
             reserved = state.pool.prepare_store((key,)).slots
             if not reserved:  # no free slot, or the chunk is being saved now: recompute from here
                 state.pool.unpin([k for _, k, loc in sources[n:] if loc])

@@ -18,22 +18,9 @@ from kvcore.ids import ChunkKey, LookupId
 from kvcore.kit.health import CircuitBreaker
 from kvcore.ports import ChunkIndex, HeldChunks, SupportsHeldLookups, SupportsImmediateLookup
 
-__all__ = ["PendingLookup", "PrefixLookup", "leading_complete"]
+__all__ = ["PendingLookup", "PrefixLookup"]
 
 log = logging.getLogger(__name__)
-
-
-def leading_complete(present: Sequence[bool], shards_per_chunk: int) -> int:
-    """Leading chunks whose every shard is present, from flat per-key flags (chunk-major order).
-
-    A chunk after a missing one never counts, whatever its own flags say.
-    """
-    hits = 0
-    for start in range(0, len(present) - shards_per_chunk + 1, shards_per_chunk):
-        if not all(present[start : start + shards_per_chunk]):
-            break
-        hits += 1
-    return hits
 
 
 @frozen

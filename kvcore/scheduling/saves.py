@@ -64,7 +64,7 @@ def save(
         full = min(full, unloaded // per)
         num_tokens = min(num_tokens, unloaded * state.block_tokens)
     # without a local tier, the chunks the remote tier held at lookup are not sent to it again
-    start = max(req.saved_chunks, req.hit_chunks or 0) if state.direct else req.saved_chunks
+    start = max(req.saved_chunks, req.hit_chunks or 0) if state.no_pool else req.saved_chunks
     whole = [i for i in range(start, full) if None not in table[i * per : (i + 1) * per]]
     ids = cast(tuple[int, ...], table)  # only whole chunks and tails (no hole) are read below
     wanted = list(state.sightings.admitted([chain.keys[i] for i in whole]))
@@ -76,7 +76,7 @@ def save(
         and tail.chunk == len(chain.keys)
         and (tail.chunk, tail.blocks) == tail_span(state, req.prompt_tokens)
     )
-    if tail is not None and (crosses or not state.direct) and state.sightings.admitted([tail.key]):
+    if tail is not None and (crosses or not state.no_pool) and state.sightings.admitted([tail.key]):
         wanted.append(tail.key)
     else:
         tail = None
@@ -85,12 +85,12 @@ def save(
     if not wanted:
         return 0
     slots: Sequence[tuple[ChunkKey, int | None]] = (
-        [(key, None) for key in wanted] if state.direct else state.pool.prepare_store(wanted).slots
+        [(key, None) for key in wanted] if state.no_pool else state.pool.prepare_store(wanted).slots
     )
     if not slots:
         return 0
     draft = OpDraft(per)
-    writers = state.keyer.writers
+    writers = state.keyer.shard_writers
     position = {chain.keys[i]: i for i in whole}
     for key, slot in slots:
         this = tail if tail is not None and key == tail.key else None

@@ -59,7 +59,7 @@ class SchedulerState:
         self.blocks_per_chunk = engine.blocks_per_chunk(config.chunk_tokens)
         self.states = engine.layout.kind is LayoutKind.STATE
         self.keyer = Keyer(config, engine, hash_identity=hash_identity, shard_keys=remote is not None)
-        self.direct = num_slots == 0  # no local tier: the remote tier moves every block itself
+        self.no_pool = num_slots == 0  # no local tier: the remote tier moves every block itself
         # a policy of one slot for a pool of none: it never sees a key, and ARC wants a capacity
         self.pool = BlockPool(num_slots, make_policy(config.eviction, max(num_slots, 1)))
         self.pool_index = PoolIndex(self.pool)

@@ -31,7 +31,7 @@ def tail_at(state: SchedulerState, req: RequestState, num_tokens: int) -> Tail |
 def tail_hit(state: SchedulerState, req: RequestState, chunk: int) -> Tail | None:
     """The longest tail of request chunk ``chunk`` (the first one no tier holds) in the local pool; the
     remote tier is asked for the prompt's tail alone, in the lookup (``hits``)."""
-    if not state.keyer.tails or state.direct:
+    if not state.keyer.tails or state.no_pool:
         return None
     for blocks in range(state.blocks_per_chunk - 1, 0, -1):
         key = state.keyer.tail_key(req.chain, chunk, blocks)
@@ -59,7 +59,7 @@ def tail_to_save(
     first = chunk * state.blocks_per_chunk
     if not blocks or (chunk, blocks) in req.tails_saved or len(table) < first + blocks:
         return None
-    if state.direct and req.tail is not None and (req.tail.chunk, req.tail.blocks) == (chunk, blocks):
+    if state.no_pool and req.tail is not None and (req.tail.chunk, req.tail.blocks) == (chunk, blocks):
         return None  # the remote tier holds it: its lookup found it
     if None in table[first : first + blocks]:
         return None

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvcore.errors import ConfigError, UnsupportedConfiguration
 from kvcore.keying.hashing import ChunkHasher, ExtraKeys, HashAlgorithm
-from kvcore.keying.keys import Keyspace, Namespace, Shard, writes
+from kvcore.keying.keys import Keyspace, Namespace, Shard, is_shard_writer
 
 HASHER = ChunkHasher(HashAlgorithm.SHA256, b"seed", 16)
 SECRET = b"s3cr3t-deployment-key"
@@ -193,7 +193,7 @@ def test_tp_split_when_heads_divide_evenly() -> None:
         "l0-32.h4-6.c0.g0",
         "l0-32.h6-8.c0.g0",
     ]
-    assert all(writes(r, 4, 8) for r in range(4))
+    assert all(is_shard_writer(r, 4, 8) for r in range(4))
 
 
 def test_replicated_heads_share_keys_and_the_lowest_rank_writes() -> None:
@@ -203,13 +203,22 @@ def test_replicated_heads_share_keys_and_the_lowest_rank_writes() -> None:
     assert shards[4:] == [Shard(0, 32, 1, 2)] * 4
     rank_keys = [keys(namespace(num_kv_heads=2), shard) for shard in shards]
     assert rank_keys[0] == rank_keys[3] != rank_keys[4] == rank_keys[7]
-    assert [writes(r, 8, 2) for r in range(8)] == [True, False, False, False, True, False, False, False]
+    assert [is_shard_writer(r, 8, 2) for r in range(8)] == [
+        True,
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+    ]
 
 
 def test_mla_has_one_head_range_and_one_writer() -> None:
     shards = {Shard.for_tp_rank(61, 1, 8, r, mla=True) for r in range(8)}
     assert shards == {Shard(0, 61, 0, 1)}
-    assert [writes(r, 8, 1, mla=True) for r in range(8)] == [True] + [False] * 7
+    assert [is_shard_writer(r, 8, 1, mla=True) for r in range(8)] == [True] + [False] * 7
 
 
 def test_pipeline_stages_never_collide() -> None:
@@ -225,14 +234,14 @@ def test_uneven_head_splits_are_refused(heads: int, tp: int) -> None:
     with pytest.raises(UnsupportedConfiguration, match=rf"{heads} KV heads.*{tp}|{tp}.*{heads} KV heads"):
         Shard.for_tp_rank(32, heads, tp, 0)
     with pytest.raises(UnsupportedConfiguration):
-        writes(0, tp, heads)
+        is_shard_writer(0, tp, heads)
 
 
 def test_bad_rank_arguments_are_refused() -> None:
     with pytest.raises(ConfigError, match="tp_rank"):
         Shard.for_tp_rank(32, 8, 4, 4)
     with pytest.raises(ConfigError, match="tp_size"):
-        writes(0, 0, 8)
+        is_shard_writer(0, 0, 8)
     with pytest.raises(ConfigError, match="total_kv_heads"):
         Shard.for_tp_rank(32, 0, 4, 0)
     with pytest.raises(ConfigError, match="num_layers"):

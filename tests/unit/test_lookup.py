@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from kvcore.ids import ChunkKey, LookupId
 from kvcore.kit.health import CircuitBreaker
-from kvcore.scheduling.remote_lookup import PendingLookup, PrefixLookup, leading_complete
+from kvcore.kit.leading import by_chunk, leading_chunks
+from kvcore.scheduling.remote_lookup import PendingLookup, PrefixLookup
 from kvcore.testing.memory import InMemoryChunkIndex
 
 
@@ -50,18 +51,27 @@ def keys(*names: str) -> list[tuple[ChunkKey, ...]]:
     return [(ChunkKey(n),) for n in names]
 
 
-def test_leading_complete_needs_every_shard() -> None:
+def test_leading_chunks_need_every_shard() -> None:
     # chunks of 2 shards: [T T] [T F] [T T] -> 1 (chunk 2 never counts after the gap)
-    assert leading_complete([True, True, True, False, True, True], 2) == 1
-    assert leading_complete([], 2) == 0
+    assert leading_chunks(by_chunk([True, True, True, False, True, True], [2, 2, 2]), all) == 1
+    assert leading_chunks(by_chunk([], []), all) == 0
 
 
 @given(st.lists(st.booleans(), max_size=40), st.integers(1, 4))
-def test_leading_complete_never_counts_after_a_gap(flags: list[bool], shards: int) -> None:
-    n = leading_complete(flags, shards)
+def test_leading_chunks_never_count_after_a_gap(flags: list[bool], shards: int) -> None:
+    sizes = [shards] * (len(flags) // shards)
+    n = leading_chunks(by_chunk(flags, sizes), all)
     assert all(flags[: n * shards])
     rest = flags[n * shards : (n + 1) * shards]
     assert len(rest) < shards or not all(rest)
+    asked: list[int] = []
+
+    def complete(i: int) -> bool:
+        asked.append(i)
+        return all(flags[i * shards : (i + 1) * shards])
+
+    leading_chunks(range(len(sizes)), complete)
+    assert asked == list(range(min(n + 1, len(sizes))))  # nothing asked of the chunks after the gap
 
 
 def test_immediate_index_answers_at_once() -> None:

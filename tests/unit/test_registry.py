@@ -43,7 +43,7 @@ IN_TREE = {"cpu", "mooncake_store", "lmcache_mp", "disk"}
 class EchoConfig:
     KIND: ClassVar[str] = "echo"
     HOST_FIELD: ClassVar[str] = "pool"
-    DIRECT: ClassVar[bool] = False
+    MOVES_BLOCKS: ClassVar[bool] = False
     NODE_FIELDS: ClassVar[tuple[str, ...]] = ("pool",)
     REMOTE: ClassVar[bool] = True
     pool: ByteSize = field(validator=fits_in_memory)

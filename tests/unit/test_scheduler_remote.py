@@ -15,11 +15,11 @@ from kvcore.errors import BackendUnavailable
 from kvcore.execution.remote import StoreRemote
 from kvcore.execution.worker import BlockWorker
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
+from kvcore.kit.leading import by_chunk, leading_chunks
 from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import KVLayout, LayoutKind
 from kvcore.model.step import BlockOp, RemoteChunk, StepPlan
 from kvcore.ports import Direction, RemoteTier, StoreItem
-from kvcore.scheduling.remote_lookup import leading_complete
 from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkIndex, InMemoryChunkStore
 
@@ -49,7 +49,8 @@ class StoreIndex:
         if self.down:
             raise BackendUnavailable("store is down")
         self.preceding.append(preceding)
-        self.answer = leading_complete(self.store.exists([k for c in chunks for k in c]), len(chunks[0]))
+        flags = self.store.exists([k for c in chunks for k in c])
+        self.answer = leading_chunks(by_chunk(flags, [len(c) for c in chunks]), all)
         return LookupId(1)
 
     def poll_lookup(self, lookup_id: LookupId) -> int | None:

@@ -38,6 +38,11 @@ def pairings(plan: TransferPlan) -> list[tuple[int, int, int, int]]:
     return [(p.producer_rank, p.consumer_rank, p.head_start, p.head_stop) for p in plan.pairs]
 
 
+def shortest_range(plan: TransferPlan) -> int:
+    """The shortest range any pair copies (before merging across blocks)."""
+    return min(copy.length for pair in plan.pairs for copy in pair.block_copies)
+
+
 # -- pairings and block templates ------------------------------------------------------------------------
 
 
@@ -46,7 +51,7 @@ def test_same_tp_and_layout_copies_whole_segments() -> None:
     plan = plan_transfer(side(2, 8), side(2, 8))
     assert pairings(plan) == [(0, 0, 0, 4), (1, 1, 4, 8)]
     assert plan.pairs[0].block_copies == (RangeCopy(0, 0, 256), RangeCopy(2048, 2048, 256))
-    assert plan.min_range_bytes == 256
+    assert shortest_range(plan) == 256
     assert plan.num_layers == 2
 
 
@@ -57,7 +62,7 @@ def test_smaller_producer_tp_splits_each_producer_rank_over_consumers() -> None:
     # src: 2 heads * 64 = 128 bytes into the K segment, and into the V plane at 2048; dst: whole segments
     # (consumer segment 128 bytes, V plane at 8 * 128 = 1024)
     assert plan.pairs[3].block_copies == (RangeCopy(128, 0, 128), RangeCopy(2176, 1024, 128))
-    assert plan.min_range_bytes == 128
+    assert shortest_range(plan) == 128
 
 
 def test_larger_producer_tp_gathers_several_producers_into_one_consumer() -> None:
@@ -160,7 +165,7 @@ def test_materialize_columns_gives_the_same_copies_as_columns() -> None:
     columns = plan.materialize_columns(plan.pairs[0], [0, 5], [1, 2])
     assert tuple(columns) == plan.materialize(plan.pairs[0], [0, 5], [1, 2])
     assert len(columns) == 4
-    assert columns.total_bytes == 4 * 128
+    assert sum(columns.lengths) == 4 * 128
     assert plan.materialize(plan.pairs[0], [], []) == ()
 
 

@@ -10,7 +10,7 @@ from kvcore.ids import ChunkKey
 from kvcore.model.step import BlockOp, RemoteChunk, StepPlan
 from kvcore.ports import Direction, SupportsReopen
 from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore
-from tests.unit.test_scheduler_direct import DirectTier
+from tests.unit.test_scheduler_no_pool import BlockMovingTier
 
 BLOCK = 32
 
@@ -84,7 +84,7 @@ def test_a_closed_worker_does_not_resume() -> None:
 
 def test_a_load_the_remote_tier_moves_itself_holds_the_resume() -> None:
     engine = InMemoryBlockMover(num_engine_blocks=8, num_host_blocks=8, layer_block_bytes=BLOCK)
-    tier = DirectTier({ChunkKey("k"): b"\x07" * 2 * BLOCK}, engine)
+    tier = BlockMovingTier({ChunkKey("k"): b"\x07" * 2 * BLOCK}, engine)
     tier.hold = True
     worker = BlockWorker(engine, 0, tier, 2 * BLOCK, slot_blocks=2)
     chunk = RemoteChunk(slot=None, keys=(ChunkKey("k"),), first=0, count=2)

@@ -11,6 +11,7 @@ from kvcore.errors import (
     UsageError,
 )
 from kvcore.ids import ChunkKey, LookupId
+from kvcore.kit.leading import leading_chunks
 from kvcore.testing.memory.common import Gate, Outages, check_answering, check_positive
 
 __all__ = ["InMemoryChunkIndex"]
@@ -91,7 +92,7 @@ class InMemoryChunkIndex(Outages, Gate):
             return self._count(chunks)
 
     def _count(self, chunks: Iterable[Sequence[ChunkKey]]) -> int:
-        return sum(1 for _ in itertools.takewhile(lambda c: all(k in self._keys for k in c), chunks))
+        return leading_chunks(chunks, lambda shards: all(k in self._keys for k in shards))
 
     def submit_lookup(
         self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()

@@ -18,7 +18,7 @@ class DirStoreConfig:
 
     KIND: ClassVar[str] = "dirstore"
     HOST_FIELD: ClassVar[str] = "local_size"
-    DIRECT: ClassVar[bool] = False  # every chunk goes through the host pool
+    MOVES_BLOCKS: ClassVar[bool] = False  # every chunk goes through the host pool
     NODE_FIELDS: ClassVar[tuple[str, ...]] = ("local_size",)
     REMOTE: ClassVar[bool] = True  # chunks live outside the engine: saves are published to the files
     path: str = field(validator=non_empty)

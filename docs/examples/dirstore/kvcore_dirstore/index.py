@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvcore.errors import BackendUnavailable
 from kvcore.ids import ChunkKey, LookupId
+from kvcore.kit.leading import leading_chunks
 from kvcore_dirstore.files import chunk_path
 
 __all__ = ["DirChunkIndex"]
@@ -25,12 +26,7 @@ class DirChunkIndex:
         root.mkdir(parents=True, exist_ok=True)
 
     def lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> int:
-        hits = 0
-        for shards in chunks:
-            if not all(chunk_path(self._root, key).is_file() for key in shards):
-                break
-            hits += 1
-        return hits
+        return leading_chunks(chunks, lambda shards: all(chunk_path(self._root, k).is_file() for k in shards))
 
     def submit_lookup(
         self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()

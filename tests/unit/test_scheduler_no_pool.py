@@ -15,10 +15,10 @@ from kvcore.execution.remote import ManagedRemote, StoreRemote
 from kvcore.execution.worker import BlockWorker
 from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
 from kvcore.jobs import JobBoard, JobResult
+from kvcore.kit.leading import leading_chunks
 from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import KVLayout, LayoutKind
 from kvcore.ports import BlockItem, StoreItem
-from kvcore.scheduling.remote_lookup import leading_complete
 from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore, InMemoryManagedTier
 
@@ -32,7 +32,7 @@ TOKENS = list(range(100, 130))  # 30 tokens: 3 full chunks of 8 (2 blocks each),
 PER_CHUNK = 2
 
 
-class DirectTier:
+class BlockMovingTier:
     """A remote tier keeping chunk and tail values, moving them to and from an engine's blocks itself."""
 
     def __init__(self, values: dict[ChunkKey, bytes], engine: InMemoryBlockMover) -> None:
@@ -121,7 +121,7 @@ class ValueIndex:
     def submit_lookup(
         self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
     ) -> LookupId:
-        self.answer = leading_complete([k in self.values for c in chunks for k in c], len(chunks[0]))
+        self.answer = leading_chunks(chunks, lambda shards: all(k in self.values for k in shards))
         return LookupId(1)
 
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
@@ -141,7 +141,7 @@ class Engine:
         self.kv = InMemoryBlockMover(
             num_engine_blocks=64, num_host_blocks=1, layer_block_bytes=LAYOUT.block_bytes, num_layers=2
         )
-        self.tier = DirectTier(values, self.kv)
+        self.tier = BlockMovingTier(values, self.kv)
         self.sched = CacheScheduler(config, ENGINE, 0, remote=ValueIndex(values))
         self.worker = BlockWorker(None, remote=self.tier)
 
