@@ -69,3 +69,65 @@ def test_the_core_spells_no_backend_kind() -> None:
     ]
     assert kinds >= {"cpu", "mooncake_store", "lmcache_mp", "disk"}
     assert spelled == []
+
+
+# -- inside the core: the rooms ----------------------------------------------------------------------------
+
+VOCABULARY = {"errors", "ids", "checks", "jobs"}
+"""What every room may import: kvcore's own vocabulary (``kvcore.errors``, ``ids``, ``checks``, ``jobs``)."""
+ROOMS: dict[str, set[str]] = {
+    "ports": set(),
+    "kit": {"ports"},
+    "model": {"ports", "keying"},
+    "keying": {"config", "model"},
+    "config": {"keying", "kit", "plugins"},
+    "pool": {"kit", "model", "ports"},
+    "scheduling": {"config", "keying", "kit", "model", "pool", "ports"},
+    "execution": {"kit", "model", "ports"},
+    "plugins": {"config", "execution", "kit", "model", "ports", "scheduling"},
+    "testing": {"config", "execution", "kit", "model", "plugins", "ports"},
+}
+"""The rooms of ``kvcore/`` and those each may import besides its own and the vocabulary: the scheduling and
+the execution sides never import each other (what both need lives in ``model``, ``ports`` or ``kit``); the
+kit and the ports import no domain room; only ``plugins`` (and ``testing``) knows both sides."""
+MODULES = {"config/model.py": {"keying", "kit"}, "config/tiers.py": {"kit"}}
+"""Modules held to less than their room: the config model does not import plugin discovery (only
+``config/loading.py`` reads the registry)."""
+
+
+def _core_imports(path: Path) -> set[str]:
+    """The rooms (or vocabulary modules) of ``kvcore`` a core module imports, lazily or not."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        names = (
+            [alias.name for alias in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module]
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+            else []
+        )
+        found.update(n.split(".")[1] for n in names if n.startswith("kvcore.") and n.count(".") >= 1)
+    return found
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_each_room_imports_only_the_rooms_it_may(room: str) -> None:
+    wrong = []
+    for path in sorted((ROOT / "kvcore" / room).rglob("*.py")):
+        relative = path.relative_to(ROOT / "kvcore").as_posix()
+        allowed = MODULES.get(relative, ROOMS[room]) | VOCABULARY | {room}
+        wrong += [f"{relative} imports kvcore.{name}" for name in sorted(_core_imports(path) - allowed)]
+    assert wrong == []
+
+
+def test_every_room_is_listed_and_the_top_level_holds_only_the_vocabulary() -> None:
+    rooms = {p.name for p in (ROOT / "kvcore").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert rooms == set(ROOMS)
+    modules = {p.stem for p in (ROOT / "kvcore").glob("*.py")}
+    assert modules == VOCABULARY | {"__init__", "_moved"}
+
+
+def test_the_room_check_sees_lazy_imports(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from kvcore.scheduling.scheduler import x\n    import kvcore.execution.worker\n")
+    assert _core_imports(module) == {"scheduling", "execution"}
