@@ -19,7 +19,7 @@ from functools import partial
 
 from attrs import define
 
-from kvcore.errors import BackendError, BackendUnavailable, TransferTimeout
+from kvcore.errors import BackendError, BackendUnavailable, TransferTimeout, UsageError
 from kvcore.ids import ChunkKey, LookupId
 from kvcore.kit.faults import FaultHooks
 from kvcore.kit.health import CircuitBreaker
@@ -97,11 +97,15 @@ class MooncakeChunkIndex:
 
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
         """The answer (once), or ``None`` while pending. Raises ``BackendError`` when the master failed
-        or answered nonsense, ``TransferTimeout`` once ``timeout_s`` passed without an answer."""
+        or answered nonsense, ``TransferTimeout`` once ``timeout_s`` passed without an answer,
+        ``BackendUnavailable`` once closed (its pending lookups dropped), ``UsageError`` for an id that
+        is unknown, cancelled or already answered."""
         with self._lock:
+            if self._closed:
+                raise BackendUnavailable(f"the Mooncake index is closed: lookup {lookup_id} was dropped")
             lookup = self._lookups.get(lookup_id)
             if lookup is None:
-                raise BackendError(f"lookup {lookup_id} is unknown or was already answered")
+                raise UsageError(f"lookup {lookup_id} is unknown, cancelled or already answered")
             done = lookup.answer is not None or lookup.error is not None
             expired = not done and self._clock() >= lookup.deadline
             if done or expired:

@@ -33,7 +33,9 @@ class ChunkIndex(Protocol):
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
         """How many leading chunks have every shard present, or ``None`` while the lookup is pending.
 
-        A finished answer is handed out once. Failure: raises ``BackendError`` (the caller answers 0).
+        A finished answer is handed out once. Failure: raises ``BackendError`` (the caller answers 0). An
+        id that is unknown, cancelled or already answered raises ``UsageError`` (the caller's mistake;
+        nothing changed).
         """
         ...
 

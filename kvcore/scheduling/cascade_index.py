@@ -91,7 +91,7 @@ class CascadeIndex:
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
         lookup = self._lookups.get(lookup_id)
         if lookup is None:
-            return 0
+            raise UsageError(f"lookup {lookup_id} is unknown, cancelled or already answered")
         while lookup.inner is not None:
             index, breaker = self._indexes[lookup.stage], self._breakers[lookup.stage]
             try:

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from kvcore.errors import BackendError, BackendUnavailable
+from kvcore.errors import BackendError, BackendUnavailable, UsageError
 from kvcore.ids import ChunkKey, LookupId
 from kvcore.ports import ChunkIndex, SupportsClear, SupportsHeldLookups, SupportsImmediateLookup
 from kvcore.testing.support import (
@@ -165,6 +165,19 @@ class ChunkIndexTests(HarnessFixture[IndexHarness[IndexT]], Generic[IndexT]):
 
     def test_an_unreachable_server_is_an_error_never_an_answer(self, harness: IndexHarness[IndexT]) -> None:
         check_outage(harness)
+
+    def test_an_unknown_cancelled_or_answered_lookup_id_is_a_usage_error(
+        self, harness: IndexHarness[IndexT]
+    ) -> None:
+        keys = fresh_keys(1)
+        harness.make_present(keys)
+        answered = harness.backend.submit_lookup([keys])
+        assert settle_lookup(harness.backend, answered) == 1
+        cancelled = harness.backend.submit_lookup([keys])
+        harness.backend.cancel_lookup(cancelled)
+        for lookup_id in (answered, cancelled, LookupId(2**62)):
+            with pytest.raises(UsageError):
+                harness.backend.poll_lookup(lookup_id)
 
     def test_close_refuses_lookups_and_drops_pending_ones(self, harness: IndexHarness[IndexT]) -> None:
         keys = fresh_keys(1)

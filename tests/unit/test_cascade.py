@@ -120,7 +120,10 @@ def test_a_cancelled_cascade_lookup_cancels_the_tiers_lookup_and_answers_nothing
         lookup_id = cascade.submit_lookup(one_per_chunk(KEYS))
         assert cascade.poll_lookup(lookup_id) is None  # the second tier's answer is pending
         cascade.cancel_lookup(lookup_id)
-    assert cascade.poll_lookup(lookup_id) == 0
+    with pytest.raises(UsageError, match="unknown, cancelled or already answered"):
+        cascade.poll_lookup(lookup_id)
+    with pytest.raises(UsageError):  # the tier's own lookup was cancelled too
+        tiers[1].poll_lookup(LookupId(1))
 
 
 def test_fewer_than_two_tiers_do_not_cascade() -> None:

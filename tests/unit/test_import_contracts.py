@@ -129,5 +129,7 @@ def test_every_room_is_listed_and_the_top_level_holds_only_the_vocabulary() -> N
 
 def test_the_room_check_sees_lazy_imports(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from kvcore.scheduling.scheduler import x\n    import kvcore.execution.worker\n")
+    module.write_text(
+        "def f():\n    from kvcore.scheduling.scheduler import x\n    import kvcore.execution.worker\n"
+    )
     assert _core_imports(module) == {"scheduling", "execution"}

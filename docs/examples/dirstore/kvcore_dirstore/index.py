@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvcore.errors import BackendUnavailable
+from kvcore.errors import BackendUnavailable, UsageError
 from kvcore.ids import ChunkKey, LookupId
 from kvcore.kit.leading import leading_chunks
 from kvcore_dirstore.files import chunk_path
@@ -38,7 +38,9 @@ class DirChunkIndex:
 
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
         self._check_open()
-        return self._answers.pop(lookup_id, 0)
+        if lookup_id not in self._answers:
+            raise UsageError(f"lookup {lookup_id} is unknown, cancelled or already answered")
+        return self._answers.pop(lookup_id)
 
     def cancel_lookup(self, lookup_id: LookupId) -> None:
         self._answers.pop(lookup_id, None)
