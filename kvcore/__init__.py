@@ -1,13 +1,19 @@
 """kvcore: move and reuse LLM KV cache across memory tiers, processes and machines.
 
-This package exports the public API only: what an engine needs (``open_scheduler`` and ``open_worker``,
-which compose any installed backend, ``CacheScheduler``, ``BlockWorker``, the plan values, ``EngineSpec``
-and ``KVLayout``, ``ExtraKeys``, ``FaultHooks``, configuration and errors) and what a backend implements
-(the ports of ``kvcore.ports``, with ``JobBoard``/``JobResult`` to implement ``JobQueue``). Everything
-else — hashing, keys, the block pool, load specs, TP transfer plans, the lifecycle — stays importable from
-its own module (``kvcore.keying.keys``, ``kvcore.pool.block_pool``, ...) and may change. The core imports the standard
-library, attrs and cattrs only; the conformance suite for backend authors is ``kvcore.testing`` (imported
-on demand, never from here).
+This package exports what an engine needs: ``open_scheduler`` and ``open_worker`` (they compose any
+installed backend), ``CacheScheduler`` and ``BlockWorker``, the step's values, ``EngineSpec`` and
+``KVLayout``, ``ExtraKeys``, ``FaultHooks``, configuration and errors; and the ports a backend implements
+(``kvcore.ports``), with ``JobBoard``/``JobResult`` for ``JobQueue``. A backend author builds on the ports,
+``kvcore.kit`` and ``kvcore.plugins`` (docs/writing-a-backend.md says which names are stable).
+
+The core is in rooms along its architecture (docs/architecture.md): ``model`` (what an engine is, the
+step's messages), ``keying``, ``pool``, ``scheduling`` (decides; touches no byte), ``execution`` (moves
+bytes; decides nothing), ``config``, ``plugins`` (the only place that knows both sides), ``kit`` and
+``ports``; the top level holds the vocabulary (``errors``, ``ids``, ``checks``, ``jobs``). The modules'
+old flat paths (``kvcore.scheduler``, ``kvcore.lane``, ...) still import for one release, with a
+``DeprecationWarning`` naming the new one (``kvcore._moved``). The core imports the standard library,
+attrs and cattrs only; the conformance suite for backend authors is ``kvcore.testing`` (imported on
+demand, never from here).
 """
 
 from __future__ import annotations

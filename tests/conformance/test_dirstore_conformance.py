@@ -10,8 +10,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvcore.ids import ChunkKey
+from kvcore.testing.faults import InjectedFaults
 from kvcore.testing.index import ChunkIndexTests, chunk_index_state_machine
 from kvcore.testing.store import ChunkStoreTests, chunk_store_state_machine
+from kvcore.testing.support import SETTLE_S
 from kvcore_dirstore.files import chunk_path, write_atomically
 from kvcore_dirstore.index import DirChunkIndex
 from kvcore_dirstore.store import DirChunkStore
@@ -20,11 +22,17 @@ HOST_SIZE = 16 * 1024
 
 
 class DirStoreHarness:
+    """Declares failure injection and stalls (through the store's fault hooks), and counts its jobs."""
+
     def __init__(self, root: Path) -> None:
         self._root = root
         self._host = bytearray(HOST_SIZE)
-        self.backend = DirChunkStore(root, memoryview(self._host))
+        faults = InjectedFaults(stall_limit_s=SETTLE_S)
+        self.backend = DirChunkStore(root, memoryview(self._host), faults=faults)
         self.host_size = HOST_SIZE
+        self.fail_next = faults.fail_next
+        self.stall = faults.stall
+        self.pending_jobs = self.backend.pending_jobs
 
     def read_host(self, offset: int, length: int) -> bytes:
         return bytes(self._host[offset : offset + length])

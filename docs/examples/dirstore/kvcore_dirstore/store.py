@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from kvcore.errors import InvalidSpecError, UsageError
-from kvcore.ids import ChunkKey, JobId
-from kvcore.jobs import JobBoard, JobResult
-from kvcore.ports import StoreItem
+from kvcore.ids import ChunkKey
+from kvcore.jobs import JobResult
+from kvcore.kit.faults import FaultHooks, leading_failures
+from kvcore.kit.lane_store import LaneStore, StoreJob
+from kvcore.ports import Direction, StoreItem
 from kvcore_dirstore.files import chunk_path, write_atomically
 
 __all__ = ["DirChunkStore"]
@@ -17,68 +18,47 @@ __all__ = ["DirChunkStore"]
 log = logging.getLogger(__name__)
 
 
-class DirChunkStore:
+class DirChunkStore(LaneStore):
     """Chunk values as files under ``root``, copied to and from ``host`` (the rank's host pool).
 
-    Jobs run inline, in ``submit_*``: the files are local and small (one chunk each), and the worker
-    calls a store off the engine's critical path only for saves. A store whose I/O can be slow (a network
-    filesystem) would run them on a thread and finish them through the same ``JobBoard``. It holds
-    nothing but the host pool, which ``close`` hands back: later submits raise ``UsageError``.
+    The job half is the kit's ``LaneStore``: items are checked against the host pool before anything is
+    queued (``InvalidSpecError``), jobs run on a ``JobLane`` thread (gets before queued puts), a job whose
+    code raises fails alone, and ``close`` refuses new jobs (``UsageError``) and fails the queued ones.
+    This class adds what is the files' own: ``exists``, ``remove``, ``clear`` and running one job.
+    ``faults`` (``kvcore.kit.faults``), if given, run before each job: a test fails or stalls it there.
     """
 
-    def __init__(self, root: Path, host: memoryview) -> None:
+    def __init__(self, root: Path, host: memoryview, *, faults: FaultHooks | None = None) -> None:
         self._root = root
         self._host = host.cast("B")
-        self._board = JobBoard()
-        self._closed = False
+        self._faults = faults
+        super().__init__("dirstore", len(self._host))
         root.mkdir(parents=True, exist_ok=True)
 
     def exists(self, keys: Sequence[ChunkKey]) -> tuple[bool, ...]:
         return tuple(chunk_path(self._root, key).is_file() for key in keys)
-
-    def submit_put(self, items: Sequence[StoreItem]) -> JobId:
-        self._check(items)
-        job = self._board.new()
-        failed = tuple(i for i, item in enumerate(items) if not self._put(item))
-        self._board.finish(JobResult(job, failed))
-        return job
-
-    def submit_get(self, items: Sequence[StoreItem]) -> JobId:
-        self._check(items)
-        job = self._board.new()
-        failed = tuple(i for i, item in enumerate(items) if not self._get(item))
-        self._board.finish(JobResult(job, failed))
-        return job
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
         for key in keys:
             chunk_path(self._root, key).unlink(missing_ok=True)
 
     def clear(self) -> None:
-        """Drop every chunk (``SupportsClear``)."""
-        for path in self._root.iterdir():
-            path.unlink(missing_ok=True)
+        """Drop every chunk (``SupportsClear``); the jobs queued before fail, so that no put in flight
+        brings a value back."""
+        with self._io:
+            self._clear_queued()
+            for path in self._root.iterdir():
+                path.unlink(missing_ok=True)
 
-    def poll(self) -> tuple[JobResult, ...]:
-        return self._board.poll()
+    def _run(self, job: StoreJob) -> JobResult:
+        """One job, on the lane's thread: its leading items the fault hooks fail, then each file."""
+        skip = leading_failures(self._faults, Direction.SAVE if job.put else Direction.LOAD, len(job.items))
+        move = self._put if job.put else self._get
+        failed = tuple(i for i, item in enumerate(job.items) if i < skip or not move(item))
+        return JobResult(job.job_id, failed)
 
-    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
-        return self._board.wait(job_ids, timeout)
-
-    def close(self) -> None:
-        self._closed = True
-
-    def _check(self, items: Sequence[StoreItem]) -> None:
-        """Refuse items outside the host pool before any byte moves (the port's bad-input contract), and
-        every item once closed."""
-        if self._closed:
-            raise UsageError("the dirstore is closed")
-        for i, item in enumerate(items):
-            if not (item.offset >= 0 and item.length > 0 and item.offset + item.length <= len(self._host)):
-                raise InvalidSpecError(
-                    f"items[{i}]: bytes [{item.offset}, {item.offset + item.length}) are not inside the "
-                    f"host pool of {len(self._host)} bytes"
-                )
+    def _closed_lane(self, timeout: float) -> None:
+        """Nothing else to release: the files stay."""
 
     def _put(self, item: StoreItem) -> bool:
         path = chunk_path(self._root, item.key)
