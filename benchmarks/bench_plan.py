@@ -92,12 +92,13 @@ def main(argv: list[str] | None = None) -> int:
                 objects_us = _median_us(partial(_objects, plan, src, dst), repeats)
                 before = len(_naive(plan, src, dst)) / blocks
                 after = _columns(plan, src, dst) / blocks
+                smallest = min(c.length for pair in plan.pairs for c in pair.block_copies)
                 name = f"{kind.value[:8]} {p}->{d} {order[:6]}"
                 print(
                     f"{name:<22}{plan_us:>9.0f}{naive_us:>10.0f}"
                     f"{columns_us:>12.0f}{columns_us / naive_us:>7.2f}"
                     f"{objects_us:>12.0f}{objects_us / naive_us:>7.2f}"
-                    f"{before:>18.2f}{after:>8.3f}{min(c.length for pair in plan.pairs for c in pair.block_copies):>7}"
+                    f"{before:>18.2f}{after:>8.3f}{smallest:>7}"
                 )
     return 0
 

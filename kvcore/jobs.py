@@ -29,9 +29,9 @@ class JobResult:
     with no ``failed`` index (``failed_items`` then counts every item). ``ok`` is true only when every
     item completed.
 
-    ``placed``: a publish to a stack of tiers (``kvcore.execution.cascade_remote.CascadeRemote``) tells, for each item, the
-    tiers that stored it (0: the first behind the pool); empty from a single tier, where every item that
-    did not fail is stored in it.
+    ``placed``: a publish to a stack of tiers (``kvcore.execution.cascade_remote.CascadeRemote``) tells, for
+    each item, the tiers that stored it (0: the first behind the pool); empty from a single tier, where every
+    item that did not fail is stored in it.
     """
 
     job_id: JobId

@@ -1,10 +1,10 @@
 """The connector's scheduler side (vLLM's engine-core process): vLLM's hooks translated to the core.
 
-Chunk keys come from ``request.block_hashes`` (nothing is re-hashed); lookups, load specs, slot
-bookkeeping and the step's copies are ``kvcore.scheduling.scheduler.CacheScheduler``'s. This module only keeps what
-vLLM does not hand back each step: each request's block table and the live ``Request`` objects, and
-for the two things vLLM-specific around the core, the names of chunks in vLLM's hashes (KV events) and,
-under the lazy store policy, what freed blocks hold (``EvictionWatch``).
+Chunk keys come from ``request.block_hashes`` (nothing is re-hashed); lookups, load specs, slot bookkeeping
+and the step's copies are ``kvcore.scheduling.scheduler.CacheScheduler``'s. This module only keeps what vLLM
+does not hand back each step: each request's block table and the live ``Request`` objects, and for the two
+things vLLM-specific around the core, the names of chunks in vLLM's hashes (KV events) and, under the lazy
+store policy, what freed blocks hold (``EvictionWatch``).
 
 A load is synchronous or asynchronous per ``load_mode`` (``settings.LoadMode``). An asynchronous one is
 started like any other (``update_state_after_alloc``) and named in the step's ``receiving``; the request

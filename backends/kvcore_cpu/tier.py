@@ -1,8 +1,9 @@
 """A rank's worker over torch tensors: its host slots, its mover, and its remote tier opened over them.
 
-The scheduler side (``kvcore.scheduling.scheduler.CacheScheduler``) indexes the slots (``kvcore.plugins.sizing`` says how
-many a config buys); each worker holds the slot memory of its own rank and executes copies
-(docs/architecture.md, "Where things run"). A backend's remote tier sees the rank as a ``RankMemory``.
+The scheduler side (``kvcore.scheduling.scheduler.CacheScheduler``) indexes the slots
+(``kvcore.plugins.sizing`` says how many a config buys); each worker holds the slot memory of its own rank and
+executes copies (docs/architecture.md, "Where things run"). A backend's remote tier sees the rank as a
+``RankMemory``.
 """
 
 from __future__ import annotations

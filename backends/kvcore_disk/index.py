@@ -1,10 +1,10 @@
 """``DiskChunkIndex``: the ``ChunkIndex`` port on a disk tier's directory, for the scheduler.
 
-It keeps nothing in memory: the directory is the index, shared with every process that writes to it
-(the engine's ranks, other engines on the host), so a lookup asks the file system whether each shard's
-chunk file exists. A ``stat`` of a name costs a few microseconds, so it answers at once
-(``SupportsImmediateLookup``; ``kvcore.kit.immediate_index`` answers its submitted lookups when polled). A file
-found here that turns out damaged fails its read: the blocks are recomputed and the file removed.
+It keeps nothing in memory: the directory is the index, shared with every process that writes to it (the
+engine's ranks, other engines on the host), so a lookup asks the file system whether each shard's chunk file
+exists. A ``stat`` of a name costs a few microseconds, so it answers at once (``SupportsImmediateLookup``;
+``kvcore.kit.immediate_index`` answers its submitted lookups when polled). A file found here that turns out
+damaged fails its read: the blocks are recomputed and the file removed.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ answer (the server's read locks lapse: ``--l1-read-ttl-seconds``, 300 by default
 lock what they read themselves, and a lock that lapsed all the same is a miss at the retrieve. Locks
 too old to trust are never released, only left to lapse (``ServerLink.release``).
 
-A lookup never blocks: submit, then poll; an absent server raises ``BackendUnavailable`` at once and a
-silent one ``TransferTimeout`` at the request timeout, which ``kvcore.scheduling.remote_lookup.PrefixLookup`` turns into
-a miss and its circuit breaker.
+A lookup never blocks: submit, then poll; an absent server raises ``BackendUnavailable`` at once and a silent
+one ``TransferTimeout`` at the request timeout, which ``kvcore.scheduling.remote_lookup.PrefixLookup`` turns
+into a miss and its circuit breaker.
 """
 
 from __future__ import annotations

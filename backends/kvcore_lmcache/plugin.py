@@ -36,7 +36,7 @@ class LMCacheBackend:
     def open_remote(self, config: KVCoreConfig, engine: EngineSpec, memory: RankMemory) -> RemotePort | None:
         from kvcore_lmcache.tier import LMCacheManagedTier
 
-        tier = LMCacheManagedTier(
+        return LMCacheManagedTier(
             _settings(config),
             memory.host,
             value_bytes=slot_bytes(config, engine),
@@ -45,7 +45,6 @@ class LMCacheBackend:
             block_movers=memory.movers if memory.host is None else None,
             block_bytes=_block_bytes(config, engine),
         )
-        return tier
 
 
 def _block_bytes(config: KVCoreConfig, engine: EngineSpec) -> int:

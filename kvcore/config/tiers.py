@@ -1,13 +1,14 @@
 """A stack of tiers, configured as a list: ``{"tiers": [{"kind": "cpu", "size": "32GiB"}, {"kind": "disk",
 ...}, {"kind": "mooncake_store", ...}]}``.
 
-The first tier is the local pool (a backend whose chunks live in the engine's host memory: not
-``REMOTE``); the ones after it are remote tiers (``REMOTE``), asked in order. ``TierStack`` is what
+The first tier is the local pool (a backend whose chunks live in the engine's host memory: not ``REMOTE``);
+the ones after it are remote tiers (``REMOTE``), asked in order. ``TierStack`` is what
 ``KVCoreConfig.backend`` holds for such a config: it satisfies ``BackendSettings`` (its host memory is the
 first tier's), and ``kvcore.plugins.compose`` opens each remote tier with a config whose ``backend`` is that
-tier's own settings, so a backend never knows it is stacked. A stack of the pool and
-one remote tier is the same thing as ``{"backend": <that remote tier>}`` with its host pool: one
-mechanism, the pool in front of a remote tier; more remote tiers cascade behind it (``kvcore.scheduling.cascade_index``, ``kvcore.execution.cascade_remote``).
+tier's own settings, so a backend never knows it is stacked. A stack of the pool and one remote tier is the
+same thing as ``{"backend": <that remote tier>}`` with its host pool: one mechanism, the pool in front of a
+remote tier; more remote tiers cascade behind it (``kvcore.scheduling.cascade_index``,
+``kvcore.execution.cascade_remote``).
 
 Each remote tier may carry ``admit_after``: the saves of a chunk this engine's rank must see before the
 tier takes it (1, the default: every save; 2: only chunks saved twice, e.g. recomputed after every tier

@@ -10,8 +10,8 @@ Who calls what: ``before_transfer`` the CPU block mover (per job, on its worker 
 store (per batch, on its job thread); ``before_queue`` the CPU block mover (per job, on the submitting
 thread); ``before_lookup`` the Mooncake index (per lookup, on its thread).
 
-An engine hands a rank's hooks to ``kvcore.plugins.compose.open_worker(..., faults=)``, which gives them to the
-rank's block mover. An engine that builds its workers itself, from a text config (vLLM), names them by
+An engine hands a rank's hooks to ``kvcore.plugins.compose.open_worker(..., faults=)``, which gives them to
+the rank's block mover. An engine that builds its workers itself, from a text config (vLLM), names them by
 import path instead: ``load_hooks("package.module:NAME")``.
 """
 

@@ -1,5 +1,5 @@
-"""Lazy package exports: a backend package names its public API at its top while importing nothing heavy
-until a name is used, so that the registry can load its plugin module cheaply (``kvcore.plugins.registry``)."""
+"""Lazy package exports: a backend package names its public API at its top while importing nothing heavy until
+a name is used, so that the registry can load its plugin module cheaply (``kvcore.plugins.registry``)."""
 
 from __future__ import annotations
 

@@ -190,8 +190,8 @@ class RemoteTier(JobQueue, Protocol):
 
 @runtime_checkable
 class SupportsWriteBack(RemoteTier, Protocol):
-    """A remote tier with tiers written back (``kvcore.config.tiers``): ``submit_publish`` writes a save to the
-    tiers written through, ``submit_write_back`` a chunk the pool is about to evict to the others."""
+    """A remote tier with tiers written back (``kvcore.config.tiers``): ``submit_publish`` writes a save to
+    the tiers written through, ``submit_write_back`` a chunk the pool is about to evict to the others."""
 
     @property
     def writes_back(self) -> bool:

@@ -1,7 +1,8 @@
-"""Remote tiers cascading behind the pool (``kvcore.scheduling.cascade_index``, ``kvcore.execution.cascade_remote``), over the in-memory reference index and
-store: lookups ask each tier for what the ones before it lack, fetches fall through the tiers, saves are
-written through to every tier that admits them (or written back when the pool evicts them); a tier that
-fails or is down costs only its own part."""
+"""Remote tiers cascading behind the pool (``kvcore.scheduling.cascade_index``,
+``kvcore.execution.cascade_remote``), over the in-memory reference index and store: lookups ask each tier for
+what the ones before it lack, fetches fall through the tiers, saves are written through to every tier that
+admits them (or written back when the pool evicts them); a tier that fails or is down costs only its own
+part."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The ops in flight (``kvcore.scheduling.ledger``): an op is done once every rank reported it, and a remote tier
-holds one of its chunks only where every rank that writes a shard of it stored its shard there."""
+"""The ops in flight (``kvcore.scheduling.ledger``): an op is done once every rank reported it, and a remote
+tier holds one of its chunks only where every rank that writes a shard of it stored its shard there."""
 
 from __future__ import annotations
 

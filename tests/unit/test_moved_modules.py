@@ -43,7 +43,8 @@ def test_the_old_imports_of_a_third_party_still_run() -> None:
         "from kvcore.config_fields import ByteSize, within\n"
         "from kvcore.cascade import CascadeIndex, CascadeRemote\n"
         "import kvcore.lane as lane\n"
-        "print(CacheScheduler.__module__, StoreRemote.__module__, close_quietly.__module__, lane.JobLane.__module__)\n"
+        "print(CacheScheduler.__module__, StoreRemote.__module__,"
+        " close_quietly.__module__, lane.JobLane.__module__)\n"
     )
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60

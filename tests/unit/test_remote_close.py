@@ -1,5 +1,5 @@
-"""``RemoteTier.close`` of both remote tiers (``kvcore.execution.remote``): whatever the tier beneath raises once
-closed, the remote tier refuses with ``UsageError``, and reports the jobs submitted before."""
+"""``RemoteTier.close`` of both remote tiers (``kvcore.execution.remote``): whatever the tier beneath raises
+once closed, the remote tier refuses with ``UsageError``, and reports the jobs submitted before."""
 
 from __future__ import annotations
 

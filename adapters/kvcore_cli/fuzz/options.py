@@ -15,13 +15,14 @@ class FuzzOptions:
     """What a run exercises. Every field is a flag of ``kvcore fuzz``, so a failure's replay line is exact.
 
     ``engine_blocks`` is the engine's KV memory (few, so blocks are reused at once) and ``pool_slots`` the
-    host pool in chunks (few, so chunks are evicted). ``disk`` puts the disk tier's real store (files in
-    a temporary directory) behind the pool instead of the in-memory one (it implies ``remote``);
-    ``stack`` cascades the disk and a smaller in-memory store behind it (``kvcore.scheduling.cascade_index``, ``kvcore.execution.cascade_remote``).
-    ``write_back`` writes the disk tier back (``Tier.write``): chunks reach it when the pool is about to
-    evict them, not at their save (with ``disk`` or ``stack``). ``window`` makes the model's layers attend
-    to a sliding window of that many blocks (0: full attention): the engine gives back the blocks that
-    fall out of it while a request runs, and holds none before the window of a load.
+    host pool in chunks (few, so chunks are evicted). ``disk`` puts the disk tier's real store (files in a
+    temporary directory) behind the pool instead of the in-memory one (it implies ``remote``); ``stack``
+    cascades the disk and a smaller in-memory store behind it (``kvcore.scheduling.cascade_index``,
+    ``kvcore.execution.cascade_remote``). ``write_back`` writes the disk tier back (``Tier.write``): chunks
+    reach it when the pool is about to evict them, not at their save (with ``disk`` or ``stack``). ``window``
+    makes the model's layers attend to a sliding window of that many blocks (0: full attention): the engine
+    gives back the blocks that fall out of it while a request runs, and holds none before the window of a
+    load.
     """
 
     remote: bool = False
