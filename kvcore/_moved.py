@@ -41,7 +41,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "kvcore.pool_index": ("kvcore.pool.pool_index",),
     "kvcore.registry": ("kvcore.plugins.registry",),
     "kvcore.remote": ("kvcore.execution.remote", "kvcore.kit.closing"),
-    "kvcore.request_keys": ("kvcore.keying.request_keys",),
+    "kvcore.request_keys": ("kvcore.scheduling.request_keys",),
     "kvcore.scheduler": ("kvcore.scheduling.scheduler",),
     "kvcore.sizing": ("kvcore.plugins.sizing",),
     "kvcore.tiers": ("kvcore.config.tiers",),

@@ -1,5 +1,5 @@
-"""Naming KV: chained chunk hashes (``hashing``), the keys that name a deployment, a shard and a chunk
-(``keys``), and a request's keys as they grow (``request_keys``)."""
+"""Naming KV: chained chunk hashes (``hashing``) and the keys that name a deployment, a shard and a chunk
+(``keys``). It imports no other room: the model, the config and both sides name KV with it."""
 
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ from kvcore.checks import is_int_in
 from kvcore.errors import InvalidSpecError
 from kvcore.ids import RequestId
 from kvcore.keying.hashing import ExtraKeys
-from kvcore.keying.request_keys import prompt_tokens
 from kvcore.scheduling.load_spec import LoadSpec, check_local_tokens, hit_tokens, plan_load
 from kvcore.scheduling.remote_lookup import PendingLookup
+from kvcore.scheduling.request_keys import prompt_tokens
 from kvcore.scheduling.requests import RequestState
 from kvcore.scheduling.state import SchedulerState
 from kvcore.scheduling.tails import tail_at, tail_hit

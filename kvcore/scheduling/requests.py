@@ -6,10 +6,10 @@ from __future__ import annotations
 from attrs import frozen
 
 from kvcore.ids import ChunkKey
-from kvcore.keying.request_keys import ChunkChain
 from kvcore.ports import HeldChunks
 from kvcore.scheduling.load_spec import LoadSpec
 from kvcore.scheduling.remote_lookup import PendingLookup
+from kvcore.scheduling.request_keys import ChunkChain
 
 __all__ = ["RequestState", "Tail"]
 

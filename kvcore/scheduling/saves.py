@@ -10,9 +10,9 @@ from typing import cast
 from kvcore.checks import check_block_table, is_int_in
 from kvcore.errors import InvalidSpecError
 from kvcore.ids import ChunkKey, RequestId
-from kvcore.keying.request_keys import token_sequence
 from kvcore.ports import Direction
 from kvcore.scheduling.op_draft import OpDraft
+from kvcore.scheduling.request_keys import token_sequence
 from kvcore.scheduling.state import SchedulerState
 from kvcore.scheduling.submission import submit
 from kvcore.scheduling.tails import tail_span, tail_to_save

@@ -32,7 +32,6 @@ from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguratio
 from kvcore.ids import RequestId
 from kvcore.keying.hashing import NO_EXTRA, ExtraKeys
 from kvcore.keying.keys import Keyspace
-from kvcore.keying.request_keys import Keyer
 from kvcore.kit.closing import close_quietly
 from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import LayoutKind
@@ -41,6 +40,7 @@ from kvcore.pool.block_pool import BlockPool, PoolEvent
 from kvcore.ports import ChunkIndex
 from kvcore.scheduling import completion, hits, loads, saves
 from kvcore.scheduling.lifecycle import Phase
+from kvcore.scheduling.request_keys import Keyer
 from kvcore.scheduling.state import SchedulerState
 from kvcore.scheduling.stats import SchedulerStats, stats
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from kvcore.config.model import KVCoreConfig
 from kvcore.ids import RequestId
-from kvcore.keying.request_keys import Keyer
 from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import LayoutKind
 from kvcore.model.step import BlockOp
@@ -20,6 +19,7 @@ from kvcore.ports import ChunkIndex
 from kvcore.scheduling.ledger import OpLedger
 from kvcore.scheduling.lifecycle import RequestTable
 from kvcore.scheduling.remote_lookup import PrefixLookup
+from kvcore.scheduling.request_keys import Keyer
 from kvcore.scheduling.requests import RequestState
 
 __all__ = ["COUNTERS", "SchedulerState"]

@@ -41,8 +41,8 @@ with warnings.catch_warnings():
 from kvcore.config import load_config
 from kvcore.errors import UnsupportedConfiguration
 from kvcore.keying.hashing import ExtraKeys
-from kvcore.keying.request_keys import Keyer
 from kvcore.model.engine import EngineSpec
+from kvcore.scheduling.request_keys import Keyer
 
 BLOCK = 128
 PROMPT = [(7 * i) % 200 + 10 for i in range(4 * BLOCK)]

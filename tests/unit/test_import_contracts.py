@@ -79,7 +79,7 @@ ROOMS: dict[str, set[str]] = {
     "ports": set(),
     "kit": {"ports"},
     "model": {"ports", "keying"},
-    "keying": {"config", "model"},
+    "keying": set(),
     "config": {"keying", "kit", "plugins"},
     "pool": {"kit", "model", "ports"},
     "scheduling": {"config", "keying", "kit", "model", "pool", "ports"},

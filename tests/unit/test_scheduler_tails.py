@@ -12,9 +12,9 @@ import pytest
 from kvcore.config import load_config
 from kvcore.ids import ChunkKey, RequestId
 from kvcore.keying.hashing import ExtraKeys
-from kvcore.keying.request_keys import Keyer
 from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import KVLayout, LayoutKind
+from kvcore.scheduling.request_keys import Keyer
 from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore.testing.memory import InMemoryChunkStore
 from tests.unit.test_scheduler import ENGINE, TOKENS
