@@ -24,6 +24,7 @@ from kvcore.testing.memory import (
     InMemoryChunkStore,
     InMemoryManagedTier,
     InMemoryPeerTransport,
+    InMemoryStoreIndex,
 )
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "InMemoryChunkStore",
     "InMemoryManagedTier",
     "InMemoryPeerTransport",
+    "InMemoryStoreIndex",
     "SupportsCapacity",
     "SupportsFailureInjection",
     "SupportsPinning",

@@ -25,6 +25,7 @@ from kvcore.testing.memory import (
     InMemoryChunkStore,
     InMemoryManagedTier,
     InMemoryPeerTransport,
+    InMemoryStoreIndex,
 )
 from kvcore.testing.mover import BlockMoverTests
 from kvcore.testing.ordered import OrderedMoverTests
@@ -59,6 +60,25 @@ class MemoryIndexHarness:
 
     def make_absent(self, keys: Sequence[ChunkKey]) -> None:
         self.backend.discard(keys)
+
+
+class StoreIndexHarness:
+    """The index of a store that answers from the store: presence is set in the store, and the store's
+    server going away takes the index's answers with it."""
+
+    def __init__(self) -> None:
+        self.store = InMemoryChunkStore(bytearray(HOST_SIZE))
+        self.backend = InMemoryStoreIndex(self.store.exists)
+        self.fail_next = self.backend.fail_next
+        self.stall = self.backend.stall
+        self.outage = self.store.outage
+
+    def make_present(self, keys: Sequence[ChunkKey]) -> None:
+        for key in keys:
+            self.store.poke(key, b"v")
+
+    def make_absent(self, keys: Sequence[ChunkKey]) -> None:
+        self.store.remove(keys)
 
 
 def new_mover() -> InMemoryBlockMover:
@@ -164,6 +184,23 @@ def memory_store_harness(
     store_class: type[InMemoryChunkStore] = InMemoryChunkStore,
 ) -> Iterator[MemoryStoreHarness]:
     yield MemoryStoreHarness(store_class)
+
+
+@contextlib.contextmanager
+def store_index_harness() -> Iterator[StoreIndexHarness]:
+    yield StoreIndexHarness()
+
+
+class TestInMemoryStoreIndex(ChunkIndexTests[InMemoryStoreIndex]):
+    def make_harness(self) -> contextlib.AbstractContextManager[StoreIndexHarness]:
+        return store_index_harness()
+
+    def test_it_answers_from_the_store_as_it_is_when_polled(self, harness: StoreIndexHarness) -> None:
+        key = ChunkKey("late")
+        lookup_id = harness.backend.submit_lookup([[key]])
+        harness.make_present([key])
+        assert harness.backend.poll_lookup(lookup_id) == 1
+        assert harness.backend.asked == [(((key,),), ())]
 
 
 class TestInMemoryChunkIndex(ChunkIndexTests[InMemoryChunkIndex]):

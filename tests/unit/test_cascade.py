@@ -34,18 +34,9 @@ def answer(index: ChunkIndex, chunks: Sequence[Sequence[ChunkKey]]) -> int:
     return found
 
 
-class Recording(InMemoryChunkIndex):
-    """An in-memory index that records what each lookup asked it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.asked: list[tuple[int, int]] = []  # (chunks asked, chunks given as preceding)
-
-    def submit_lookup(
-        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
-    ) -> LookupId:
-        self.asked.append((len(chunks), len(preceding)))
-        return super().submit_lookup(chunks, preceding)
+def asked(index: InMemoryChunkIndex) -> list[tuple[int, int]]:
+    """What each lookup asked the index: (chunks asked, chunks given as preceding)."""
+    return [(len(chunks), len(preceding)) for chunks, preceding in index.asked]
 
 
 def one_per_chunk(keys: Sequence[ChunkKey]) -> list[list[ChunkKey]]:
@@ -53,18 +44,18 @@ def one_per_chunk(keys: Sequence[ChunkKey]) -> list[list[ChunkKey]]:
 
 
 def test_each_tier_is_asked_for_what_the_ones_before_it_lack() -> None:
-    tiers = [Recording(), Recording(), Recording()]
+    tiers = [InMemoryChunkIndex(), InMemoryChunkIndex(), InMemoryChunkIndex()]
     tiers[0].add(KEYS[:2])
     tiers[1].add(KEYS[1:4])  # a chunk the first tier also has, and two more
     tiers[2].add(KEYS[4:5])
     cascade = CascadeIndex(tiers, BUDGET_S)
     assert answer(cascade, one_per_chunk(KEYS)) == 5
-    assert [t.asked for t in tiers] == [[(6, 0)], [(4, 2)], [(2, 4)]]
+    assert [asked(t) for t in tiers] == [[(6, 0)], [(4, 2)], [(2, 4)]]
     assert cascade.found == [2, 2, 1]
     assert cascade.usage() == (None, None, None)  # the reference index cannot tell its tier's usage
     # every chunk in the first tier: the others are not asked
     assert answer(cascade, one_per_chunk(KEYS[:2])) == 2
-    assert len(tiers[1].asked) == 1
+    assert len(asked(tiers[1])) == 1
 
 
 def test_a_tier_that_fails_hides_none_of_the_next_tiers_chunks() -> None:
@@ -92,15 +83,15 @@ def test_a_tier_still_pending_past_the_budget_is_cut_and_the_others_answer() -> 
 
 
 def test_a_tier_that_keeps_failing_is_skipped_for_a_while() -> None:
-    tiers = [Recording(), Recording()]
+    tiers = [InMemoryChunkIndex(), InMemoryChunkIndex()]
     tiers[1].add(KEYS)
     cascade = CascadeIndex(tiers, BUDGET_S)
     for _ in range(CascadeIndex.BREAKER_FAILURES):
         tiers[0].fail_next(1)
         assert answer(cascade, one_per_chunk(KEYS)) == len(KEYS)
-    asked = len(tiers[0].asked)
+    before = len(asked(tiers[0]))
     assert answer(cascade, one_per_chunk(KEYS)) == len(KEYS)
-    assert len(tiers[0].asked) == asked  # its breaker is open: not asked, the second tier answers
+    assert len(asked(tiers[0])) == before  # its breaker is open: not asked, the second tier answers
 
 
 def test_a_cascade_of_tiers_that_answer_at_once_answers_at_once() -> None:

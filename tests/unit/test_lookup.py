@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcore.ids import ChunkKey, LookupId
+from kvcore.ids import ChunkKey
 from kvcore.kit.health import CircuitBreaker
 from kvcore.kit.leading import by_chunk, leading_chunks
 from kvcore.scheduling.remote_lookup import PendingLookup, PrefixLookup
-from kvcore.testing.memory import InMemoryChunkIndex
+from kvcore.testing.memory import InMemoryChunkIndex, InMemoryStoreIndex
 
 
 class Clock:
@@ -24,27 +23,9 @@ class Clock:
         return self.now
 
 
-class RemoteOnly:
-    """The in-memory index seen only through the submit/poll form, as a remote index is."""
-
-    def __init__(self, index: InMemoryChunkIndex) -> None:
-        self.index = index
-        self.preceding: list[Sequence[Sequence[ChunkKey]]] = []  # of each submitted lookup
-
-    def submit_lookup(
-        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
-    ) -> LookupId:
-        self.preceding.append(preceding)
-        return self.index.submit_lookup(chunks, preceding)
-
-    def poll_lookup(self, lookup_id: LookupId) -> int | None:
-        return self.index.poll_lookup(lookup_id)
-
-    def cancel_lookup(self, lookup_id: LookupId) -> None:
-        self.index.cancel_lookup(lookup_id)
-
-    def close(self) -> None:
-        self.index.close()
+def remote_view(index: InMemoryChunkIndex) -> InMemoryStoreIndex:
+    """The in-memory index's keys seen only through submit and poll, as a remote index answers."""
+    return InMemoryStoreIndex(lambda asked: tuple(key in index for key in asked))
 
 
 def keys(*names: str) -> list[tuple[ChunkKey, ...]]:
@@ -84,8 +65,9 @@ def test_immediate_index_answers_at_once() -> None:
 def test_remote_index_ask_again_then_answer() -> None:
     index = InMemoryChunkIndex()
     index.add([ChunkKey("a")])
-    lookup = PrefixLookup(RemoteOnly(index), 1.0, clock=Clock())
-    with index.stall():
+    remote = remote_view(index)
+    lookup = PrefixLookup(remote, 1.0, clock=Clock())
+    with remote.stall():
         pending = lookup.begin(keys("a", "b"))
         assert isinstance(pending, PendingLookup)
         assert lookup.resume(pending) is None
@@ -95,11 +77,11 @@ def test_remote_index_ask_again_then_answer() -> None:
 def test_preceding_chunks_reach_the_remote_index_and_are_not_counted() -> None:
     index = InMemoryChunkIndex()
     index.add([ChunkKey("a"), ChunkKey("b"), ChunkKey("c")])
-    remote = RemoteOnly(index)
+    remote = remote_view(index)
     lookup = PrefixLookup(remote, 1.0, clock=Clock())
     pending = lookup.begin(keys("c", "d"), keys("a", "b"))
     assert isinstance(pending, PendingLookup)
-    assert remote.preceding == [keys("a", "b")]
+    assert [preceding for _, preceding in remote.asked] == [tuple(keys("a", "b"))]
     assert lookup.resume(pending) == 1  # c, of (c, d): a and b are not counted
 
 
@@ -107,8 +89,9 @@ def test_timeout_is_a_miss(caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
     index = InMemoryChunkIndex()
     index.add([ChunkKey("a")])
-    lookup = PrefixLookup(RemoteOnly(index), 0.5, clock=clock)
-    with index.stall(), caplog.at_level(logging.WARNING):
+    remote = remote_view(index)
+    lookup = PrefixLookup(remote, 0.5, clock=clock)
+    with remote.stall(), caplog.at_level(logging.WARNING):
         pending = lookup.begin(keys("a"))
         assert isinstance(pending, PendingLookup)
         clock.now = 0.6
@@ -121,8 +104,9 @@ def test_failures_trip_the_breaker_then_recover() -> None:
     index = InMemoryChunkIndex()
     index.add([ChunkKey("a")])
     breaker = CircuitBreaker(threshold=2, backoff_s=10, clock=clock)
-    lookup = PrefixLookup(RemoteOnly(index), 1.0, breaker=breaker, clock=clock)
-    index.fail_next(2)
+    remote = remote_view(index)
+    lookup = PrefixLookup(remote, 1.0, breaker=breaker, clock=clock)
+    remote.fail_next(2)
     for _ in range(2):
         pending = lookup.begin(keys("a"))
         assert isinstance(pending, PendingLookup)

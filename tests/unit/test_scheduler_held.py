@@ -19,15 +19,16 @@ from kvcore.ids import ChunkKey, LookupId, RequestId
 from kvcore.model.step import BlockOp, StepPlan
 from kvcore.ports import Direction, HeldChunks, SupportsHeldLookups
 from kvcore.scheduling.scheduler import CacheScheduler
-from kvcore.testing.memory import InMemoryChunkStore
-from tests.unit.test_scheduler_remote import CONFIG, ENGINE, OTHER, TOKENS, Rig, StoreIndex
+from kvcore.testing.memory import InMemoryChunkStore, InMemoryStoreIndex
+from tests.unit.test_scheduler_remote import CONFIG, ENGINE, OTHER, TOKENS, Rig
 
 
-class HoldingIndex(StoreIndex):
-    """A store's index whose held lookups keep their answer, under one holder name per rank."""
+class HoldingIndex(InMemoryStoreIndex):
+    """The store's reference index, with held lookups that keep their answer under one holder name per
+    rank, counting each ``HeldChunks`` taken, handed over and released."""
 
     def __init__(self, store: InMemoryChunkStore) -> None:
-        super().__init__(store)
+        super().__init__(store.exists)
         self.lookups = 0
         self.fresh = True  # whether a hand-over is accepted
         self._answered: dict[LookupId, HeldChunks] = {}
@@ -43,7 +44,7 @@ class HoldingIndex(StoreIndex):
         start = len(preceding)
         holders = tuple(f"lookup{self.lookups}.rank{r}" for r in range(len(chunks[0])))
         # a miss is kept too, so that the scheduler's release of it is seen
-        self._answered[lookup_id] = HeldChunks(holders, start, start + max(self.answer, 1))
+        self._answered[lookup_id] = HeldChunks(holders, start, start + max(self._count(chunks), 1))
         return lookup_id
 
     def take_held(self, lookup_id: LookupId) -> HeldChunks | None:

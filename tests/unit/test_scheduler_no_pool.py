@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Sequence
+from functools import partial
 
 import pytest
 
@@ -13,14 +14,18 @@ from kvcore.config import KVCoreConfig, load_config
 from kvcore.errors import ConfigError
 from kvcore.execution.remote import ManagedRemote, StoreRemote
 from kvcore.execution.worker import BlockWorker
-from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
+from kvcore.ids import ChunkKey, JobId, RequestId
 from kvcore.jobs import JobBoard, JobResult
-from kvcore.kit.leading import leading_chunks
 from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import KVLayout, LayoutKind
 from kvcore.ports import BlockItem, StoreItem
 from kvcore.scheduling.scheduler import CacheScheduler
-from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore, InMemoryManagedTier
+from kvcore.testing.memory import (
+    InMemoryBlockMover,
+    InMemoryChunkStore,
+    InMemoryManagedTier,
+    InMemoryStoreIndex,
+)
 
 LAYOUT = KVLayout(
     kind=LayoutKind.VLLM_CPU, num_blocks=64, block_tokens=4, num_kv_heads=2, head_size=2, dtype_size=1
@@ -112,26 +117,9 @@ class BlockMovingTier:
         self.held.clear()
 
 
-class ValueIndex:
-    """The remote index answering from the tier's values."""
-
-    def __init__(self, values: dict[ChunkKey, bytes]) -> None:
-        self.values = values
-
-    def submit_lookup(
-        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
-    ) -> LookupId:
-        self.answer = leading_chunks(chunks, lambda shards: all(k in self.values for k in shards))
-        return LookupId(1)
-
-    def poll_lookup(self, lookup_id: LookupId) -> int | None:
-        return self.answer
-
-    def cancel_lookup(self, lookup_id: LookupId) -> None:
-        pass
-
-    def close(self) -> None:
-        """Nothing to release: the values are the tier's."""
+def _holds(values: dict[ChunkKey, bytes], keys: Sequence[ChunkKey]) -> tuple[bool, ...]:
+    """What the tier's index answers from: whether it keeps each key's value."""
+    return tuple(key in values for key in keys)
 
 
 class Engine:
@@ -142,7 +130,7 @@ class Engine:
             num_engine_blocks=64, num_host_blocks=1, layer_block_bytes=LAYOUT.block_bytes, num_layers=2
         )
         self.tier = BlockMovingTier(values, self.kv)
-        self.sched = CacheScheduler(config, ENGINE, 0, remote=ValueIndex(values))
+        self.sched = CacheScheduler(config, ENGINE, 0, remote=InMemoryStoreIndex(partial(_holds, values)))
         self.worker = BlockWorker(None, remote=self.tier)
 
     def step(self) -> None:
@@ -245,7 +233,7 @@ def test_chunks_the_lookup_found_are_not_saved_again() -> None:
 
 def test_sightings_are_counted_without_a_pool() -> None:
     config = load_config({"backend": {"kind": "lmcache_mp"}, "chunk_tokens": 8, "save_after_sightings": 2})
-    sched = CacheScheduler(config, ENGINE, 0, remote=ValueIndex({}))
+    sched = CacheScheduler(config, ENGINE, 0, remote=InMemoryStoreIndex(partial(_holds, {})))
     saved = []
     for rid in ("first", "second"):
         for _ in range(100):

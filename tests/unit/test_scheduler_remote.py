@@ -14,14 +14,18 @@ from kvcore.config import KVCoreConfig, load_config
 from kvcore.errors import BackendUnavailable
 from kvcore.execution.remote import StoreRemote
 from kvcore.execution.worker import BlockWorker
-from kvcore.ids import ChunkKey, JobId, LookupId, RequestId
-from kvcore.kit.leading import by_chunk, leading_chunks
+from kvcore.ids import ChunkKey, JobId, RequestId
 from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import KVLayout, LayoutKind
 from kvcore.model.step import BlockOp, RemoteChunk, StepPlan
 from kvcore.ports import Direction, RemoteTier, StoreItem
 from kvcore.scheduling.scheduler import CacheScheduler
-from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkIndex, InMemoryChunkStore
+from kvcore.testing.memory import (
+    InMemoryBlockMover,
+    InMemoryChunkIndex,
+    InMemoryChunkStore,
+    InMemoryStoreIndex,
+)
 
 LAYOUT = KVLayout(
     kind=LayoutKind.VLLM_CPU, num_blocks=64, block_tokens=4, num_kv_heads=2, head_size=2, dtype_size=1
@@ -32,35 +36,6 @@ OTHER = list(range(1000, 1030))
 CONFIG = load_config(
     {"backend": {"kind": "cpu", "size": 1 << 20}, "chunk_tokens": 8, "partial_chunks": "drop"}
 )
-
-
-class StoreIndex:
-    """The remote index answering from the store itself (as a Mooncake client's ``batch_is_exist``)."""
-
-    def __init__(self, store: InMemoryChunkStore) -> None:
-        self.store = store
-        self.down = False
-        self.preceding: list[Sequence[Sequence[ChunkKey]]] = []  # of each submitted lookup
-
-    def submit_lookup(
-        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
-    ) -> LookupId:
-        """Answers from the store, which keys chunks alone: ``preceding`` is only recorded."""
-        if self.down:
-            raise BackendUnavailable("store is down")
-        self.preceding.append(preceding)
-        flags = self.store.exists([k for c in chunks for k in c])
-        self.answer = leading_chunks(by_chunk(flags, [len(c) for c in chunks]), all)
-        return LookupId(1)
-
-    def poll_lookup(self, lookup_id: LookupId) -> int | None:
-        return self.answer
-
-    def cancel_lookup(self, lookup_id: LookupId) -> None:
-        pass
-
-    def close(self) -> None:
-        self.down = True
 
 
 def answer(sched: CacheScheduler, rid: str, tokens: Sequence[int]) -> int:
@@ -89,7 +64,7 @@ class Rig:
             num_layers=2,
         )
         self.store = InMemoryChunkStore(self.mover.host)
-        self.index = StoreIndex(self.store)
+        self.index = InMemoryStoreIndex(self.store.exists)
         self.sched = CacheScheduler(config, ENGINE, slots, remote=self.index, write_back=write_back)
         slot_bytes = 2 * self.mover.host_block_bytes
         self.worker = BlockWorker(self.mover, remote=tier(self.store), slot_bytes=slot_bytes, slot_blocks=2)
@@ -131,8 +106,8 @@ def test_a_chunk_evicted_locally_is_fetched_from_the_remote_tier_byte_exact() ->
     assert rig.sched.take_load_errors() == {}
     assert rig.sched.extra_cached_tokens(c) == 24
     # the fetched chunks stay in the local pool: the next lookup needs no remote answer
-    rig.index.down = True
-    assert rig.lookup("d", TOKENS) == 24
+    with rig.index.outage():
+        assert rig.lookup("d", TOKENS) == 24
     assert not rig.sched.load_reads_remote(RequestId("d"))  # all from the host pool
     assert not rig.sched.load_reads_remote(RequestId("nobody"))
     assert rig.sched.stats().pool.pinned == 0
@@ -171,28 +146,20 @@ def test_a_remote_index_that_is_down_leaves_the_local_hit() -> None:
     rig = Rig(slots=4)
     rig.serve_and_save("a", TOKENS, range(8))
     rig.serve_and_save("b", OTHER, range(8, 16))  # a keeps only chunk 2 locally: no leading local hit
-    rig.index.down = True
-    assert rig.lookup("c", OTHER) == 24  # b is wholly local: no remote call
-    assert rig.lookup("d", TOKENS) == 0  # remote down: a miss, not an error
-
-
-class Deferred:
-    """An index that only answers through submit and poll, as a remote one does."""
-
-    def __init__(self, index: InMemoryChunkIndex) -> None:
-        self.submit_lookup = index.submit_lookup
-        self.poll_lookup = index.poll_lookup
-        self.cancel_lookup = index.cancel_lookup
-        self.close = index.close
+    with rig.index.outage():
+        assert rig.lookup("c", OTHER) == 24  # b is wholly local: no remote call
+        assert rig.lookup("d", TOKENS) == 0  # remote down: a miss, not an error
 
 
 def test_a_pending_remote_lookup_is_asked_again() -> None:
-    index = InMemoryChunkIndex()
-    sched = CacheScheduler(CONFIG, ENGINE, 3, remote=Deferred(index))
+    store = InMemoryChunkStore(bytearray(64))
+    index = InMemoryStoreIndex(store.exists)
+    sched = CacheScheduler(CONFIG, ENGINE, 3, remote=index)
     a = RequestId("a")
     answer(sched, a, TOKENS)
     sched.save(a, range(8), num_tokens=30)
-    index.add(k for op in sched.take_plan().ops for c in op.remote for k in c.keys if k is not None)
+    for key in (k for op in sched.take_plan().ops for c in op.remote for k in c.keys if k is not None):
+        store.poke(key, b"v")
     r = RequestId("r")
     with index.stall():
         assert sched.lookup(r, tokens=TOKENS) is None  # the remote answer is not in yet: ask again
@@ -350,7 +317,7 @@ def test_ops_carry_the_chain_once_and_the_remote_lookup_its_local_prefix() -> No
     # c: chunk 0 local, chunks 1 and 2 only remote -> the remote lookup is told of chunk 0
     c = RequestId("c")
     assert rig.lookup(c, TOKENS) == 24
-    assert list(rig.index.preceding[-1]) == [(k0,)]
+    assert rig.index.asked[-1][1] == ((k0,),)
     rig.sched.start_load(c, range(20, 28))
     (c_load,) = rig.step().ops
     (k1,), (k2,) = (chunk.keys for chunk in c_load.remote)

@@ -16,9 +16,9 @@ from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import KVLayout, LayoutKind
 from kvcore.scheduling.request_keys import Keyer
 from kvcore.scheduling.scheduler import CacheScheduler
-from kvcore.testing.memory import InMemoryChunkStore
+from kvcore.testing.memory import InMemoryChunkStore, InMemoryStoreIndex
 from tests.unit.test_scheduler import ENGINE, TOKENS
-from tests.unit.test_scheduler_remote import StoreIndex, answer
+from tests.unit.test_scheduler_remote import answer
 from tests.unit.test_scheduler_trust import Engine
 
 
@@ -160,9 +160,9 @@ def test_a_full_local_hit_answers_at_once_from_the_pools_tails_without_the_remot
     _, tail, _ = _keys(eng, TOKENS)
     assert eng.sched.pool.remove([tail]) == 1  # the chunks are local, the tail only remote
     assert eng.index is not None
-    asked = len(eng.index.preceding)
+    asked = len(eng.index.asked)
     assert eng.sched.lookup(RequestId("b"), tokens=TOKENS) == 24  # no step lost waiting for the tail
-    assert len(eng.index.preceding) == asked
+    assert len(eng.index.asked) == asked
 
 
 def test_a_load_decided_before_a_reset_fetches_no_tail_of_the_old_namespace() -> None:
@@ -231,7 +231,9 @@ def test_without_a_local_pool_the_tail_is_saved_to_the_remote_tier_alone() -> No
     config = load_config(
         {"backend": {"kind": "cpu", "size": 1 << 20}, "chunk_tokens": 8, "partial_chunks": "keep"}
     )
-    sched = CacheScheduler(config, ENGINE, 0, remote=StoreIndex(InMemoryChunkStore(bytearray(64))))
+    sched = CacheScheduler(
+        config, ENGINE, 0, remote=InMemoryStoreIndex(InMemoryChunkStore(bytearray(64)).exists)
+    )
     assert answer(sched, "a", TOKENS) == 0
     assert sched.save(RequestId("a"), range(8), num_tokens=len(TOKENS), final=True) == 4
     (op,) = sched.take_plan().ops

@@ -24,9 +24,9 @@ from kvcore.ids import RequestId
 from kvcore.keying.hashing import ExtraKeys, MMSpan
 from kvcore.model.step import StepPlan
 from kvcore.scheduling.scheduler import CacheScheduler
-from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore
+from kvcore.testing.memory import InMemoryBlockMover, InMemoryChunkStore, InMemoryStoreIndex
 from tests.unit.test_scheduler import ENGINE, LAYOUT, TOKENS
-from tests.unit.test_scheduler_remote import StoreIndex, answer
+from tests.unit.test_scheduler_remote import answer
 
 CHUNK = 8  # tokens; 2 blocks of 4
 
@@ -50,7 +50,7 @@ class Engine:
             num_layers=2,
         )
         self.store = InMemoryChunkStore(self.mover.host) if remote else None
-        self.index = StoreIndex(self.store) if self.store is not None else None
+        self.index = InMemoryStoreIndex(self.store.exists) if self.store is not None else None
         self.sched = CacheScheduler(self.config, ENGINE, slots, remote=self.index)
         tier = StoreRemote(self.store) if self.store is not None else None
         self.worker = BlockWorker(

@@ -16,7 +16,7 @@ the implementation every conformance harness shares. A failed item's destination
 from __future__ import annotations
 
 from kvcore.testing.memory.common import POISON
-from kvcore.testing.memory.index import InMemoryChunkIndex
+from kvcore.testing.memory.index import InMemoryChunkIndex, InMemoryStoreIndex
 from kvcore.testing.memory.managed import InMemoryBlockTransferTier, InMemoryManagedTier
 from kvcore.testing.memory.mover import InMemoryBlockMover
 from kvcore.testing.memory.peer import InMemoryAddressSpace, InMemoryPeerTransport
@@ -31,4 +31,5 @@ __all__ = [
     "InMemoryChunkStore",
     "InMemoryManagedTier",
     "InMemoryPeerTransport",
+    "InMemoryStoreIndex",
 ]
