@@ -48,6 +48,7 @@ _SUMMED = (
     "saved_blocks",
     "failed_load_blocks",
     "failed_save_chunks",
+    "save_retries",
     "ops_in_flight",
     "written_back_chunks",
     "failed_write_back_chunks",

@@ -1,9 +1,10 @@
 """Connector statistics: vLLM's ``KVConnectorStats`` for its log, and Prometheus metrics (``vllm:kvcore_*``).
 
 The scheduler side reports, each step, the counters that moved since the previous step (lookups, hit
-tokens, loaded and saved blocks, failures) and the pool's current usage (gauges, named ``pool_*``); per
-remote tier ``n`` (1: the first behind the pool), the chunks its lookups found, the chunks it stored
-and its evictions (counters ``tier_found_<n>``, ``tier_stored_<n>``, ``tier_evictions_<n>``) and, for
+tokens, loaded and saved blocks, failures, save retries: a chunk counts once however often its save is
+retried, the retries apart) and the pool's current usage (gauges, named ``pool_*``); per remote tier
+``n`` (1: the first behind the pool), the chunks its lookups found, the chunks it stored and its
+evictions (counters ``tier_found_<n>``, ``tier_stored_<n>``, ``tier_evictions_<n>``) and, for
 a tier that can tell, its bytes in use and its size (gauges ``tier_used_bytes_<n>``,
 ``tier_capacity_bytes_<n>``). Aggregating adds counters
 and keeps the latest gauges. Prometheus shows each per-tier figure as one metric labelled ``tier``
@@ -38,9 +39,11 @@ COUNTERS = {
     "loaded_blocks": "blocks loaded from kvcore",
     "async_loads": "loads run beside vLLM's steps, the request waiting for them alone",
     "saved_blocks": "blocks saved to kvcore",
-    "failed_load_blocks": "blocks whose load failed (recomputed)",
-    "failed_save_chunks": "chunks whose save failed (dropped)",
-    "written_back_chunks": "pool chunks written back to the tiers written back before their eviction",
+    "failed_load_blocks": "blocks whose load failed (recomputed; a failed load is never retried)",
+    "failed_save_chunks": "chunks whose save failed (dropped), each once however often it is retried",
+    "save_retries": "saves of a chunk again after its save failed (one per chunk per retry)",
+    "written_back_chunks": "pool chunks written back to the tiers written back before their eviction "
+    "(each once, those no tier stored included)",
     "failed_write_back_chunks": "chunks whose write-back no tier stored (the pool keeps them, clean)",
 }
 GAUGES = {

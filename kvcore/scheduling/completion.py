@@ -2,19 +2,20 @@
 stores published (a copy in flight may still read or write a slot): a load's fetched chunks join the pool
 or leave it, a failed load's blocks go to the engine for recompute and its chunks that failed stay out of
 the pool; a save's chunks are published (dirty where they cross to tiers written back) or dropped and
-saved again from the request's blocks; a request whose last op ended is retired."""
+saved again from the request's blocks (counted once however often it fails, its retries apart); a
+request whose last op ended is retired."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvcore.ids import ChunkKey, JobId
+from kvcore.ids import ChunkKey, JobId, RequestId
 from kvcore.model.step import OpReport
 from kvcore.pool.block_pool import PoolEvent, PoolEventKind
 from kvcore.ports import Direction
 from kvcore.scheduling.ledger import InFlightOp
 from kvcore.scheduling.lifecycle import Phase, RequestTracker
-from kvcore.scheduling.state import SchedulerState
+from kvcore.scheduling.state import Resaves, SchedulerState
 
 __all__ = ["complete", "retire"]
 
@@ -31,15 +32,17 @@ def retire(state: SchedulerState, tracker: RequestTracker) -> None:
     """Forget a request that ended, once none of its ops is in flight (its delayed free is over)."""
     if tracker.phase in (Phase.FINISHED, Phase.ABORTED) and not tracker.jobs:
         state.finished.append(tracker.request_id)
-        state.requests.pop(tracker.request_id, None)
+        state.forget(tracker.request_id)
 
 
 def _finish(state: SchedulerState, entry: InFlightOp) -> None:
     op = entry.op
     if op.remote and op.direction is Direction.SAVE and entry.epoch == state.resets:
+        resaves = _resaves(state, entry.request_id, create=False)
+        stored = resaves.stored if resaves is not None else set()  # counted when first stored
         for tier, keys in sorted(entry.tiers_holding().items()):
             state.tier_events.append(PoolEvent(PoolEventKind.STORED, tuple(keys), tier + 1))
-            state.tier_stored[tier] = state.tier_stored.get(tier, 0) + len(keys)
+            state.tier_stored[tier] = state.tier_stored.get(tier, 0) + sum(k not in stored for k in keys)
     if op.write_back and state.write_back is not None:
         state.write_back.finish(entry.keys)
         state.counters["written_back_chunks"] += len(entry.keys)
@@ -86,12 +89,38 @@ def _finish_save(state: SchedulerState, entry: InFlightOp) -> None:
         state.write_back.store(set(good), zip(entry.remote_keys(), entry.op.remote, strict=True))
     else:
         state.pool.complete_store(good, success=True)
+    _count_save(state, entry, good, dropped)
     if dropped:
         state.pool.complete_store(dropped, success=False)
-        state.counters["failed_save_chunks"] += len(dropped)
         _save_again(state, entry, dropped)
-    sizes = zip(entry.keys, entry.sizes, strict=True)
-    state.counters["saved_blocks"] += sum(size for key, size in sizes if key not in failed)
+
+
+def _count_save(
+    state: SchedulerState, entry: InFlightOp, good: Sequence[ChunkKey], dropped: Sequence[ChunkKey]
+) -> None:
+    """Count a save's chunks, each once however often its request saves it again: a chunk whose save
+    failed before counts as a retry (``save_retries``), and in ``failed_save_chunks`` only the first time
+    it fails; a chunk stored before (sent again without a pool) adds no saved blocks."""
+    resaves = _resaves(state, entry.request_id, create=bool(dropped))
+    failed, stored = (resaves.failed, resaves.stored) if resaves is not None else (set(), set())
+    sizes = dict(zip(entry.keys, entry.sizes, strict=True))
+    state.counters["saved_blocks"] += sum(sizes[k] for k in good if k not in stored)
+    state.counters["save_retries"] += sum(k in failed for k in entry.keys)
+    lost = [k for k in dropped if k not in failed and k not in stored]
+    state.counters["failed_save_chunks"] += len(lost)
+    failed.difference_update(good)
+    failed.update(lost)
+    if state.no_pool:
+        stored.update(good)
+
+
+def _resaves(state: SchedulerState, request_id: RequestId, *, create: bool) -> Resaves | None:
+    """The live request's ``Resaves``, made at its first failed save (``create``); ``None`` before it,
+    and for a request gone or a write-back's session."""
+    resaves = state.resaves.get(request_id)
+    if resaves is None and create and request_id in state.requests:
+        resaves = state.resaves[request_id] = Resaves()
+    return resaves
 
 
 def _save_again(state: SchedulerState, entry: InFlightOp, dropped: Sequence[ChunkKey]) -> None:

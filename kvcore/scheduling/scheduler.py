@@ -365,5 +365,5 @@ class CacheScheduler:
                 state.ended.append(request_id)
         delayed = state.table.end(request_id, phase)
         if not delayed:
-            state.requests.pop(request_id, None)
+            state.forget(request_id)
         return delayed

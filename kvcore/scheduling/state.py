@@ -6,7 +6,7 @@ of them keeps state of its own."""
 from __future__ import annotations
 
 from kvcore.config.model import KVCoreConfig
-from kvcore.ids import RequestId
+from kvcore.ids import ChunkKey, RequestId
 from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import LayoutKind
 from kvcore.model.step import BlockOp
@@ -22,7 +22,7 @@ from kvcore.scheduling.remote_lookup import PrefixLookup
 from kvcore.scheduling.request_keys import Keyer
 from kvcore.scheduling.requests import RequestState
 
-__all__ = ["COUNTERS", "SchedulerState"]
+__all__ = ["COUNTERS", "Resaves", "SchedulerState"]
 
 COUNTERS = (
     "lookups",
@@ -32,10 +32,29 @@ COUNTERS = (
     "saved_blocks",
     "failed_load_blocks",
     "failed_save_chunks",
+    "save_retries",
     "written_back_chunks",
     "failed_write_back_chunks",
 )
 """The counters since start that ``SchedulerStats`` reports."""
+
+
+class Resaves:
+    """What one request's saves did to its chunks since its first failed save: a failed chunk is saved
+    again by the request's next save (a retry), so that it counts once in ``failed_save_chunks`` however
+    often it fails, and its retries apart (``save_retries``).
+
+    ``failed``: chunks whose save failed and that no save stored since. ``stored``: without a pool, the
+    chunks its saves stored since (a retry sends again every chunk after the first failed one, which the
+    remote tier already holds: they count once in ``saved_blocks`` and ``tier_stored``); with a pool,
+    a retry sends only what the pool lacks, and this stays empty. Forgotten with its request
+    (``SchedulerState.forget``), so that a later request of the same id starts afresh."""
+
+    __slots__ = ("failed", "stored")
+
+    def __init__(self) -> None:
+        self.failed: set[ChunkKey] = set()
+        self.stored: set[ChunkKey] = set()
 
 
 class SchedulerState:
@@ -83,6 +102,12 @@ class SchedulerState:
         self.tier_events: list[PoolEvent] = []
         self.tier_stored: dict[int, int] = {}  # remote tier (0: the first) -> chunks it stored
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.resaves: dict[RequestId, Resaves] = {}  # requests with a failed save, until forgotten
+
+    def forget(self, request_id: RequestId) -> None:
+        """Drop what the scheduler side knows of a request that ended and has no op in flight."""
+        self.requests.pop(request_id, None)
+        self.resaves.pop(request_id, None)
 
     def release_held(self, req: RequestState) -> None:
         """Release the read locks the request's remote lookup holds, if any."""

@@ -22,8 +22,8 @@ class SchedulerStats:
     loaded_blocks: int
     async_loads: int  # loads started asynchronously (``start_load(is_async=True)``)
     saved_blocks: int
-    failed_load_blocks: int
-    failed_save_chunks: int
+    failed_load_blocks: int  # blocks whose load failed, recomputed (a failed load is never retried)
+    failed_save_chunks: int  # a request's chunks whose save failed, each once however often retried
     pool: PoolUsage
     requests: int  # live request trackers (0 once every request ended and its copies completed)
     ops_in_flight: int
@@ -32,6 +32,7 @@ class SchedulerStats:
     tier_stored: tuple[int, ...] = ()  # chunks each remote tier stored (every shard of them)
     written_back_chunks: int = 0  # pool chunks written back to the tiers written back (``Tier.write``)
     failed_write_back_chunks: int = 0  # of those, chunks that no tier stored
+    save_retries: int = 0  # saves of a request's chunk again after its save failed (each retry once)
 
 
 def stats(state: SchedulerState) -> SchedulerStats:

@@ -205,6 +205,7 @@ def test_merged_stats_sum_blocks_and_count_requests_once() -> None:
             saved_blocks=2 * n,
             failed_load_blocks=0,
             failed_save_chunks=n,
+            save_retries=3 * n,
             pool=PoolUsage(capacity=10, used=n, ready=n, storing=0, pinned=0, evictions=1),
             requests=2,
             ops_in_flight=n,
@@ -215,6 +216,7 @@ def test_merged_stats_sum_blocks_and_count_requests_once() -> None:
     merged = merge_stats([stats(2), stats(5)])
     assert (merged.lookups, merged.hit_tokens, merged.async_loads, merged.requests) == (3, 256, 1, 2)
     assert (merged.loaded_blocks, merged.saved_blocks, merged.failed_save_chunks) == (7, 14, 7)
+    assert merged.save_retries == 21
     assert merged.pool == PoolUsage(capacity=20, used=7, ready=7, storing=0, pinned=0, evictions=2)
     assert (merged.tier_found, merged.tier_stored, merged.ops_in_flight) == ((7,), (2,), 7)
 

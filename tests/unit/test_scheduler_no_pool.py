@@ -22,6 +22,7 @@ from kvcore.ports import BlockItem, StoreItem
 from kvcore.scheduling.scheduler import CacheScheduler
 from kvcore.testing.memory import (
     InMemoryBlockMover,
+    InMemoryBlockTransferTier,
     InMemoryChunkStore,
     InMemoryManagedTier,
     InMemoryStoreIndex,
@@ -229,6 +230,38 @@ def test_chunks_the_lookup_found_are_not_saved_again() -> None:
     assert a.sched.save(RequestId("again"), range(8), num_tokens=32) == 1  # only the 4th one is new
     a.step()
     assert len(values) == 4
+
+
+def test_a_retry_without_a_pool_counts_the_chunks_it_sends_again_once() -> None:
+    # without a pool, a retry sends again every chunk after the first failed one, which the tier holds
+    # already: those count once, in saved blocks and in the tier's stored chunks
+    kv = InMemoryBlockMover(
+        num_engine_blocks=64, num_host_blocks=1, layer_block_bytes=LAYOUT.block_bytes, num_layers=2
+    )
+    tier = InMemoryBlockTransferTier(bytearray(1), engine=kv, blocks_per_chunk=PER_CHUNK)
+    index = InMemoryStoreIndex(lambda keys: tuple(tier.peek(key) is not None for key in keys))
+    sched = CacheScheduler(CONFIG, ENGINE, 0, remote=index)
+    worker = BlockWorker(None, remote=ManagedRemote(tier))
+    a = RequestId("a")
+    answers = (sched.lookup(a, tokens=TOKENS) for _ in range(100))  # the index answers on a later ask
+    assert next(hits for hits in answers if hits is not None) == 0
+    for block in range(6):
+        kv.write_engine_block(block, os.urandom(kv.host_block_bytes))
+    tier.fail_next(1)  # the first chunk's store
+    sent: list[int] = []
+    for _ in range(2):
+        sent.append(sched.save(a, range(7), num_tokens=30))
+        plan = sched.take_plan()
+        worker.execute(plan)
+        sched.complete(worker.wait(plan.op_ids(), 5.0))
+    (op,) = plan.ops
+    held = [tier.peek(key) for chunk in op.remote for key in chunk.keys if key is not None]
+    assert len(held) == 3  # the retry's three chunks, the tier holding each
+    assert None not in held
+    stats = sched.stats()
+    assert sent == [3, 3]  # the retry sent the stored chunks 1 and 2 again, with chunk 0
+    assert (stats.failed_save_chunks, stats.save_retries) == (1, 1)
+    assert (stats.saved_blocks, stats.tier_stored) == (3 * PER_CHUNK, (3,))
 
 
 def test_sightings_are_counted_without_a_pool() -> None:

@@ -218,6 +218,67 @@ def test_a_failed_publish_drops_the_chunk_everywhere() -> None:
     assert rig.lookup("b", TOKENS) == 0  # chunk 0 is gone: no leading hit anywhere
 
 
+def test_a_save_failing_on_every_retry_counts_each_chunk_once_and_the_retries_apart() -> None:
+    # two requests against a store that is down: each step saves again what failed (as vLLM asks every
+    # step), and every try fails until the store is back
+    rig = Rig(slots=8)
+    requests = {RequestId("a"): (TOKENS, range(8)), RequestId("b"): (OTHER, range(8, 16))}
+    for rid, (tokens, _) in requests.items():
+        assert rig.lookup(rid, tokens) == 0
+
+    def save_all() -> None:
+        for rid, (tokens, blocks) in requests.items():
+            assert rig.sched.save(rid, blocks, num_tokens=len(tokens)) == 3
+
+    with rig.store.outage():
+        for _ in range(4):
+            save_all()
+            rig.step()
+    stats = rig.sched.stats()
+    # 6 chunks lost (not 24 tries), each tried again in 3 later steps
+    assert (stats.failed_save_chunks, stats.save_retries, stats.saved_blocks) == (6, 18, 0)
+    save_all()  # the store is back: the next retry stores them
+    rig.step()
+    stats = rig.sched.stats()
+    assert (stats.failed_save_chunks, stats.save_retries, stats.saved_blocks) == (6, 24, 12)
+    assert (stats.tier_stored, len(rig.store)) == ((6,), 6)
+    for rid, (_, blocks) in requests.items():
+        assert rig.sched.save(rid, blocks, num_tokens=30) == 0  # stored: no retry left
+        assert not rig.sched.finish(rid)
+    assert rig.sched.stats().save_retries == 24
+
+
+def test_a_later_request_of_the_same_id_counts_its_failed_saves_afresh() -> None:
+    rig = Rig(slots=8)
+    a = RequestId("a")
+    for turn in (1, 2):
+        assert rig.lookup(a, TOKENS) == 0
+        with rig.store.outage():
+            rig.sched.save(a, range(8), num_tokens=30)
+            rig.step()
+        assert not rig.sched.finish(a)  # no op in flight: forgotten at once, its chunks never stored
+        stats = rig.sched.stats()
+        assert (stats.failed_save_chunks, stats.save_retries, stats.requests) == (3 * turn, 0, 0)
+
+
+def test_a_failed_load_is_not_tried_again_nor_counted_again() -> None:
+    rig = Rig(slots=3)
+    rig.serve_and_save("a", TOKENS, range(8))
+    rig.serve_and_save("b", OTHER, range(8, 16))  # a's chunks now in the store alone
+    c = RequestId("c")
+    assert rig.lookup(c, TOKENS) == 24
+    assert rig.sched.start_load(c, range(20, 28)) == 24
+    rig.store.fail_next(2)  # the fetches of chunks 0 and 1
+    rig.step()
+    assert rig.sched.take_load_errors() == {c: (20, 21, 22, 23)}
+    for _ in range(3):  # the engine asks again (as vLLM does for a request it recomputes)
+        assert rig.lookup(c, TOKENS) == 0
+        assert rig.sched.start_load(c, range(20, 28)) == 0
+        assert rig.step().ops == ()
+    stats = rig.sched.stats()
+    assert (stats.failed_load_blocks, stats.loaded_blocks, stats.hit_tokens) == (4, 2, 24)
+
+
 class Sessions(StoreRemote):
     """Records the sessions the worker ends."""
 
