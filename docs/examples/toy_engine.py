@@ -2,8 +2,12 @@
 
 Run it: ``python docs/examples/toy_engine.py`` (the embedded CPU tier), or give the ``backend`` section
 of a config as JSON: ``python docs/examples/toy_engine.py '{"kind": "lmcache_mp", "url":
-"tcp://127.0.0.1:5555"}'``. It serves a prompt, saves its KV, forgets it, serves the same prompt again
-in other blocks and loads the KV back instead of recomputing it, then checks the bytes.
+"tcp://127.0.0.1:5555"}'``. It serves a prompt (loading whatever kvcore already holds of it, computing
+the rest, saving its KV), then serves the same prompt again in other blocks, where kvcore loads the
+cached prefix instead of recomputing it, and checks the loaded bytes against the model's KV.
+
+A tier that outlives the process (a disk directory, a Mooncake store, an LMCache server) still holds
+the prompt's chunks on a second run: its first request then loads them too, and says so.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Mapping
+import zlib
+from array import array
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -42,6 +48,15 @@ def lookup(scheduler: CacheScheduler, request: RequestId, prompt: list[int]) -> 
     return hits
 
 
+def model_kv(prompt: Sequence[int], blocks: int, shape: Sequence[int]) -> list[torch.Tensor]:
+    """The toy's "model": per layer, the KV of the prompt's first ``blocks`` blocks. Like a real model's,
+    it depends on the tokens alone, so KV that kvcore loads (even one saved by an earlier run) can be
+    checked against computing it."""
+    seed = zlib.crc32(array("I", prompt).tobytes())
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(blocks, *shape, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+
+
 def main(backend: Mapping[str, object]) -> int:
     # 1. Describe the engine: its KV layout per layer (FlashInfer's [blocks, 2, block, heads, head], NHD).
     layout = KVLayout(
@@ -63,6 +78,7 @@ def main(backend: Mapping[str, object]) -> int:
     config = load_config({"backend": backend, "chunk_tokens": 128})
     scheduler = open_scheduler(config, engine)
     worker = open_worker(config, engine, kv)
+    kind = backend["kind"]
 
     def run_step() -> None:
         plan = scheduler.take_plan()
@@ -70,32 +86,47 @@ def main(backend: Mapping[str, object]) -> int:
         scheduler.complete(worker.wait(plan.op_ids(), timeout=10.0))
 
     prompt = list(range(1000, 1300))  # 300 tokens
-    blocks_a = list(range(19))
-    try:
-        # 3. First request: nothing cached. "Compute" its KV, then save its full chunks (and, with a
-        #    local pool, the tail: the two whole blocks of its third chunk).
-        first = RequestId("first")
-        assert lookup(scheduler, first, prompt) == 0
-        for layer in kv:
-            layer[blocks_a] = torch.randn(len(blocks_a), *layout.shape[1:]).to(torch.bfloat16)
-        scheduler.save(first, blocks_a, num_tokens=len(prompt))
+    expected = model_kv(prompt, -(-len(prompt) // BLOCK), layout.shape[1:])
+
+    def serve(request: RequestId, blocks: list[int]) -> tuple[int, bool]:
+        """One request: load what kvcore holds of the prompt, compute the rest, save the full chunks (and,
+        with a local pool, the tail: the two whole blocks of the third chunk). Returns the tokens loaded
+        and whether the loaded blocks hold exactly the model's KV."""
+        loaded = 0
+        if lookup(scheduler, request, prompt):
+            loaded = scheduler.start_load(request, blocks)
+            run_step()
+            failed = scheduler.take_load_errors()
+            if failed:
+                raise RuntimeError(
+                    f"{kind}: kvcore failed to load blocks {failed}: an engine recomputes them"
+                )
+        n = loaded // BLOCK
+        same = all(torch.equal(layer[blocks[:n]], want[:n]) for layer, want in zip(kv, expected, strict=True))
+        for layer, want in zip(kv, expected, strict=True):
+            layer[blocks[n:]] = want[n:]
+        scheduler.save(request, blocks, num_tokens=len(prompt))
         run_step()
-        scheduler.finish(first)
+        scheduler.finish(request)
+        return loaded, same
+
+    try:
+        # 3. First request. On a fresh tier nothing is cached: its KV is computed and saved.
+        earlier, earlier_same = serve(RequestId("first"), list(range(19)))
+        if earlier:
+            print(
+                f"{kind}: found {earlier} of {len(prompt)} tokens saved by an earlier run; "
+                f"loaded instead of computed; bytes identical: {earlier_same}"
+            )
 
         # 4. Same prompt again, in other blocks: kvcore loads the cached prefix.
-        second = RequestId("second")
-        cached = lookup(scheduler, second, prompt)
-        blocks_b = list(range(40, 59))
-        scheduler.start_load(second, blocks_b)
-        run_step()
-        assert not scheduler.take_load_errors()
-        n = cached // BLOCK
-        same = all(torch.equal(layer[blocks_a[:n]], layer[blocks_b[:n]]) for layer in kv)
-        print(
-            f"{backend['kind']}: loaded {cached} of {len(prompt)} tokens from kvcore; bytes identical: {same}"
-        )
-        scheduler.finish(second)
-        return 0 if same and cached in (256, 288) else 1  # two chunks, and the tail where it is kept
+        cached, same = serve(RequestId("second"), list(range(40, 59)))
+        if not cached:
+            print(f"{kind}: loaded nothing from kvcore (0 of {len(prompt)} tokens): no bytes to compare")
+            return 1
+        print(f"{kind}: loaded {cached} of {len(prompt)} tokens from kvcore; bytes identical: {same}")
+        ok = same and earlier_same and cached in (256, 288)  # two chunks, and the tail where it is kept
+        return 0 if ok else 1
     finally:
         worker.close()
         scheduler.close()
