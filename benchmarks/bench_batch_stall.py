@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from benchmarks.bench_lmcache import CHUNK_TOKENS, lmcache_server
     from kvcore.testing.slow_link import SlowLink
+    from kvcore_cli.tiny_model import make_tiny_model
     from tests.integration.conftest import generate, prompt
-    from tests.integration.tiny_model import make_tiny_model
 
     model = make_tiny_model(root / "tiny-llama")
     long_prompts = [prompt(5000 + i, args.length) for i in range(args.loads)]

@@ -307,7 +307,7 @@ def main() -> None:
     scratch = vllm_scratch("kvcore-bench-hybrid-")
     if scratch is None:
         return
-    from tests.integration.tiny_model import make_tiny_hybrid_model
+    from kvcore_cli.tiny_model import make_tiny_hybrid_model
 
     model = make_tiny_hybrid_model(scratch / "tiny-hybrid")
     kv_bytes = args.pool_blocks * 2 * LAYER_PAGE

@@ -130,7 +130,7 @@ def main() -> None:
     root = vllm_scratch("bench-ssm-")
     if root is None:
         return
-    from tests.integration.tiny_model import make_tiny_ssm_model
+    from kvcore_cli.tiny_model import make_tiny_ssm_model
 
     model = make_tiny_ssm_model(root / "tiny-ssm")
     llm = _engine(model, args.engine_mib, kvcore=True)

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from vllm import LLM
 
-    from tests.integration.tiny_model import BENCH, make_tiny_model
+    from kvcore_cli.tiny_model import BENCH, make_tiny_model
 
     model = make_tiny_model(root / "bench-llama", shape=BENCH)
     dtype_bytes = 4 if args.dtype == "float32" else 2

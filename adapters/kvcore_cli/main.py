@@ -6,22 +6,62 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-from kvcore.config import config_to_dict, load_config_file
+from kvcore.config import parse_size
 from kvcore.errors import KVCoreError
+from kvcore.plugins.preflight import EngineFlags
 
 __all__ = ["main"]
 
 
-def _config_check(args: argparse.Namespace) -> int:
+def _doctor(args: argparse.Namespace) -> int:
+    from kvcore_cli.doctor import run
+
     try:
-        config = load_config_file(args.file)
+        cache = (
+            None
+            if args.kv_cache_memory_bytes is None
+            else parse_size(args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
+        )
     except KVCoreError as exc:
-        print(f"invalid config {args.file}: {exc}", file=sys.stderr)
-        for note in getattr(exc, "__notes__", ()):
-            print(f"  {note}", file=sys.stderr)
+        print(f"kvcore doctor: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(config_to_dict(config), indent=2))
+    flags = EngineFlags(
+        model=args.model,
+        tensor_parallel_size=args.tensor_parallel_size,
+        cache_bytes=cache,
+        memory_share=args.gpu_memory_utilization,
+        timeout_s=args.timeout,
+    )
+    engine = any(v is not None for v in (args.model, args.kv_cache_memory_bytes, args.gpu_memory_utilization))
+    return run(args.config, flags, engine=engine, strict=args.strict, as_json=args.json)
+
+
+def _add_doctor(verbs: Any, name: str, help_text: str) -> None:
+    doctor = verbs.add_parser(name, help=help_text, description=help_text)
+    doctor.add_argument(
+        "config",
+        help="vLLM's --kv-transfer-config JSON, kvcore's config alone, or a .json/.yaml file of either",
+    )
+    doctor.add_argument("--model", help="vLLM's --model: the model's shape sizes one chunk (needs vLLM)")
+    doctor.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's --tensor-parallel-size")
+    doctor.add_argument("--kv-cache-memory-bytes", help="vLLM's own KV cache, e.g. 1GiB (host memory on CPU)")
+    doctor.add_argument(
+        "--gpu-memory-utilization", type=float, help="vLLM's share of memory (on CPU: of host memory)"
+    )
+    doctor.add_argument("--timeout", type=float, default=2.0, help="seconds each server may take to answer")
+    doctor.add_argument("--strict", action="store_true", help="exit 1 on a warning too")
+    doctor.add_argument("--json", action="store_true", help="the findings as JSON")
+    doctor.set_defaults(run=_doctor)
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    from kvcore_cli.tiny_model import MAKERS
+
+    path = MAKERS[args.kind](args.out_dir, args.seed)
+    print(f"a tiny {args.kind} model (random weights) written to {path}")
     return 0
 
 
@@ -138,6 +178,9 @@ def _fuzz(args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcore", description="Move and reuse LLM KV cache.")
+    parser.add_argument(
+        "--version", action=_Versions, help="kvcore's version, and those of the engines and clients found"
+    )
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     demo = verbs.add_parser(
@@ -210,7 +253,9 @@ def _parser() -> argparse.ArgumentParser:
     fuzz.set_defaults(run=_fuzz)
 
     vllm = verbs.add_parser("vllm-config", help="print the --kv-transfer-config JSON for vLLM")
-    vllm.add_argument("--backend", default="cpu", help="cpu (default), mooncake or lmcache")
+    vllm.add_argument(
+        "--backend", default="cpu", help="the first tier's kind: cpu (default), mooncake_store or lmcache_mp"
+    )
     vllm.add_argument(
         "--size",
         default=None,
@@ -224,17 +269,44 @@ def _parser() -> argparse.ArgumentParser:
     vllm.add_argument("--disk-size", help="bytes of chunk files the disk tier may hold, e.g. 1TiB")
     vllm.add_argument(
         "--disk-write",
-        default="through",
-        help="through (default: each save reaches the disk) or back (when the pool is about to evict it)",
+        help="with --disk: through (default: each save reaches the disk) or back (when the pool evicts it)",
     )
     vllm.set_defaults(run=_vllm_config)
 
+    tiny = verbs.add_parser(
+        "tiny-model",
+        help="write a tiny random-weight model (and its tokenizer) that vLLM's CPU build loads in seconds",
+    )
+    tiny.add_argument("out_dir", type=Path, help="the folder to write it to (made if missing)")
+    tiny.add_argument(
+        "--kind",
+        default="llama",
+        choices=("llama", "mla", "hybrid", "two-block", "ssm"),
+        help="(default: llama)",
+    )
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(run=_tiny_model)
+
+    doctor_help = "check a config as the engine will before it starts (paths, servers, memory), as a table"
+    _add_doctor(verbs, "doctor", doctor_help)
     config = verbs.add_parser("config", help="configuration tools")
-    config_verbs = config.add_subparsers(dest="config_verb", required=True)
-    check = config_verbs.add_parser("check", help="validate a JSON config; print resolved values or errors")
-    check.add_argument("file")
-    check.set_defaults(run=_config_check)
+    _add_doctor(
+        config.add_subparsers(dest="config_verb", required=True), "check", "the same as kvcore doctor"
+    )
     return parser
+
+
+class _Versions(argparse.Action):
+    """``--version``: print the versions found and exit (argparse's own takes a fixed string)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from kvcore_cli.doctor import versions
+
+        print(versions())
+        parser.exit()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import torch
 import vllm
-from attrs import asdict
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -24,8 +23,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+import kvcore
+from kvcore.config import KVCoreConfig
+from kvcore.config.describe import describe
 from kvcore.errors import InvalidSpecError, UnsupportedConfiguration
-from kvcore.plugins.sizing import staging_shortfall
+from kvcore.kit.settings import format_size
+from kvcore.plugins.sizing import pool_slots, slot_bytes, staging_shortfall
 from kvcore_vllm.compat import check_vllm
 from kvcore_vllm.engine_spec import KVGroup, hash_identity, kv_groups
 from kvcore_vllm.grouped_scheduler import GroupedSchedulerSide
@@ -35,7 +38,7 @@ from kvcore_vllm.metadata import GroupedMetadata, KVCoreMetadata
 from kvcore_vllm.rank_agreement import RankAgreement, alone, over_group
 from kvcore_vllm.roles import require_side
 from kvcore_vllm.scheduler_side import SchedulerSide
-from kvcore_vllm.settings import StorePolicy, read_extra_config
+from kvcore_vllm.settings import StorePolicy, core_mapping, extra_mapping, read_extra_config
 from kvcore_vllm.state_steps import StateSteps
 from kvcore_vllm.stats import KVCorePromMetrics, KVCoreStats, StatsDelta
 from kvcore_vllm.worker_side import WorkerSide
@@ -76,7 +79,8 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        settings = read_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        settings = read_extra_config(extra)
         groups = kv_groups(vllm_config, kv_cache_config)
         states = [group for group in groups if group.kind == "mamba"]
         if states and not settings.chunk_tokens_set:
@@ -138,10 +142,15 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
                 if shortfall is not None:
                     log.warning("%s", shortfall)
             log.info(
-                "kvcore: scheduler side ready (store policy %s, load mode %s): %s",
+                "kvcore %s scheduler side: %s; %s; store policy %s, load mode %s; model %s",
+                kvcore.__version__,
+                describe(
+                    config, core_mapping(extra_mapping(self._kv_transfer_config.kv_connector_extra_config))
+                ),
+                _pool(config, groups),
                 settings.store_policy.value,
                 settings.load_mode.value,
-                asdict(config, filter=lambda a, _: a.name != "secret"),
+                engine.model_id,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
@@ -159,6 +168,13 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
                     config, g.engine, list(g.layers), rank, faults=settings.faults, agree=agree
                 ),
                 GroupedWorkerSide,
+            )
+            log.info(
+                "kvcore %s worker side, rank %d of %d: %s",
+                kvcore.__version__,
+                rank,
+                engine.tp_size,
+                _pool(config, groups),
             )
 
     @classmethod
@@ -305,6 +321,19 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         return KVCorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _pool(config: KVCoreConfig, groups: Sequence[KVGroup]) -> str:
+    """The host pool a rank holds, per KV-cache group: slots, their size, and the memory in all."""
+    parts = []
+    for group in groups:
+        slots = pool_slots(config, group.engine, group.engine.tp_size)
+        size = slot_bytes(config, group.engine)
+        named = f"group {group.index}: " if len(groups) > 1 else ""
+        parts.append(f"{named}{slots} slots of {format_size(size)} per rank ({format_size(slots * size)})")
+        if slots == 0:
+            parts[-1] = f"{named}no host pool (blocks move straight to the tier)"
+    return "host pool: " + ", ".join(parts)
 
 
 def _per_group(

@@ -20,13 +20,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcore.config import load_pd_config
-from kvcore.errors import ConfigError, InvalidSpecError
+from kvcore.errors import InvalidSpecError
 from kvcore_vllm.compat import check_vllm
 from kvcore_vllm.engine_spec import engine_spec, layer_names
 from kvcore_vllm.kv_layout import requested_order
 from kvcore_vllm.pd_metadata import PDMetadata
 from kvcore_vllm.pd_scheduler import PDRole, PDScheduler
 from kvcore_vllm.pd_worker import PDWorker
+from kvcore_vllm.preflight import check_pd
 from kvcore_vllm.roles import require_side
 
 if TYPE_CHECKING:
@@ -53,12 +54,8 @@ class KVCorePDConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
         extra = transfer.kv_connector_extra_config
-        if "pd" not in extra:
-            raise ConfigError("pd", None, "a 'pd' section in kv_connector_extra_config for KVCorePDConnector")
-        pd = load_pd_config(extra)  # the P/D section alone: this connector needs no tier backend
-        choices = [r.value for r in PDRole]
-        if transfer.kv_role not in choices:
-            raise ConfigError("kv_role", transfer.kv_role, f"one of {', '.join(map(repr, choices))}")
+        check_pd(extra, transfer.kv_role)
+        pd = load_pd_config(extra)
         pd_role = PDRole(transfer.kv_role)
         engine_id = transfer.engine_id or "kvcore"
         engine = engine_spec(vllm_config, kv_cache_config)

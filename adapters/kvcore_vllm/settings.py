@@ -12,22 +12,31 @@ tests and instrumentation name their hooks here instead of handing them to ``kvc
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, TypeVar
 
 from attrs import frozen
 
-from kvcore.config import KVCoreConfig, load_config
+from kvcore.config import KVCoreConfig, load_config, read_config_file
 from kvcore.errors import ConfigError
 from kvcore.kit.faults import FaultHooks, load_hooks
 
-__all__ = ["LoadMode", "StorePolicy", "VLLMSettings", "read_extra_config"]
+__all__ = [
+    "ADAPTER_KEYS",
+    "LoadMode",
+    "StorePolicy",
+    "VLLMSettings",
+    "core_mapping",
+    "extra_mapping",
+    "load_yaml",
+    "read_extra_config",
+]
 
 STORE_POLICY_KEY = "store_policy"
 LOAD_MODE_KEY = "load_mode"
 FAULTS_KEY = "faults"
+ADAPTER_KEYS = (STORE_POLICY_KEY, LOAD_MODE_KEY, FAULTS_KEY)
+"""The keys of the extra config that are the adapter's, not the core's."""
 
 _E = TypeVar("_E", bound=enum.Enum)
 
@@ -73,31 +82,31 @@ class VLLMSettings:
 
 def read_extra_config(extra: Mapping[str, Any]) -> VLLMSettings:
     """The validated settings from ``kv_connector_extra_config``."""
+    return _settings(extra_mapping(extra))
+
+
+def extra_mapping(extra: Mapping[str, Any]) -> Mapping[str, Any]:
+    """kvcore's config as ``kv_connector_extra_config`` gives it: the mapping itself, or the one its
+    ``config_file`` holds (JSON, or YAML for ``.yaml``/``.yml``: ``read_config_file``). Raises
+    ``ConfigError`` naming ``config_file`` for a file that cannot be read or parsed."""
     if "config_file" not in extra:
-        return _settings(extra)
+        return extra
     if len(extra) != 1:
         others = sorted(k for k in extra if k != "config_file")
         raise ConfigError("kv_connector_extra_config", others, "either 'config_file' alone, or the config")
-    path = Path(str(extra["config_file"]))
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError("config_file", str(path), f"a readable file ({exc.strerror})") from None
-    if path.suffix in (".yaml", ".yml"):
-        import yaml  # vLLM depends on PyYAML; only YAML configs need it
+    return read_config_file(str(extra["config_file"]), yaml_load=load_yaml)
 
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError("config_file", str(path), f"valid YAML ({exc})") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError("config_file", str(path), f"valid JSON ({exc})") from None
-    if not isinstance(data, Mapping):
-        raise ConfigError("config_file", str(path), "a file holding a mapping")
-    return _settings(data)
+
+def load_yaml(text: str) -> object:
+    """YAML ``text`` parsed safely (vLLM depends on PyYAML; only YAML configs need it)."""
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def core_mapping(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The core's part of kvcore's config: every key but the adapter's own (``ADAPTER_KEYS``)."""
+    return {k: v for k, v in data.items() if k not in ADAPTER_KEYS}
 
 
 def _choice(data: Mapping[str, Any], key: str, kind: type[_E], default: _E) -> _E:
@@ -109,10 +118,10 @@ def _choice(data: Mapping[str, Any], key: str, kind: type[_E], default: _E) -> _
 
 
 def _settings(data: Mapping[str, Any]) -> VLLMSettings:
-    core = {k: v for k, v in data.items() if k not in (STORE_POLICY_KEY, LOAD_MODE_KEY, FAULTS_KEY)}
+    core = core_mapping(data)
     policy = _choice(data, STORE_POLICY_KEY, StorePolicy, StorePolicy.EAGER)
     settings = VLLMSettings(
-        load_config(core),
+        load_config(core, beside=ADAPTER_KEYS),
         policy,
         _choice(data, LOAD_MODE_KEY, LoadMode, LoadMode.AUTO),
         load_hooks(data[FAULTS_KEY], field=FAULTS_KEY) if FAULTS_KEY in data else None,

@@ -38,6 +38,7 @@ __all__ = [
     "file_bytes",
     "fsync_folder",
     "header_bytes",
+    "read_key",
     "read_value",
     "temporary_name",
     "write_temporary",
@@ -211,6 +212,16 @@ def _advance(views: list[memoryview], done: int) -> list[memoryview]:
         rest.append(view[done:])
         done = 0
     return rest
+
+
+def read_key(path: str | Path) -> str | None:
+    """The key in the header of the file at ``path``, ``None`` for a file that is not a chunk file of
+    this format (or is gone); reads the header only."""
+    try:
+        with open(path, "rb") as file:
+            return ChunkHeader.unpack(file.read(_FIXED.size + MAX_KEY_BYTES)).key
+    except (OSError, BadChunkFile):
+        return None
 
 
 def fsync_folder(folder: str) -> None:

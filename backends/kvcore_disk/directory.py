@@ -39,9 +39,21 @@ from pathlib import Path
 from attrs import frozen
 
 from kvcore.errors import ConfigError
+from kvcore.kit.settings import format_size
 from kvcore_disk.chunk_file import FORMAT, chunk_name, fsync_folder
 
-__all__ = ["LOCK_WAIT_S", "ChunkDirectory", "DirectoryScan", "LockBusy"]
+__all__ = [
+    "LOCK",
+    "LOCK_WAIT_S",
+    "ChunkDirectory",
+    "DirectoryScan",
+    "unusable",
+    "LockBusy",
+    "folder_problem",
+    "marker_problem",
+    "read_marker",
+    "size_problem",
+]
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +126,7 @@ class ChunkDirectory:
                 field, str(root), f"a directory whose {LOCK} other processes let go ({exc})"
             ) from None
         except OSError as exc:
-            raise ConfigError(field, str(root), f"a directory this process can use ({_cause(exc)})") from None
+            raise ConfigError(field, str(root), unusable(exc)) from None
 
     def _open(self, size_field: str) -> ChunkDirectory:
         root, size = self.root, self.size
@@ -124,11 +136,7 @@ class ChunkDirectory:
             (self._chunks / f"{fan:02x}").mkdir(parents=True, exist_ok=True)
         usage = shutil.disk_usage(root)
         if size > usage.total:
-            raise ConfigError(
-                size_field,
-                size,
-                f"at most the {usage.total} bytes the file system of {str(root)!r} holds in all",
-            )
+            raise ConfigError(size_field, size, size_problem(root, usage.total))
         with self._locked(OPEN_WAIT_S) as fd:
             found = self._scan()
             _write_used(fd, self._evict(fd) if found.bytes > size else found.bytes)
@@ -312,19 +320,17 @@ class ChunkDirectory:
     # -- checks at open ------------------------------------------------------------------------------
 
     def _check_folder(self) -> None:
-        root = self.root
-        if not root.exists():
-            raise ConfigError(self._field, str(root), "an existing directory (it does not exist)")
-        if not root.is_dir():
-            raise ConfigError(self._field, str(root), "a directory (it is not one)")
-        if not os.access(root, os.W_OK | os.X_OK):
-            raise ConfigError(self._field, str(root), "a directory this process can write to")
+        problem = folder_problem(self.root)
+        if problem is not None:
+            raise ConfigError(self._field, str(self.root), problem)
 
     def _check_marker(self) -> None:
-        marker = self.root / MARKER
         try:
-            text = marker.read_text()
-        except FileNotFoundError:
+            text = read_marker(self.root)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(self._field, str(self.root), f"a readable {MARKER} ({exc})") from None
+        if text is None:
+            marker = self.root / MARKER
             temporary = marker.with_name(f".{MARKER}.{os.getpid()}.tmp")
             try:
                 temporary.write_text(json.dumps({"format": FORMAT}) + "\n")
@@ -335,20 +341,49 @@ class ChunkDirectory:
                     self._field, str(self.root), f"a directory this process can write to ({exc})"
                 ) from None
             return
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(self._field, str(self.root), f"a readable {MARKER} ({exc})") from None
-        try:
-            found = json.loads(text)
-        except json.JSONDecodeError:
-            found = None
-        version = found.get("format") if isinstance(found, dict) else None
-        if version != FORMAT:
-            raise ConfigError(
-                self._field,
-                str(self.root),
-                f"a kvcore disk tier directory of format {FORMAT}, but its {MARKER} says "
-                f"{text.strip()[:80]!r} (another kvcore version wrote it: use another path, or empty it)",
-            )
+        problem = marker_problem(text)
+        if problem is not None:
+            raise ConfigError(self._field, str(self.root), problem)
+
+
+def folder_problem(root: Path) -> str | None:
+    """What a tier's folder must be and ``root`` is not (as ``open`` refuses it), or ``None``. Raises
+    ``OSError`` for a path the system cannot look at (a name too long)."""
+    if not root.exists():
+        return "an existing directory (it does not exist)"
+    if not root.is_dir():
+        return "a directory (it is not one)"
+    if not os.access(root, os.W_OK | os.X_OK):
+        return "a directory this process can write to"
+    return None
+
+
+def marker_problem(text: str) -> str | None:
+    """What a folder whose marker holds ``text`` should have held, or ``None`` for this format's."""
+    try:
+        found = json.loads(text)
+    except json.JSONDecodeError:
+        found = None
+    if isinstance(found, dict) and found.get("format") == FORMAT:
+        return None
+    return (
+        f"a kvcore disk tier directory of format {FORMAT}, but its {MARKER} says {text.strip()[:80]!r} "
+        "(another kvcore version wrote it: use another path, or empty it)"
+    )
+
+
+def size_problem(root: Path, total: int) -> str:
+    """What a size above what ``root``'s file system holds should have been."""
+    return f"at most the {total} bytes ({format_size(total)}) the file system of {str(root)!r} holds in all"
+
+
+def read_marker(root: Path) -> str | None:
+    """The marker's text, ``None`` for a folder that has none yet. Raises ``OSError`` (and
+    ``UnicodeDecodeError``) for one that cannot be read."""
+    try:
+        return (root / MARKER).read_text()
+    except FileNotFoundError:
+        return None
 
 
 def _flock(fd: int, deadline: float, path: Path) -> None:
@@ -367,10 +402,11 @@ def _flock(fd: int, deadline: float, path: Path) -> None:
             pause = min(2 * pause, 0.05)
 
 
-def _cause(exc: OSError) -> str:
-    """An ``OSError`` as a person reads it: what the system said, and of which file."""
+def unusable(exc: OSError) -> str:
+    """What a folder the system refused (``exc``) should have been, naming what the system said and of
+    which file."""
     where = f": {exc.filename}" if exc.filename else ""
-    return f"{exc.strerror or exc}{where}"
+    return f"a directory this process can use ({exc.strerror or exc}{where})"
 
 
 def _read(fd: int) -> tuple[int, int]:

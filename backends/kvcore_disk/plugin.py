@@ -3,6 +3,7 @@ Importing it imports only the config class."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ from kvcore.ports import ChunkIndex, RankMemory
 from kvcore_disk.config import DiskConfig
 
 if TYPE_CHECKING:
+    from kvcore.plugins.preflight import Finding, PreflightContext
     from kvcore_disk.directory import ChunkDirectory
 
 __all__ = ["BACKEND", "DiskBackend"]
@@ -25,6 +27,12 @@ class DiskBackend:
 
     kind = "disk"
     config_class = DiskConfig
+
+    def preflight(self, config: KVCoreConfig, context: PreflightContext) -> Iterable[Finding]:
+        """What ``open_*`` would refuse (``kvcore_disk.preflight``), found without opening anything."""
+        from kvcore_disk.preflight import disk_findings
+
+        return disk_findings(settings_of(config, DiskConfig), context)
 
     def open_index(self, config: KVCoreConfig, engine: EngineSpec) -> ChunkIndex | None:
         _require_dependencies()

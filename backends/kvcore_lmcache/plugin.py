@@ -4,12 +4,18 @@ use."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 from kvcore.config import KVCoreConfig
 from kvcore.model.engine import EngineSpec
 from kvcore.plugins import RemotePort, settings_of
 from kvcore.plugins.sizing import pool_slots, slot_bytes
 from kvcore.ports import ChunkIndex, RankMemory
 from kvcore_lmcache.config import LMCacheMPConfig
+
+if TYPE_CHECKING:
+    from kvcore.plugins.preflight import Finding, PreflightContext
 
 __all__ = ["BACKEND", "LMCacheBackend"]
 
@@ -21,6 +27,13 @@ class LMCacheBackend:
 
     kind = "lmcache_mp"
     config_class = LMCacheMPConfig
+
+    def preflight(self, config: KVCoreConfig, context: PreflightContext) -> Iterable[Finding]:
+        """What the engine would refuse or warn of (``kvcore_lmcache.preflight``), found without opening
+        anything."""
+        from kvcore_lmcache.preflight import lmcache_findings
+
+        return lmcache_findings(settings_of(config, LMCacheMPConfig), context)
 
     def open_index(self, config: KVCoreConfig, engine: EngineSpec) -> ChunkIndex | None:
         from kvcore_lmcache.index import LMCacheChunkIndex

@@ -32,7 +32,7 @@ from kvcore_mooncake.config import MooncakeStoreConfig
 if TYPE_CHECKING:
     from mooncake.store import ReplicateConfig
 
-__all__ = ["Code", "MooncakeClient", "describe"]
+__all__ = ["INSTALL", "Code", "MooncakeClient", "describe", "master_address"]
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +106,15 @@ class StoreBinding(Protocol):
     def remove_all(self, force: bool) -> int: ...
 
 
+INSTALL = "install mooncake-transfer-engine-non-cuda (or the CUDA build on GPU machines) and libibverbs1"
+"""What to install where the client does not import."""
+
+
 def _native() -> StoreBinding:
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
-        raise BackendUnavailable(
-            f"mooncake.store does not import ({exc}): install mooncake-transfer-engine-non-cuda "
-            "(or the CUDA build on GPU machines) and libibverbs1"
-        ) from None
+        raise BackendUnavailable(f"mooncake.store does not import ({exc}): {INSTALL}") from None
     return MooncakeDistributedStore()
 
 
@@ -125,7 +126,7 @@ def _replicas(count: int) -> ReplicateConfig:
     return config
 
 
-def _master_address(master: str) -> tuple[str, int]:
+def master_address(master: str) -> tuple[str, int]:
     host, sep, port = master.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError("master", master, "'host:port' of the Mooncake master")
@@ -173,7 +174,7 @@ class MooncakeClient:
         # Read by the native client of each process as it sets up: the first config of a process bounds
         # every client's calls to the master (an operator's own MC_RPC_TIMEOUT_MS wins).
         os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(1, round(config.rpc_timeout_s * 1000))))
-        host, port = _master_address(config.master)
+        host, port = master_address(config.master)
         # A master that is not listening fails here at once, instead of after setup's retries.
         try:
             socket.create_connection((host, port), timeout=config.setup_timeout_s).close()

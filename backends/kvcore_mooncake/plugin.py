@@ -3,12 +3,18 @@ pool. Importing it loads no native library; the client is opened on first use.""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 from kvcore.config import KVCoreConfig
 from kvcore.errors import ConfigError
 from kvcore.model.engine import EngineSpec
 from kvcore.plugins import RemotePort, settings_of
 from kvcore.ports import ChunkIndex, RankMemory
 from kvcore_mooncake.config import MooncakeStoreConfig
+
+if TYPE_CHECKING:
+    from kvcore.plugins.preflight import Finding, PreflightContext
 
 __all__ = ["BACKEND", "MooncakeBackend"]
 
@@ -19,6 +25,13 @@ class MooncakeBackend:
 
     kind = "mooncake_store"
     config_class = MooncakeStoreConfig
+
+    def preflight(self, config: KVCoreConfig, context: PreflightContext) -> Iterable[Finding]:
+        """What the engine would refuse or warn of (``kvcore_mooncake.preflight``), found without opening
+        anything."""
+        from kvcore_mooncake.preflight import mooncake_findings
+
+        return mooncake_findings(settings_of(config, MooncakeStoreConfig), context)
 
     def open_index(self, config: KVCoreConfig, engine: EngineSpec) -> ChunkIndex | None:
         from kvcore_mooncake.index import MooncakeChunkIndex

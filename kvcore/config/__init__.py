@@ -3,7 +3,14 @@
 
 from __future__ import annotations
 
-from kvcore.config.loading import config_to_dict, load_config, load_config_file, load_pd_config
+from kvcore.config.loading import (
+    config_to_dict,
+    load_config,
+    load_config_file,
+    load_pd_config,
+    read_config_file,
+    read_config_text,
+)
 from kvcore.config.model import KVCoreConfig, PDConfig
 from kvcore.kit.settings import parse_size
 
@@ -13,6 +20,8 @@ __all__ = [
     "config_to_dict",
     "load_config",
     "load_config_file",
+    "read_config_file",
+    "read_config_text",
     "load_pd_config",
     "parse_size",
 ]

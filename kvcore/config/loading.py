@@ -14,10 +14,11 @@ import enum
 import json
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+import attrs
 import cattrs
 from attrs import frozen
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
@@ -31,12 +32,20 @@ from kvcore.kit.settings import (
     BadValue,
     ByteCount,
     ByteSize,
+    did_you_mean,
     read_size,
     shown,
 )
 from kvcore.plugins import registry
 
-__all__ = ["config_to_dict", "load_config", "load_config_file", "load_pd_config"]
+__all__ = [
+    "config_to_dict",
+    "load_config",
+    "load_config_file",
+    "load_pd_config",
+    "read_config_file",
+    "read_config_text",
+]
 
 
 @frozen
@@ -113,7 +122,7 @@ def _make_converter() -> cattrs.Converter:
         kind = value.get("kind", "<missing>")
         found = registry.backends()
         if not isinstance(kind, str) or kind not in found:
-            raise BadValue(kind, registry.expected_kinds(), "kind")
+            raise BadValue(kind, registry.expected_kinds(kind), "kind")
         cls = found[kind].config_class
         if cls not in structurers:  # built directly: the hook for BackendSettings must not call itself
             structurers[cls] = make_dict_structure_fn(cls, conv, _cattrs_forbid_extra_keys=True)
@@ -180,18 +189,28 @@ def _key(key: object) -> str:
     return key if isinstance(key, str) and len(key) <= 80 else repr(shown(key))
 
 
-def _problems(exc: BaseException, path: str) -> Iterator[tuple[str, object, str]]:
+def _problems(
+    exc: BaseException, path: str, beside: Collection[str] = ()
+) -> Iterator[tuple[str, object, str]]:
     """(field path, value, expected) for each problem in ``exc``; a problem with no path names
-    ``config``, the whole mapping."""
+    ``config``, the whole mapping. An unknown key is told the known key it is closest to, ``beside``
+    (keys a caller took out of the top-level mapping before) included."""
     if isinstance(exc, ClassValidationError):
         with_notes, without = exc.group_exceptions()
         for sub, note in with_notes:
             yield from _problems(sub, f"{path}.{note.name}" if path else note.name)
         for sub in without:
-            yield from _problems(sub, path)
+            yield from _problems(sub, path, beside)
     elif isinstance(exc, ForbiddenExtraKeysError):
+        known = [field.name for field in attrs.fields(exc.cl)] + list(beside if not path else ())
+        if exc.cl is KVCoreConfig:
+            known.append("tiers")
         for key in sorted(map(_key, exc.extra_fields)):
-            yield (f"{path}.{key}" if path else key, "<unknown key>", "no such key")
+            yield (
+                f"{path}.{key}" if path else key,
+                "<unknown key>",
+                "no such key" + did_you_mean(key, known),
+            )
     elif isinstance(exc, BadValue):
         yield (".".join(p for p in (path, exc.field) if p) or "config", exc.value, exc.expected)
     elif isinstance(exc, KeyError):
@@ -200,12 +219,13 @@ def _problems(exc: BaseException, path: str) -> Iterator[tuple[str, object, str]
         yield (path or "config", "<unreadable>", f"a readable value ({type(exc).__name__})")
 
 
-def load_config(data: Mapping[str, object]) -> KVCoreConfig:
+def load_config(data: Mapping[str, object], *, beside: Collection[str] = ()) -> KVCoreConfig:
     """Validate a mapping (parsed JSON, ``kv_connector_extra_config``) into a ``KVCoreConfig``.
 
     The tiers are given either as ``backend`` (one backend, with its host pool) or as ``tiers``, a list
     (``kvcore.config.tiers``): then ``backend`` holds their ``TierStack``. Raises ``ConfigError`` naming the
-    first bad field; its message lists every problem found.
+    first bad field; its message lists every problem found, and an unknown key the key it is closest to
+    (``beside``: an engine adapter's own top-level keys, taken out before, are candidates too).
     """
     given: object = data  # typed a mapping, but hostile input may be anything: ``_load`` refuses it
     try:
@@ -213,7 +233,7 @@ def load_config(data: Mapping[str, object]) -> KVCoreConfig:
     except Exception:  # a mapping that fails when read: ``_load`` reports it as such
         stacked = False
     if not stacked:
-        return _load(data, KVCoreConfig, "")
+        return _load(data, KVCoreConfig, "", beside)
     if "backend" in data:
         raise ConfigError(
             "tiers", "<beside backend>", "either 'backend' (one tier) or 'tiers' (a list), not both"
@@ -222,9 +242,9 @@ def load_config(data: Mapping[str, object]) -> KVCoreConfig:
         fields = {k: v for k, v in data.items() if k != "tiers"}
         fields["backend"] = _Stacked(data["tiers"])
     except Exception:  # a mapping that fails when read: ``_load`` reports it as such
-        return _load(data, KVCoreConfig, "")
+        return _load(data, KVCoreConfig, "", beside)
     try:
-        return _load(fields, KVCoreConfig, "")
+        return _load(fields, KVCoreConfig, "", beside)
     except ConfigError as exc:  # a tier's problem is found under ``backend``: name it as it was written
         field = "tiers" if exc.field == "backend" else exc.field.replace("backend.tiers", "tiers", 1)
         error = ConfigError(field, exc.value, exc.expected)
@@ -241,7 +261,7 @@ def load_pd_config(data: Mapping[str, object]) -> PDConfig:
     return _load(data.get("pd", {}), PDConfig, "pd")
 
 
-def _load(data: object, cls: type[_Loaded], path: str) -> _Loaded:
+def _load(data: object, cls: type[_Loaded], path: str, beside: Collection[str] = ()) -> _Loaded:
     """Structure ``data`` as ``cls``; every failure, whatever raised it, becomes one ``ConfigError`` with
     a path (``path`` in front), and a note lists the other problems."""
     try:
@@ -249,7 +269,7 @@ def _load(data: object, cls: type[_Loaded], path: str) -> _Loaded:
             raise BadValue(data, "a mapping")
         return _CONVERTER.structure(dict(data), cls)
     except Exception as exc:  # every failure of hostile input is reported, not raised
-        problems = list(_problems(exc, path))
+        problems = list(_problems(exc, path, beside))
     first = problems[0]
     error = ConfigError(*first)
     if len(problems) > 1:
@@ -287,15 +307,20 @@ def _short_integer(text: str) -> int:
 
 
 def load_config_file(path: str | Path) -> KVCoreConfig:
-    """Read a JSON config file (adapters that accept YAML parse it themselves and call ``load_config``).
+    """Read a JSON config file (``read_config_file``) and validate it (``load_config``)."""
+    return load_config(read_config_file(path))
 
-    The file must be UTF-8 (a byte-order mark is skipped), at most 1 MiB, and hold one JSON object with no
-    duplicate keys, no NaN or Infinity, and no integer of more than 100 digits; anything else is a
-    ``ConfigError`` naming ``config_file``.
-    """
+
+def read_config_file(
+    path: str | Path, *, field: str = "config_file", yaml_load: Callable[[str], object] | None = None
+) -> dict[str, Any]:
+    """The mapping a config file holds. The file must be UTF-8 (a byte-order mark is skipped), at most
+    1 MiB, and hold one object: JSON with no duplicate keys, no NaN or Infinity and no integer of more
+    than 100 digits, or, for a ``.yaml``/``.yml`` file, YAML read by ``yaml_load`` (an adapter's: the
+    core reads no YAML itself). Anything else is a ``ConfigError`` naming ``field`` and the path."""
 
     def refuse(expected: str) -> NoReturn:
-        raise ConfigError("config_file", str(path), expected)
+        raise ConfigError(field, str(path), expected)
 
     try:
         with open(path, "rb") as file:
@@ -310,8 +335,28 @@ def load_config_file(path: str | Path) -> KVCoreConfig:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         refuse(f"UTF-8 text (byte {exc.start} is not)")
+    if Path(path).suffix.lower() not in (".yaml", ".yml"):
+        return read_config_text(text, field=field, source=str(path))
+    if yaml_load is None:
+        refuse("a JSON file (YAML is read by the engine adapters that take it)")
+    try:
+        data = yaml_load(text)
+    except Exception as exc:  # the loader's error, whatever its type: the file is not valid YAML
+        refuse(f"valid YAML ({exc})")
+    if not isinstance(data, dict):
+        refuse(f"a mapping at the top level, not {shown(data)!r}")
+    return data
+
+
+def read_config_text(text: str, *, field: str = "config", source: str | None = None) -> dict[str, Any]:
+    """The JSON object ``text`` holds, read as ``read_config_file`` reads a file's; a ``ConfigError``
+    naming ``field`` and ``source`` (the text itself by default) otherwise."""
+
+    def refuse(expected: str) -> NoReturn:
+        raise ConfigError(field, source if source is not None else shown(text), expected)
+
     if not text.strip():
-        refuse("a JSON object (the file is empty)")
+        refuse("a JSON object (it is empty)")
     try:
         data = json.loads(
             text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_int=_short_integer
@@ -322,7 +367,7 @@ def load_config_file(path: str | Path) -> KVCoreConfig:
         refuse("valid JSON nested less deeply")
     if not isinstance(data, dict):
         refuse(f"a JSON object at the top level, not {shown(data)!r}")
-    return load_config(data)
+    return data
 
 
 def config_to_dict(config: KVCoreConfig) -> dict[str, Any]:

@@ -9,11 +9,12 @@ a config through the class that the backend registry names for its ``kind``.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
 import reprlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from fractions import Fraction
 from typing import Any, ClassVar, NewType, Protocol
 
@@ -26,7 +27,9 @@ __all__ = [
     "BadValue",
     "ByteCount",
     "ByteSize",
+    "did_you_mean",
     "fits_in_memory",
+    "format_size",
     "host_and_port",
     "non_empty",
     "one_of",
@@ -68,15 +71,18 @@ ByteCount = NewType("ByteCount", int)  # like ByteSize, but 0 is allowed (e.g. "
 _UNITS = {
     "": 1,
     "B": 1,
+    "kB": 10**3,
     "KB": 10**3,
     "MB": 10**6,
     "GB": 10**9,
     "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
 }
+"""Units, spelled exactly: ``GB`` is 10**9 bytes (SI), ``GiB`` is 2**30 (IEC). Any other spelling
+(``gb``, ``GIB``, ``G``, ``Gi``) is refused rather than guessed: 10 GiB and 10 GB differ by 7 %."""
 # ASCII digits only (int() would also take other scripts' digits), and few enough of them that no size
 # string can reach Python's limit on integer conversions.
 _SIZE = re.compile(r"\s*([0-9]{1,40}(?:\.[0-9]{1,40})?)\s*([A-Za-z]*)\s*")
@@ -139,6 +145,15 @@ class BadValue(ConfigError):
         super().__init__(field, shown(value), expected)
 
 
+def did_you_mean(given: object, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the choice closest to ``given`` (a typo of it), or ``""`` when none is
+    close: appended to what a ``ConfigError`` expected."""
+    if not isinstance(given, str):
+        return ""
+    close = difflib.get_close_matches(given, sorted(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def parse_size(value: object, field_name: str = "size") -> int:
     """Bytes from an integer or a string like ``"8GiB"``, ``"1.5 GiB"``, ``"512MB"``, ``"4096"``; must be
     positive, a whole number of bytes, and below 2**63."""
@@ -150,17 +165,21 @@ def parse_size(value: object, field_name: str = "size") -> int:
 
 def read_size(value: object, *, allow_zero: bool = False) -> int:
     """Exact: a decimal string is read as a fraction, never through a float (``"9007199254740993"`` stays
-    odd), and a size that is not a whole number of bytes (``"1.5B"``) is refused."""
+    odd), and a size that is not a whole number of bytes (``"1.5B"``) is refused. Units are spelled
+    exactly (``_UNITS``); a misspelt one is refused naming the spellings it may have meant."""
     expected = (
         f"a {'non-negative' if allow_zero else 'positive'} whole number of bytes below 2**63: an integer, "
-        "or a string such as '8GiB', '1.5 GiB' or '512MB'"
+        "or a string such as '8GiB' (8 * 2**30), '1.5 GiB' or '512MB' (512 * 10**6)"
     )
     if isinstance(value, bool):
         raise BadValue(value, expected)
     if isinstance(value, int):
         size = value
-    elif isinstance(value, str) and (m := _SIZE.fullmatch(value)) and m.group(2).upper() in _UNITS:
-        exact = Fraction(m.group(1)) * _UNITS[m.group(2).upper()]
+    elif isinstance(value, str) and (m := _SIZE.fullmatch(value)):
+        number, unit = m.groups()
+        if unit not in _UNITS:
+            raise BadValue(value, _misspelt(number, unit) or expected)
+        exact = Fraction(number) * _UNITS[unit]
         if exact.denominator != 1:
             raise BadValue(value, expected)
         size = exact.numerator
@@ -169,6 +188,18 @@ def read_size(value: object, *, allow_zero: bool = False) -> int:
     if not (0 if allow_zero else 1) <= size < _SIZE_LIMIT:
         raise BadValue(value, expected)
     return size
+
+
+def _misspelt(number: str, unit: str) -> str:
+    """What a size with a misspelt unit may have meant, for its error ("" for a unit that is no size's)."""
+    key = unit.upper().removesuffix("B").removesuffix("I")
+    if key not in ("K", "M", "G", "T"):
+        return ""
+    power = "KMGT".index(key) + 1
+    return (
+        f"a unit spelled exactly ({key}B is 10**{3 * power} bytes, {key}iB is 2**{10 * power}): did you "
+        f"mean '{number}{key}iB' or '{number}{key}B'?"
+    )
 
 
 def within(low: float, high: float, expected: str) -> Callable[[object, Attribute[Any], float], None]:
@@ -233,8 +264,13 @@ def _physical_memory() -> int | None:
     return page * pages if page > 0 and pages > 0 else None
 
 
-def _gib(size: int) -> str:
-    return f"{size / 2**30:.1f} GiB"
+def format_size(size: int) -> str:
+    """``size`` bytes as a person reads it, in binary units to two decimals: ``"8 bytes"``, ``"1.5 KiB"``,
+    ``"9.31 GiB"`` (what ``"10GB"`` is)."""
+    for power, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if abs(size) >= 2**power:
+            return f"{size / 2**power:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+    return f"{size} byte{'s' * (size != 1)}"
 
 
 def fits_in_memory(backend: BackendSettings, attribute: Attribute[Any], value: int) -> None:
@@ -246,6 +282,8 @@ def fits_in_memory(backend: BackendSettings, attribute: Attribute[Any], value: i
     total = sum(sizes.values())
     if physical is None or total <= physical or max(sizes, key=sizes.__getitem__) != attribute.name:
         return
-    held = f"{' + '.join(sizes)} = {total} bytes ({_gib(total)}) on one node, " if len(sizes) > 1 else ""
-    expected = f"{held}at most this machine's physical memory: {physical} bytes ({_gib(physical)})"
+    held = (
+        f"{' + '.join(sizes)} = {total} bytes ({format_size(total)}) on one node, " if len(sizes) > 1 else ""
+    )
+    expected = f"{held}at most this machine's physical memory: {physical} bytes ({format_size(physical)})"
     raise BadValue(value, expected, attribute.name)

@@ -12,12 +12,16 @@ rank's engine KV tensors and its host pool and runs the block mover between them
 ``BlockWorker`` and hands the remote tier's opener that rank's memory (``kvcore.ports.RankMemory``). So a
 backend never depends on a tensor library, and a tensor library on no backend.
 
-``kvcore.plugins.registry`` finds both; ``kvcore.plugins.compose`` puts them together.
+An **engine's checks** (entry-point group ``kvcore.engine_checks``, one entry per engine adapter) read
+what a person gives that engine (vLLM's ``--kv-transfer-config``) as the engine will, for ``kvcore
+doctor`` (``kvcore.plugins.preflight``): the same checks the adapter runs before its engine starts.
+
+``kvcore.plugins.registry`` finds all three; ``kvcore.plugins.compose`` puts the first two together.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 from kvcore.errors import UsageError
@@ -28,9 +32,18 @@ if TYPE_CHECKING:  # the config reads backends through the registry, which check
     from kvcore.kit.faults import FaultHooks
     from kvcore.kit.settings import BackendSettings
     from kvcore.model.engine import EngineSpec
+    from kvcore.plugins.preflight import EngineFlags, Report
     from kvcore.ports import BlockMover, ChunkIndex, ChunkStore, ManagedTier, RankMemory, RemoteTier
 
-__all__ = ["Backend", "EngineMemory", "MoverWrap", "RemoteOpener", "RemotePort", "settings_of"]
+__all__ = [
+    "Backend",
+    "EngineChecks",
+    "EngineMemory",
+    "MoverWrap",
+    "RemoteOpener",
+    "RemotePort",
+    "settings_of",
+]
 
 RemotePort: TypeAlias = "ChunkStore | ManagedTier | RemoteTier"
 """What a backend's ``open_remote`` returns: the port it implements (a ``RemoteTier`` it made itself is
@@ -104,6 +117,24 @@ class EngineMemory(Protocol):
         every mover of the rank calls ``faults`` (``kvcore.kit.faults``) before each copy. Raises
         ``UsageError`` for tensors, a rank, a config or ``faults`` that do not fit the engine; nothing then
         stays allocated."""
+        ...
+
+
+@runtime_checkable
+class EngineChecks(Protocol):
+    """An engine adapter's pre-flight of the config its engine is given, in that engine's form."""
+
+    @property
+    def name(self) -> str: ...
+
+    def accepts(self, data: Mapping[str, object]) -> bool:
+        """Whether ``data`` is this engine's form of a config (vLLM: a ``--kv-transfer-config``)."""
+        ...
+
+    def check(self, data: Mapping[str, object], flags: EngineFlags) -> Sequence[tuple[str, Report]]:
+        """The pre-flight of each kvcore config in ``data`` (``data`` may also be kvcore's config alone),
+        named (vLLM: by connector), as the engine runs it with what ``flags`` say of the engine. Raises
+        ``ConfigError`` for what the adapter refuses before any tier is checked."""
         ...
 
 

@@ -16,13 +16,16 @@ from importlib.metadata import entry_points
 from typing import Generic, TypeVar
 
 from kvcore.errors import ConfigError, UsageError
-from kvcore.plugins import Backend, EngineMemory
+from kvcore.kit.settings import did_you_mean
+from kvcore.plugins import Backend, EngineChecks, EngineMemory
 
 __all__ = [
     "BACKENDS_GROUP",
+    "ENGINE_CHECKS_GROUP",
     "ENGINE_MEMORY_GROUP",
     "backend",
     "backends",
+    "engine_checks",
     "engine_memory",
     "expected_kinds",
     "register_backend",
@@ -32,10 +35,11 @@ __all__ = [
 
 BACKENDS_GROUP = "kvcore.backends"
 ENGINE_MEMORY_GROUP = "kvcore.engine_memory"
+ENGINE_CHECKS_GROUP = "kvcore.engine_checks"
 
 log = logging.getLogger(__name__)
 
-_Plugin = TypeVar("_Plugin", Backend, EngineMemory)
+_Plugin = TypeVar("_Plugin", Backend, EngineMemory, EngineChecks)
 
 
 class _Group(Generic[_Plugin]):
@@ -96,8 +100,20 @@ def _checked_memory(name: str, plugin: object) -> EngineMemory:
     return plugin
 
 
+def _checked_checks(name: str, plugin: object) -> EngineChecks:
+    if not isinstance(plugin, EngineChecks) or plugin.name != name:
+        raise UsageError(f"engine checks {name!r}: {plugin!r} is not a kvcore.plugins.EngineChecks named so")
+    return plugin
+
+
 _BACKENDS = _Group[Backend](BACKENDS_GROUP, _checked_backend)
 _MEMORIES = _Group[EngineMemory](ENGINE_MEMORY_GROUP, _checked_memory)
+_CHECKS = _Group[EngineChecks](ENGINE_CHECKS_GROUP, _checked_checks)
+
+
+def engine_checks() -> Mapping[str, EngineChecks]:
+    """Every engine adapter's pre-flight, by engine name."""
+    return _CHECKS.plugins()
 
 
 def backends() -> Mapping[str, Backend]:
@@ -111,13 +127,15 @@ def backend(kind: object) -> Backend:
     found = backends()
     if isinstance(kind, str) and kind in found:
         return found[kind]
-    raise ConfigError("backend.kind", kind, expected_kinds())
+    raise ConfigError("backend.kind", kind, expected_kinds(kind))
 
 
-def expected_kinds() -> str:
-    """What ``backend.kind`` may be: the installed kinds, and the broken ones with why they are not."""
+def expected_kinds(given: object = None) -> str:
+    """What ``backend.kind`` may be: the installed kinds (the one closest to ``given``, a typo of it), and
+    the broken ones with why they are not."""
     found = backends()
     kinds = f"one of {', '.join(map(repr, sorted(found)))}" if found else "an installed backend (none is)"
+    kinds += did_you_mean(given, found)
     if _BACKENDS.broken:
         kinds += "; left out as broken: " + "; ".join(
             f"{name!r} ({why})" for name, why in _BACKENDS.broken.items()

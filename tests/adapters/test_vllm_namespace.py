@@ -34,9 +34,9 @@ with warnings.catch_warnings():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
     from vllm.v1.request import Request
 
+    from kvcore_cli.tiny_model import make_tiny_model
     from kvcore_vllm.engine_spec import hash_identity, kv_groups
     from kvcore_vllm.kv_layout import kv_dtype
-    from tests.integration.tiny_model import make_tiny_model
 
 from kvcore.config import load_config
 from kvcore.errors import UnsupportedConfiguration

@@ -89,7 +89,7 @@ def test_config_file_problems(tmp_path: Path) -> None:
         read_extra_config({"config_file": "x.json", "chunk_tokens": 3})
     listed = tmp_path / "list.json"
     listed.write_text("[1, 2]")
-    with pytest.raises(ConfigError, match="mapping"):
+    with pytest.raises(ConfigError, match="a JSON object at the top level"):
         read_extra_config({"config_file": str(listed)})
 
 
@@ -111,11 +111,11 @@ def test_one_knob_transfer_config() -> None:
 
 
 def test_one_knob_transfer_config_for_remote_tiers() -> None:
-    lmcache = read_extra_config(transfer_config(backend="lmcache")["kv_connector_extra_config"]).core
+    lmcache = read_extra_config(transfer_config(backend="lmcache_mp")["kv_connector_extra_config"]).core
     assert lmcache.backend == LMCacheMPConfig(url="tcp://localhost:5555", local_size=ByteCount(0))
-    pooled = transfer_config(backend="lmcache", size="8GiB")["kv_connector_extra_config"]
+    pooled = transfer_config(backend="lmcache_mp", size="8GiB")["kv_connector_extra_config"]
     assert read_extra_config(pooled).core.backend == LMCacheMPConfig(local_size=ByteCount(8 << 30))
-    mooncake = transfer_config(backend="mooncake", size="1GiB", endpoint="10.0.0.5:50051")
+    mooncake = transfer_config(backend="mooncake_store", size="1GiB", endpoint="10.0.0.5:50051")
     core = read_extra_config(mooncake["kv_connector_extra_config"]).core
     assert core.backend == MooncakeStoreConfig(master="10.0.0.5:50051", local_size=ByteSize(1 << 30))
     with pytest.raises(ConfigError, match="endpoint"):

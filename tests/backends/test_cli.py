@@ -129,22 +129,24 @@ def test_demo_plot_names_matplotlib_when_it_is_missing(
     assert not picture.exists()
 
 
-def test_config_check_prints_resolved_values(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_config_check_is_the_doctor_and_says_what_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "ok.json"
-    path.write_text(json.dumps({"backend": {"kind": "cpu", "size": "1GiB"}}))
+    path.write_text(json.dumps({"backend": {"kind": "cpu", "size": "1GB"}}))
     assert main(["config", "check", str(path)]) == 0
-    resolved = json.loads(capsys.readouterr().out)
-    assert resolved["backend"] == {"kind": "cpu", "size": 1 << 30}
-    assert resolved["chunk_tokens"] == 256
+    out = capsys.readouterr().out
+    assert "runs: tiers: cpu (size 1GB = 953.67 MiB); chunks of 256 tokens" in out
+    assert "=> the engine would start" in out
 
 
 def test_config_check_names_the_bad_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"backend": {"kind": "cpu", "size": "-3GiB"}}))
-    assert main(["config", "check", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert "backend.size" in err
-    assert "-3GiB" in err
+    assert main(["config", "check", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "REFUSED  config  backend.size  got '-3GiB'" in out
+    assert "=> the engine would refuse this config" in out
 
 
 def test_bench_refuses_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
@@ -213,7 +215,7 @@ def test_vllm_config_puts_a_disk_tier_behind_the_pool(capsys: pytest.CaptureFixt
     assert extra == {
         "tiers": [{"kind": "cpu", "size": "4GiB"}, {"kind": "disk", "path": "/nvme/kv", "size": "1TiB"}]
     }
-    args = ["vllm-config", "--backend", "mooncake", "--disk", "/nvme/kv", "--disk-size", "1TiB"]
+    args = ["vllm-config", "--backend", "mooncake_store", "--disk", "/nvme/kv", "--disk-size", "1TiB"]
     assert main(args) == 0
     tiers = json.loads(capsys.readouterr().out)["kv_connector_extra_config"]["tiers"]
     assert [t["kind"] for t in tiers] == ["cpu", "disk", "mooncake_store"]
@@ -225,8 +227,23 @@ def test_vllm_config_puts_a_disk_tier_behind_the_pool(capsys: pytest.CaptureFixt
     assert "tiers[1].write: got 'sometimes'" in capsys.readouterr().err
     assert main(["vllm-config", "--disk", "/nvme/kv"]) == 2
     assert "disk_size: got None" in capsys.readouterr().err
-    assert main(["vllm-config", "--backend", "lmcache", "--disk", "/kv", "--disk-size", "1GiB"]) == 2
+    assert main(["vllm-config", "--backend", "lmcache_mp", "--disk", "/kv", "--disk-size", "1GiB"]) == 2
     assert "disk: got '/kv'" in capsys.readouterr().err
+
+
+def test_vllm_config_takes_the_config_kinds_and_refuses_what_it_would_ignore(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["vllm-config", "--backend", "mooncake"]) == 2
+    assert "backend: got 'mooncake'" in (err := capsys.readouterr().err)
+    assert "'mooncake_store'?" in err
+    assert main(["vllm-config", "--disk-write", "back"]) == 2  # no disk: the write mode would be ignored
+    assert "disk: got None" in capsys.readouterr().err
+    assert main(["vllm-config", "--disk-size", "1TiB"]) == 2
+    assert main(["vllm-config", "--endpoint", "h:1"]) == 2  # the cpu tier has no endpoint
+    assert "endpoint" in capsys.readouterr().err
+    assert main(["vllm-config", "--backend", "lmcache_mp"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_connector_extra_config"]["backend"]["kind"] == "lmcache_mp"
 
 
 DEEP = "[" * 100_000 + "]" * 100_000
@@ -248,6 +265,10 @@ BAD_FILES = [
     pytest.param(b"", "empty", id="empty"),
     pytest.param(b"  \n", "empty", id="blank"),
     pytest.param(b"{not json", "valid JSON", id="syntax"),
+]
+
+
+BAD_CONTENT = [
     pytest.param(
         b'{"backend": {"kind": "cpu", "size": 1}, "lookup_timeout_s": 1e999}', "lookup_timeout_s", id="1e999"
     ),
@@ -263,6 +284,19 @@ BAD_FILES = [
         id="big-int",
     ),
 ]
+"""Files that read, holding what the engine refuses: the doctor's table says so (exit 1)."""
+
+
+@pytest.mark.parametrize(("content", "named"), BAD_CONTENT)
+def test_config_check_refuses_what_the_engine_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, named: str
+) -> None:
+    path = tmp_path / "bad.json"
+    path.write_bytes(content)
+    assert main(["config", "check", str(path)]) == 1
+    refused = [line for line in capsys.readouterr().out.splitlines() if "REFUSED" in line]
+    assert len(refused) == 1
+    assert named in refused[0]
 
 
 @pytest.mark.parametrize(("content", "named"), BAD_FILES)
@@ -292,7 +326,7 @@ def test_config_check_accepts_a_byte_order_mark(tmp_path: Path, capsys: pytest.C
     path = tmp_path / "bom.json"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"backend": {"kind": "cpu", "size": 1}}).encode())
     assert main(["config", "check", str(path)]) == 0
-    assert json.loads(capsys.readouterr().out)["backend"] == {"kind": "cpu", "size": 1}
+    assert "=> the engine would start" in capsys.readouterr().out
 
 
 def test_the_installed_command_exits_2_without_a_traceback(tmp_path: Path) -> None:

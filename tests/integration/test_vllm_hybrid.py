@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kvcore_cli.tiny_model import HYBRID_WINDOW, make_tiny_hybrid_model
 from tests.integration.conftest import (
     BLOCK,
     VLLM_MARKS,
@@ -27,7 +28,6 @@ from tests.integration.conftest import (
     stop_engine,
 )
 from tests.integration.probes import external_hits, group_loads, group_sides, kvcore_metric
-from tests.integration.tiny_model import HYBRID_WINDOW, make_tiny_hybrid_model
 
 pytestmark = [*VLLM_MARKS, pytest.mark.slow]
 

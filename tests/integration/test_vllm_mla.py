@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from kvcore_cli.tiny_model import make_tiny_mla_model
 from tests.integration.conftest import (
     VLLM_MARKS,
     generate,
@@ -26,7 +27,6 @@ from tests.integration.conftest import (
     stop_engine,
 )
 from tests.integration.probes import external_hits, host_digests, loaded_digests
-from tests.integration.tiny_model import make_tiny_mla_model
 
 pytestmark = [*VLLM_MARKS, pytest.mark.slow]
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from kvcore_cli.tiny_model import make_tiny_ssm_model
 from tests.integration.conftest import (
     VLLM_MARKS,
     generate,
@@ -34,7 +35,6 @@ from tests.integration.conftest import (
     stop_engine,
 )
 from tests.integration.probes import group_loads
-from tests.integration.tiny_model import make_tiny_ssm_model
 
 pytestmark = [*VLLM_MARKS, pytest.mark.slow]
 

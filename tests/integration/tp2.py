@@ -26,6 +26,7 @@ from typing import Any
 
 from attrs import frozen
 
+from kvcore_cli.tiny_model import ModelShape, make_tiny_model
 from tests.integration.conftest import (
     BLOCK,
     ENGINE_BLOCKS,
@@ -35,7 +36,6 @@ from tests.integration.conftest import (
     prompt,
 )
 from tests.integration.probes import external_hits, kvcore_metric, rank_worker, worker_side
-from tests.integration.tiny_model import ModelShape, make_tiny_model
 
 __all__ = [
     "CHUNK",

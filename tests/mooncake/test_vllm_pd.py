@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvcore_cli.tiny_model import make_tiny_mla_model
 from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     BLOCK,
     VLLM_MARKS,
@@ -27,7 +28,6 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
 from tests.integration.probes import external_hits
 from tests.integration.test_vllm_mla import BLOCK as MLA_BLOCK
 from tests.integration.test_vllm_mla import start_mla_engine
-from tests.integration.tiny_model import make_tiny_mla_model
 from tests.mooncake.conftest import free_port
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.testing.support import start_owned
+from kvcore_cli.tiny_model import HYBRID_WINDOW, make_tiny_two_block_model
 from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     BLOCK,
     VLLM_MARKS,
@@ -31,7 +32,6 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     vllm_env,
 )
 from tests.integration.probes import external_hits, group_loads, host_digests, kvcore_metric, loaded_digests
-from tests.integration.tiny_model import HYBRID_WINDOW, make_tiny_two_block_model
 from tests.mooncake.conftest import Master, MasterFactory
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module

@@ -27,11 +27,33 @@ from kvcore_mooncake.config import MooncakeStoreConfig
         ("8GiB", 8 << 30),
         ("512MB", 512_000_000),
         ("1.5 GiB", 3 << 29),
-        ("64kib", 64 << 10),
+        ("64KiB", 64 << 10),
+        ("64kB", 64_000),
+        ("2TB", 2 * 10**12),
     ],
 )
 def test_sizes_parse(text: object, expected: int) -> None:
     assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "meant"),
+    [
+        ("10gb", "'10GiB' or '10GB'"),
+        ("8GIB", "'8GiB' or '8GB'"),
+        ("64kib", "'64KiB' or '64KB'"),
+        ("4G", "'4GiB' or '4GB'"),
+        ("4Gi", "'4GiB' or '4GB'"),
+        ("1.5 tb", "'1.5TiB' or '1.5TB'"),
+    ],
+)
+def test_a_unit_spelt_otherwise_is_refused_with_both_readings(text: str, meant: str) -> None:
+    """ "10gb" is refused, not read as 10 GB or 10 GiB (7 % apart): the error says which is which."""
+    with pytest.raises(ConfigError) as info:
+        parse_size(text, "backend.size")
+    assert info.value.field == "backend.size"
+    assert "spelled exactly" in str(info.value)
+    assert f"did you mean {meant}?" in str(info.value)
 
 
 @pytest.mark.parametrize("bad", [0, -1, "0GiB", "8 parsecs", "GiB", True, 3.5, None, "-4MB"])
@@ -442,3 +464,35 @@ def test_direct_construction_checks_too() -> None:
         PDConfig(port=70_000)
     with pytest.raises(ConfigError, match="abort_timeout_s"):
         PDConfig(abort_timeout_s=math.inf)
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "meant"),
+    [
+        ({"backend": {"kind": "cpu", "size": 1}, "chunk_token": 256}, "chunk_token", "chunk_tokens"),
+        ({"backend": {"kind": "cpu", "size": 1}, "evicton": "lru"}, "evicton", "eviction"),
+        ({"backend": {"kind": "cpu", "sizes": 1}}, "backend.size", "size"),
+        ({"backend": {"kind": "mooncake", "master": "h:1"}}, "backend.kind", "mooncake_store"),
+        ({"backend": {"kind": "cpu", "size": 1}, "tier": []}, "tier", "tiers"),
+        ({"tiers": [{"kind": "cpu", "size": 1}, {"kind": "dsk", "path": "/x"}]}, "tiers[1].kind", "disk"),
+    ],
+)
+def test_a_typo_is_told_the_key_or_kind_it_is_closest_to(
+    data: dict[str, Any], field: str, meant: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(data)
+    assert info.value.field == field
+    assert f"did you mean {meant!r}?" in str(info.value) + " ".join(getattr(info.value, "__notes__", ()))
+
+
+def test_a_key_far_from_every_known_one_is_told_nothing_more() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({"backend": {"kind": "cpu", "size": 1}, "zzzz": 1})
+    assert "did you mean" not in str(info.value)
+
+
+def test_an_engine_adapters_own_keys_are_candidates_too() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({"backend": {"kind": "cpu", "size": 1}, "store_polcy": "lazy"}, beside=["store_policy"])
+    assert "did you mean 'store_policy'?" in str(info.value)

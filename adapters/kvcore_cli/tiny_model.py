@@ -2,16 +2,16 @@
 (sliding-window and full attention layers; Gemma-4-style: their blocks of two sizes) or a Qwen3-Next-style
 hybrid SSM one (Gated DeltaNet and full attention layers), and their BPE tokenizer, on local disk.
 
-The model is meant for tests: it loads in vLLM's CPU build in seconds and needs no
-download. Weights are random (bf16, normal(0, 0.2)), so generations are gibberish but
-deterministic under greedy sampling.
-
-Usage: python -m tests.integration.tiny_model OUT_DIR [--seed N]
+The models are for trying kvcore and for its tests: each loads in vLLM's CPU build in seconds and needs
+no download. Weights are random (bf16, normal(0, 0.2)), so generations are gibberish but deterministic
+under greedy sampling: a reuse that changes a token is a wrong KV. ``kvcore tiny-model OUT_DIR [--kind
+llama]`` writes one (the quick starts of docs/vllm.md and docs/disk.md); transformers and tokenizers,
+which vLLM brings, are imported only then.
 """
 
 from __future__ import annotations
 
-import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -280,14 +280,11 @@ def make_tiny_ssm_model(out_dir: str | Path, seed: int = 0) -> Path:
     return _write(out_dir, tokenizer, model)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    path = make_tiny_model(args.out_dir, seed=args.seed)
-    print(f"tiny model written to {path}")
-
-
-if __name__ == "__main__":
-    main()
+MAKERS: Final[dict[str, Callable[[Path, int], Path]]] = {
+    "llama": make_tiny_model,
+    "mla": make_tiny_mla_model,
+    "hybrid": make_tiny_hybrid_model,
+    "two-block": make_tiny_two_block_model,
+    "ssm": make_tiny_ssm_model,
+}
+"""The tiny models ``kvcore tiny-model --kind`` makes."""
