@@ -21,7 +21,12 @@ from attrs import asdict
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvcore.config import KVCoreConfig, load_config
+from kvcore.errors import ConfigError
+from kvcore.kit.settings import BackendSettings
+from kvcore.plugins.preflight import tier_fields
 from kvcore.scheduling.scheduler import SchedulerStats
+from kvcore_vllm.settings import core_mapping, extra_mapping
 
 __all__ = [
     "COUNTERS",
@@ -47,7 +52,8 @@ COUNTERS = {
     "failed_write_back_chunks": "chunks whose write-back no tier stored (the pool keeps them, clean)",
 }
 GAUGES = {
-    "pool_capacity": "host slots (chunks) of the pool",
+    "pool_capacity": "host slots (chunks) of the pool (reported with the first engine step)",
+    "pool_capacity_bytes": "host memory of the pool, every rank's (set at start-up, from the config)",
     "pool_used": "host slots in use (ready, being stored, or pinned)",
     "pool_pinned": "host slots pinned by loads in flight",
     "pool_storing": "host slots being stored",
@@ -141,6 +147,13 @@ class StatsDelta:
         return KVCoreStats(data=data)
 
 
+def _remote(config: KVCoreConfig) -> list[BackendSettings]:
+    """The settings of each remote tier behind the pool (tier 1 first): a stack's, or the one backend's
+    where it is a remote tier (with its own pool in front)."""
+    tiers = [settings for _, settings in tier_fields(config)]
+    return tiers[1:] if len(tiers) > 1 else [t for t in tiers if t.REMOTE]
+
+
 MetricT = TypeVar("MetricT", prometheus_client.Counter, prometheus_client.Gauge)
 
 
@@ -197,6 +210,23 @@ class KVCorePromMetrics(KVConnectorPromMetrics):
             )
             for key, doc in GAUGES.items()
         }
+        self._set_capacities(vllm_config)
+
+    def _set_capacities(self, vllm_config: Any) -> None:
+        """The capacities the config decides, set at start-up (before any step reports): the pool's
+        bytes, and the size of each remote tier that has one (the disk's)."""
+        extra = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None)
+        try:
+            config = load_config(core_mapping(extra_mapping(extra or {})))
+        except ConfigError:  # not kvcore's connector's config, or one the pre-flight refused already
+            return
+        sizes = {n: getattr(settings, "size", None) for n, settings in enumerate(_remote(config), start=1)}
+        capacity = cast(prometheus_client.Gauge, self._tiers["tier_capacity_bytes"])
+        for engine, labels in self.per_engine_labelvalues.items():
+            self._gauges["pool_capacity_bytes"][engine].set(config.backend.host_bytes)
+            for n, size in sizes.items():
+                if isinstance(size, int):
+                    capacity.labels(*labels, str(n)).set(size)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():

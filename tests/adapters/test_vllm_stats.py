@@ -54,8 +54,9 @@ def test_halted_ranks_reach_the_metrics_as_a_gauge() -> None:
     }
 
 
-def _prometheus(registry: CollectorRegistry) -> KVCorePromMetrics:
-    """The connector's metrics for engine 0 of model ``tiny``, in a registry of the test's own."""
+def _prometheus(registry: CollectorRegistry, extra: dict[str, Any] | None = None) -> KVCorePromMetrics:
+    """The connector's metrics for engine 0 of model ``tiny``, in a registry of the test's own, for an
+    engine whose kvcore config is ``extra`` (none: no kvcore connector)."""
 
     class Counter(prometheus_client.Counter):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -70,9 +71,23 @@ def _prometheus(registry: CollectorRegistry) -> KVCorePromMetrics:
         prometheus_client.Gauge: Gauge,
         prometheus_client.Histogram: prometheus_client.Histogram,
     }
+    transfer = None if extra is None else SimpleNamespace(kv_connector_extra_config=extra)
     return KVCorePromMetrics(
-        SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["tiny", "0"]}
+        SimpleNamespace(kv_transfer_config=transfer), types, ["model_name", "engine"], {0: ["tiny", "0"]}
     )
+
+
+def test_the_capacities_the_config_decides_are_set_before_any_step(tmp_path: Any) -> None:
+    registry = CollectorRegistry()
+    tiers = [{"kind": "cpu", "size": "3GiB"}, {"kind": "disk", "path": str(tmp_path), "size": "10GB"}]
+    _prometheus(registry, {"tiers": tiers, "store_policy": "eager"})
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("vllm:kvcore_pool_capacity_bytes", labels) == 3 * 2**30
+    assert registry.get_sample_value("vllm:kvcore_tier_capacity_bytes", {**labels, "tier": "1"}) == 10**10
+    alone = CollectorRegistry()
+    _prometheus(alone, {"backend": {"kind": "cpu", "size": "1GiB"}})
+    assert alone.get_sample_value("vllm:kvcore_pool_capacity_bytes", labels) == 2**30
+    assert alone.get_sample_value("vllm:kvcore_tier_capacity_bytes", {**labels, "tier": "1"}) is None
 
 
 def test_failed_save_chunks_and_save_retries_reach_prometheus_as_two_series() -> None:

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -28,6 +27,7 @@ from kvcore_disk.chunk_file import file_bytes, header_bytes
 from kvcore_disk.directory import LOCK_WAIT_S, MARKER, ChunkDirectory
 from kvcore_disk.index import DiskChunkIndex
 from kvcore_disk.store import DiskChunkStore
+from tests.backends.other_user import as_nobody
 
 VALUE = 8192
 FILE = file_bytes("kv/0", VALUE)  # every key here is short: a 40-byte header
@@ -197,45 +197,16 @@ def test_open_refuses_bad_directories_by_name(tmp_path: Path) -> None:
 
 
 def _open_as_nobody(root: Path) -> str:
-    """What opening ``root`` says in a process of an unprivileged user (``nobody``), forked from this one
-    (that user may not run this venv's interpreter): as root, the permission checks would not apply."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root, to run a process as another user")
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: nobody, one open, its outcome down the pipe
-        said = "crashed"
+    """What opening ``root`` says in a process of ``nobody``."""
+
+    def open_it() -> str:
         try:
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            try:
-                ChunkDirectory.open(root, 2**20)
-                said = "opened"
-            except ConfigError as exc:
-                said = f"{exc.field} | {exc.value} | {exc.expected}"
-        finally:
-            os.write(write, said.encode())
-            os._exit(0)
-    os.close(write)
-    deadline = time.monotonic() + 60
-    while os.waitpid(pid, os.WNOHANG) == (0, 0):
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the process of another user never finished its open")
-        time.sleep(0.01)
-    with os.fdopen(read, "rb") as pipe:
-        return pipe.read().decode()
+            ChunkDirectory.open(root, 2**20)
+        except ConfigError as exc:
+            return f"{exc.field} | {exc.value} | {exc.expected}"
+        return "opened"
 
-
-@pytest.fixture
-def shared_tmp() -> Iterator[Path]:
-    """A folder every user may enter (``tmp_path``'s parents are root's alone)."""
-    root = Path(tempfile.mkdtemp(prefix="kvcore-disk-"))
-    root.chmod(0o777)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    return as_nobody(open_it)
 
 
 def test_a_path_the_system_refuses_is_a_config_error_naming_the_path_and_the_cause(tmp_path: Path) -> None:
