@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,10 +28,31 @@ from kvcore.plugins import EngineChecks
 from kvcore.plugins.preflight import EngineFlags, Finding, Report, Verdict, preflight
 from kvcore.plugins.registry import engine_checks
 
-__all__ = ["diagnose", "read_input", "render", "run", "versions"]
+__all__ = ["diagnose", "read_input", "render", "run", "versions", "vllm_bytes"]
 
 READABLE = ("config", "config_file", "--kv-transfer-config")
 """The fields of errors about the input itself (exit code 2), not about what it configures."""
+
+
+_VLLM_SIZE = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+
+
+def vllm_bytes(text: str, flag: str) -> int:
+    """A size as vLLM's flags read one (its ``human_readable_int``): ``k m g t`` are powers of 10, ``K M G
+    T`` powers of 2 (whole numbers only), and a plain integer is bytes; ``256M`` is 256 MiB, ``256MiB`` is
+    nothing. Raises ``ConfigError`` naming ``flag`` for what vLLM refuses."""
+    value = text.strip()
+    if (match := _VLLM_SIZE.fullmatch(value)) is not None:
+        number, unit = match.groups()
+        power = "kmgt".index(unit.lower()) + 1
+        if unit.islower():
+            return int(float(number) * 10 ** (3 * power))
+        if number.isdigit():
+            return int(number) << (10 * power)
+    elif value.isdigit():
+        return int(value)
+    expected = "what vLLM reads: an integer, or one with k/m/g/t (10**3...) or K/M/G/T (2**10..., whole)"
+    raise ConfigError(flag, text, expected)
 
 
 def read_input(text: str) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcore.config import parse_size
 from kvcore.errors import KVCoreError
 from kvcore.plugins.preflight import EngineFlags
 
@@ -17,13 +16,13 @@ __all__ = ["main"]
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from kvcore_cli.doctor import run
+    from kvcore_cli.doctor import run, vllm_bytes
 
     try:
         cache = (
             None
             if args.kv_cache_memory_bytes is None
-            else parse_size(args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
+            else vllm_bytes(args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
         )
     except KVCoreError as exc:
         print(f"kvcore doctor: {exc}", file=sys.stderr)
@@ -47,7 +46,10 @@ def _add_doctor(verbs: Any, name: str, help_text: str) -> None:
     )
     doctor.add_argument("--model", help="vLLM's --model: the model's shape sizes one chunk (needs vLLM)")
     doctor.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's --tensor-parallel-size")
-    doctor.add_argument("--kv-cache-memory-bytes", help="vLLM's own KV cache, e.g. 1GiB (host memory on CPU)")
+    doctor.add_argument(
+        "--kv-cache-memory-bytes",
+        help="vLLM's own KV cache, as vLLM reads it: 256M is 256 MiB (on CPU: host memory)",
+    )
     doctor.add_argument(
         "--gpu-memory-utilization", type=float, help="vLLM's share of memory (on CPU: of host memory)"
     )

