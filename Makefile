@@ -14,10 +14,19 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 NETNS  := unshare -n sh -c 'ip link set lo up; exec env KVCORE_REQUIRE_NETNS=1 "$$0" "$$@"'
 
 .PHONY: test install system-deps lint typecheck test-unit test-conformance test-backends test-lmcache \
-	test-integration test-mooncake test-gpu summary demo bench clean
+	test-integration test-mooncake test-gpu lane-engines lane-servers summary demo bench clean
 
-test: install lint typecheck test-unit test-gpu test-conformance test-backends test-lmcache \
-	test-integration test-mooncake summary
+# The test stages run in two lanes side by side (most of their time is spent waiting for engines and
+# servers to start, not computing): the in-process and vLLM stages in one, the server-backed stages in
+# the other. Each stage's output is printed whole when it ends (.ci/timed), so the lanes do not interleave.
+test: install lint typecheck
+	@$(MAKE) --no-print-directory -j2 lane-engines lane-servers; rc=$$?; .ci/summary $(REPORTS) && exit $$rc
+
+lane-engines: install
+	@$(MAKE) --no-print-directory -j1 test-unit test-gpu test-conformance test-backends test-integration
+
+lane-servers: install
+	@$(MAKE) --no-print-directory -j1 test-lmcache test-mooncake
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
