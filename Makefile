@@ -19,14 +19,17 @@ NETNS  := unshare -n sh -c 'ip link set lo up; exec env KVCORE_REQUIRE_NETNS=1 "
 # The test stages run in two lanes side by side (most of their time is spent waiting for engines and
 # servers to start, not computing): the in-process and vLLM stages in one, the server-backed stages in
 # the other. Each stage's output is printed whole when it ends (.ci/timed), so the lanes do not interleave.
+# A lane runs every stage even after one fails, so that one run shows every failure.
 test: install lint typecheck
 	@$(MAKE) --no-print-directory -j2 lane-engines lane-servers; rc=$$?; .ci/summary $(REPORTS) && exit $$rc
 
+LANE = rc=0; for stage in $(1); do $(MAKE) --no-print-directory $$stage || rc=1; done; exit $$rc
+
 lane-engines: install
-	@$(MAKE) --no-print-directory -j1 test-unit test-gpu test-conformance test-backends test-integration
+	@$(call LANE,test-unit test-gpu test-conformance test-backends test-integration)
 
 lane-servers: install
-	@$(MAKE) --no-print-directory -j1 test-lmcache test-mooncake
+	@$(call LANE,test-lmcache test-mooncake)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

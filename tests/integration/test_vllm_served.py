@@ -151,6 +151,7 @@ def test_kvcore_series_on_metrics(reuse: Reuse) -> None:
     }
     assert gauges == {
         "pool_capacity": POOL_BYTES // (BLOCK * KV_BYTES_PER_TOKEN),
+        "pool_capacity_bytes": POOL_BYTES,  # set at start-up, before the first request
         "pool_used": saved,  # nothing evicted from a pool this large
         "pool_pinned": 0,
         "pool_storing": 0,

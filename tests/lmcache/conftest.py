@@ -32,6 +32,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 import pytest
 
 from kvcore.testing.support import process_started, running, start_owned
+from tests.frozen import freeze, thaw
 
 if TYPE_CHECKING:
     from tests.lmcache.direct_rig import EngineFactory
@@ -224,13 +225,13 @@ class LMCacheServer:
             Path("/dev/shm", f"lmcache_l1_pool_{self.shm_name}").unlink(missing_ok=True)
 
     def pause(self) -> None:
-        """Freeze the server (SIGSTOP): it accepts requests and answers none, as after an error."""
+        """Freeze the server (``tests.frozen``): it accepts requests and answers none, as after an error."""
         if self.pid is not None:
-            os.killpg(self.pid, signal.SIGSTOP)
+            freeze(self.pid, group=True)
 
     def resume(self) -> None:
         if self.pid is not None:
-            os.killpg(self.pid, signal.SIGCONT)
+            thaw(self.pid, group=True)
 
     def restart(self) -> None:
         self.kill()

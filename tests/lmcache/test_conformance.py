@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import signal
 import uuid
 from collections.abc import Iterator, Sequence
 
@@ -29,6 +27,7 @@ from kvcore_cpu.engine_kv import EngineKV
 from kvcore_cpu.tier import MappedMovers
 from kvcore_lmcache import LMCacheChunkIndex, LMCacheManagedTier
 from kvcore_lmcache.config import LMCacheMPConfig
+from tests.frozen import frozen
 from tests.lmcache.conftest import LMCacheServer
 from tests.lmcache.raw import RawClient
 
@@ -129,16 +128,10 @@ class TestLMCacheBlockTransfer(BlockTransferTests[LMCacheManagedTier]):
             yield harness
 
 
-@contextlib.contextmanager
-def stopped(server: LMCacheServer) -> Iterator[None]:
-    """The server frozen (SIGSTOP) while inside: it answers nothing, as one that hangs or is cut off
-    would; thawed (SIGCONT) on exit, holding what it held."""
+def stopped(server: LMCacheServer) -> contextlib.AbstractContextManager[None]:
+    """The server frozen while inside (``tests.frozen``), thawed on exit holding what it held."""
     assert server.pid is not None
-    os.kill(server.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
+    return frozen(server.pid)
 
 
 class IndexHarness:

@@ -14,7 +14,6 @@ import contextlib
 import ctypes
 import functools
 import os
-import signal
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
@@ -29,6 +28,7 @@ from kvcore.testing.store import ChunkStoreTests, chunk_store_state_machine
 from kvcore.testing.support import SETTLE_S
 from kvcore_mooncake import MooncakeChunkIndex, MooncakeChunkStore, MooncakeClient
 from kvcore_mooncake.client import Code
+from tests.frozen import frozen
 from tests.mooncake.conftest import Master, MiB, config_for
 
 HOST_BYTES = 64 << 10
@@ -81,16 +81,10 @@ def open_pool(master: Master, store_segment: int) -> Iterator[Pool]:
         raw.close()
 
 
-@contextlib.contextmanager
-def stopped(master: Master) -> Iterator[None]:
-    """The master frozen (SIGSTOP) while inside: it answers no request, as one that hangs or is cut off
-    would; thawed (SIGCONT) on exit, holding what it held."""
+def stopped(master: Master) -> contextlib.AbstractContextManager[None]:
+    """The master frozen while inside (``tests.frozen``), thawed on exit holding what it held."""
     assert master.process is not None
-    os.kill(master.process.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(master.process.pid, signal.SIGCONT)
+    return frozen(master.process.pid)
 
 
 class MooncakeStoreHarness:

@@ -9,8 +9,6 @@ killed under loads that wait on it: each ends in a bounded recompute with vLLM's
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +18,7 @@ from typing import Any
 
 from kvcore.testing.support import start_owned
 from kvcore_cli.tiny_model import HYBRID_WINDOW, make_tiny_two_block_model
+from tests.frozen import freeze, thaw
 from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     BLOCK,
     VLLM_MARKS,
@@ -99,7 +98,7 @@ def test_a_second_engine_hits_what_the_first_saved_and_a_failing_store_is_recomp
             stop_engine(b)
     finally:
         if holder.poll() is None:
-            os.kill(holder.pid, signal.SIGCONT)
+            thaw(holder.pid)
             holder.kill()
         holder.wait(timeout=30)
 
@@ -149,7 +148,7 @@ def _check_failing_store(llm: Any, holder: subprocess.Popen[str]) -> None:
     failed = kvcore_metric(llm, "failed_load_blocks")
     loads = kvcore_metric(llm, "async_loads")
 
-    os.kill(holder.pid, signal.SIGSTOP)
+    freeze(holder.pid)
     # a request aborted while it waits for its load: vLLM frees its blocks once the workers give the load
     # up (at its deadline); nothing else waits on it
     engine = llm.llm_engine
@@ -162,14 +161,14 @@ def _check_failing_store(llm: Any, holder: subprocess.Popen[str]) -> None:
     started = time.monotonic()
     stalled = generate(llm, prompts[0])
     took = time.monotonic() - started
-    os.kill(holder.pid, signal.SIGCONT)
+    thaw(holder.pid)
     assert list(stalled.outputs[0].token_ids) == reference[0]
     assert kvcore_metric(llm, "async_loads") == loads + 2
     assert TRANSFER_TIMEOUT_S <= took < TRANSFER_TIMEOUT_S + 15
     _settle(llm)  # likewise: the thawed holder ends the copies that waited on it
 
     # killed while a load waits on it (frozen first, so that the load is surely under way)
-    os.kill(holder.pid, signal.SIGSTOP)
+    freeze(holder.pid)
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     engine.add_request("dead", TokensPrompt(prompt_token_ids=prompts[1]), greedy)
     _step_until(engine, lambda: kvcore_metric(llm, "async_loads") >= loads + 3, 10)
