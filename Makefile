@@ -26,10 +26,10 @@ test: install lint typecheck
 LANE = rc=0; for stage in $(1); do $(MAKE) --no-print-directory $$stage || rc=1; done; exit $$rc
 
 lane-engines: install
-	@$(call LANE,test-unit test-gpu test-conformance test-backends test-integration)
+	+@$(call LANE,test-unit test-gpu test-conformance test-backends test-integration)
 
 lane-servers: install
-	@$(call LANE,test-lmcache test-mooncake)
+	+@$(call LANE,test-lmcache test-mooncake)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

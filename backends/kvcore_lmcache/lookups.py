@@ -71,7 +71,7 @@ class LookupBook:
             tuple(tuple(chain) for chain in chains),
             servers,
             first,
-            time.monotonic() + self._link.config.request_timeout_s,
+            self._silence_bound(),
         )
         client = self._link.client
         state.acks = [
@@ -86,7 +86,8 @@ class LookupBook:
         """The lookup and, per chain, its leading chunks hit once every chain answered, else ``None``;
         handed out once.
 
-        Past its deadline the lookup is dropped (its locks released) and ``TransferTimeout`` is raised;
+        Once a round has gone unanswered past the request timeout the lookup is dropped (its locks
+        released) and ``TransferTimeout`` is raised;
         an error reply raises ``BackendError``. ``UsageError`` for an unknown id.
         """
         with self._lock:
@@ -120,6 +121,7 @@ class LookupBook:
             for ack in state.acks:
                 self._link.result(ack, "lookup", timeout=0)
             state.statuses = [client.query_prefetch_status(server) for server in state.servers]
+            state.deadline = self._silence_bound()
         if not all(status.query() for status in state.statuses):
             return None
         counts = [self._link.result(status, "query_prefetch_status", timeout=0) for status in state.statuses]
@@ -129,11 +131,17 @@ class LookupBook:
                 client.query_prefetch_status(server) if count is None else status
                 for server, count, status in zip(state.servers, counts, state.statuses, strict=True)
             ]
+            state.deadline = self._silence_bound()
             return None
         return tuple(
             min(max(int(count or 0), 0), len(chain))
             for count, chain in zip(counts, state.chains, strict=True)
         )
+
+    def _silence_bound(self) -> float:
+        """The deadline of a round sent now: each round gets the request timeout, so that what is
+        bounded is the server's silence, not the time the rounds before it took."""
+        return time.monotonic() + self._link.config.request_timeout_s
 
     def cancel(self, lookup_id: LookupId) -> None:
         """Forget a lookup and release its locks (those a running prefetch still holds expire with the

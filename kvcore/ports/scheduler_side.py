@@ -15,7 +15,13 @@ __all__ = ["ChunkIndex", "SupportsHeldLookups", "SupportsImmediateLookup", "Supp
 
 
 class ChunkIndex(Protocol):
-    """Which leading chunks a tier holds. Answers never block the engine."""
+    """Which leading chunks a tier holds. Answers never block the engine.
+
+    The scheduler side polls pending lookups from a thread of its own (``kvcore.scheduling.lookup_pump``)
+    while submitting, cancelling and taking locks from the engine's: an index is called from two
+    threads, never by both at once. A lookup of several rounds may send each round from ``poll_lookup``;
+    it is polled every few milliseconds at most, whatever the engine's pace.
+    """
 
     def submit_lookup(
         self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()

@@ -1,22 +1,26 @@
 """Prefix lookup: the longest run of leading chunks a tier holds, without ever stalling the engine.
 
-An embedded index answers at once; a remote one is submitted and polled ("ask again") until it answers
-or its deadline passes. Every failure, timeout or nonsensical answer is a miss (0) plus a logged warning;
-a backend that keeps failing trips the circuit breaker and is not asked until its back-off is over.
+An embedded index answers at once; a remote one is submitted, driven to its answer by a thread of its
+own (``kvcore.scheduling.lookup_pump``: the engine's pace neither slows it nor times it out) and read
+when the engine asks again. Every failure, timeout or nonsensical answer is a miss (0) plus a logged
+warning; a backend that keeps failing trips the circuit breaker and is not asked until its back-off is
+over.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
 from attrs import frozen
 
-from kvcore.errors import BackendError
+from kvcore.errors import BackendError, TransferTimeout
 from kvcore.ids import ChunkKey, LookupId
 from kvcore.kit.health import CircuitBreaker
 from kvcore.ports import ChunkIndex, HeldChunks, SupportsHeldLookups, SupportsImmediateLookup
+from kvcore.scheduling.lookup_pump import LookupPump
 
 __all__ = ["PendingLookup", "PrefixLookup"]
 
@@ -25,15 +29,18 @@ log = logging.getLogger(__name__)
 
 @frozen
 class PendingLookup:
-    """A remote lookup in flight: ask again until it answers or ``deadline`` (monotonic) passes."""
+    """A remote lookup in flight: ask again until it answers, fails or its deadline passes."""
 
     lookup_id: LookupId
-    deadline: float
     num_chunks: int
 
 
 class PrefixLookup:
-    """Answers "how many leading chunks does the tier hold" for the scheduler side."""
+    """Answers "how many leading chunks does the tier hold" for the scheduler side.
+
+    ``timeout_s`` bounds how long a remote lookup may go unanswered; ``threaded`` (see ``LookupPump``)
+    drives remote lookups from a thread of their own, else each ``resume`` polls once.
+    """
 
     def __init__(
         self,
@@ -41,16 +48,19 @@ class PrefixLookup:
         timeout_s: float,
         breaker: CircuitBreaker | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        threaded: bool = True,
     ) -> None:
         self._immediate: SupportsImmediateLookup | None = None
         self._remote: ChunkIndex | None = None
+        self._pump: LookupPump | None = None
+        self._lock = threading.Lock()
         if isinstance(index, SupportsImmediateLookup):
             self._immediate = index
         else:
             self._remote = index
-        self._timeout = timeout_s
+            self._pump = LookupPump(index, timeout_s, self._lock, threaded=threaded, clock=clock)
         self._breaker = breaker if breaker is not None else CircuitBreaker(clock=clock)
-        self._clock = clock
 
     @property
     def holds(self) -> bool:
@@ -73,41 +83,40 @@ class PrefixLookup:
         if not chunks or not self._breaker.allow():
             return 0
         try:
-            if self._remote is None:
-                return (
-                    self._accept(self._immediate.lookup(chunks), len(chunks))
-                    if self._immediate is not None
-                    else 0
-                )
-            if held and isinstance(self._remote, SupportsHeldLookups):
-                lookup_id = self._remote.submit_held_lookup(chunks, preceding)
-            else:
-                lookup_id = self._remote.submit_lookup(chunks, preceding)
+            if self._remote is None or self._pump is None:
+                if self._immediate is None:
+                    return 0
+                return self._accept(self._immediate.lookup(chunks), len(chunks))
+            with self._lock:
+                if held and isinstance(self._remote, SupportsHeldLookups):
+                    lookup_id = self._remote.submit_held_lookup(chunks, preceding)
+                else:
+                    lookup_id = self._remote.submit_lookup(chunks, preceding)
         except BackendError as exc:
             return self._fail(f"lookup failed: {exc}")
-        return PendingLookup(lookup_id, self._clock() + self._timeout, len(chunks))
+        self._pump.watch(lookup_id)
+        return PendingLookup(lookup_id, len(chunks))
 
     def resume(self, pending: PendingLookup) -> int | None:
-        """The answer, or ``None`` to ask again on a later step; 0 once the deadline has passed."""
-        if self._remote is None:
+        """The answer, or ``None`` to ask again on a later step; 0 for a lookup that failed or went
+        unanswered past its deadline."""
+        if self._pump is None:
             return 0
-        try:
-            answer = self._remote.poll_lookup(pending.lookup_id)
-        except BackendError as exc:
-            return self._fail(f"lookup failed: {exc}")
-        if answer is not None:
-            return self._accept(answer, pending.num_chunks)
-        if self._clock() < pending.deadline:
+        outcome = self._pump.outcome(pending.lookup_id)
+        if outcome is None:
             return None
-        self.abandon(pending)
-        return self._fail(f"lookup timed out after {self._timeout:.3f}s")
+        if isinstance(outcome, BackendError):
+            timed_out = isinstance(outcome, TransferTimeout)
+            return self._fail(str(outcome) if timed_out else f"lookup failed: {outcome}")
+        return self._accept(outcome, pending.num_chunks)
 
     def take_held(self, pending: PendingLookup) -> HeldChunks | None:
         """The locks a held lookup that ``resume`` answered keeps (see ``SupportsHeldLookups``)."""
         if not isinstance(self._remote, SupportsHeldLookups):
             return None
         try:
-            return self._remote.take_held(pending.lookup_id)
+            with self._lock:
+                return self._remote.take_held(pending.lookup_id)
         except BackendError as exc:
             log.warning("kvcore: taking the locks of lookup %s failed: %s", pending.lookup_id, exc)
             return None
@@ -117,22 +126,31 @@ class PrefixLookup:
         if not isinstance(self._remote, SupportsHeldLookups):
             return False
         try:
-            return self._remote.hand_over(held)
+            with self._lock:
+                return self._remote.hand_over(held)
         except BackendError as exc:
             log.warning("kvcore: handing locks over failed: %s", exc)
             return False
 
     def release_held(self, held: HeldChunks) -> None:
         if isinstance(self._remote, SupportsHeldLookups):
-            self._remote.release_held(held)
+            with self._lock:
+                self._remote.release_held(held)
 
     def abandon(self, pending: PendingLookup) -> None:
-        """Forget a lookup whose answer is no longer wanted (request aborted, timed out)."""
-        if self._remote is not None:
+        """Forget a lookup whose answer is no longer wanted (request aborted, reset)."""
+        if self._remote is not None and self._pump is not None:
+            self._pump.forget(pending.lookup_id)
             try:
-                self._remote.cancel_lookup(pending.lookup_id)
+                with self._lock:
+                    self._remote.cancel_lookup(pending.lookup_id)
             except BackendError as exc:
                 log.warning("kvcore: cancelling lookup %s failed: %s", pending.lookup_id, exc)
+
+    def close(self) -> None:
+        """Stop driving remote lookups (the index itself is its owner's to close)."""
+        if self._pump is not None:
+            self._pump.close()
 
     def _accept(self, answer: int, num_chunks: int) -> int:
         if not 0 <= answer <= num_chunks:

@@ -343,6 +343,8 @@ class CacheScheduler:
     def close(self) -> None:
         """Release the remote index (its threads and connections); the scheduler answers misses after."""
         state = self._state
+        if state.remote is not None:
+            state.remote.close()
         if state.remote_index is not None:
             close_quietly(state.remote_index)
             state.remote = state.remote_index = None

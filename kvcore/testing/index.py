@@ -23,6 +23,7 @@ from kvcore.errors import BackendError, BackendUnavailable, UsageError
 from kvcore.ids import ChunkKey, LookupId
 from kvcore.ports import ChunkIndex, SupportsClear, SupportsHeldLookups, SupportsImmediateLookup
 from kvcore.testing.support import (
+    RECOVERY_S,
     HarnessFixture,
     finish_machine,
     fresh_keys,
@@ -109,7 +110,7 @@ def check_outage(harness: IndexHarness[ChunkIndex]) -> None:
         except BackendError:  # a breaker still open: not back yet
             return None
 
-    assert settle(back, "the index, after the outage,") == 2
+    assert settle(back, "the index, after the outage,", RECOVERY_S) == 2
 
 
 class ChunkIndexTests(HarnessFixture[IndexHarness[IndexT]], Generic[IndexT]):

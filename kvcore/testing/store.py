@@ -24,6 +24,7 @@ from kvcore.jobs import JobResult
 from kvcore.ports import ChunkStore, StoreItem, SupportsClear
 from kvcore.testing.capabilities import SupportsFailureInjection, SupportsPendingJobs
 from kvcore.testing.support import (
+    RECOVERY_S,
     HarnessFixture,
     check_close,
     check_result_handed_out_once,
@@ -233,7 +234,7 @@ class ChunkStoreTests(HarnessFixture[StoreHarness[StoreT]], Generic[StoreT]):
             except BackendError:  # a breaker still open: not back yet
                 return None
 
-        settle(back, "the store, after the outage,")
+        settle(back, "the store, after the outage,", RECOVERY_S)
         assert self._get(harness, reads).ok
         assert read_items(harness, reads) == list(held.values())
 

@@ -39,6 +39,7 @@ from kvcore.testing.capabilities import (
 
 __all__ = [
     "HarnessFixture",
+    "RECOVERY_S",
     "SETTLE_S",
     "SHORT_S",
     "check_close",
@@ -73,6 +74,10 @@ HarnessT = TypeVar("HarnessT")
 
 SETTLE_S = 5.0
 """How long a job or lookup that must finish may take before the test fails (nothing may hang)."""
+
+RECOVERY_S = 20.0
+"""How long a backend may take to answer again once its server is back: a breaker's back-off, a probe
+that times out on a connection the outage broke, a fresh connection, perhaps twice on a loaded host."""
 
 SHORT_S = 0.05
 """A wait that is expected to time out."""
@@ -185,13 +190,13 @@ def collect(queue: JobQueue, job_ids: Collection[JobId], timeout: float = SETTLE
         time.sleep(0.001)
 
 
-def settle(poll: Callable[[], int | None], what: str) -> int:
+def settle(poll: Callable[[], int | None], what: str, within_s: float = SETTLE_S) -> int:
     """Call ``poll`` until it answers (a lookup's ``None`` means pending); fails the test after
-    ``SETTLE_S``."""
-    deadline = time.monotonic() + SETTLE_S
+    ``within_s``."""
+    deadline = time.monotonic() + within_s
     while (answer := poll()) is None:
         if time.monotonic() > deadline:
-            pytest.fail(f"{what} never answered within {SETTLE_S}s")
+            pytest.fail(f"{what} never answered within {within_s}s")
         time.sleep(0.001)
     return answer
 

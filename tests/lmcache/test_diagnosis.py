@@ -88,14 +88,17 @@ class Worker:
     def hits(self, keys: list[ChunkKey]) -> int:
         """The scheduler's answer, through the core's bounded lookup (a failure is 0)."""
         lookup = PrefixLookup(self.index, timeout_s=4 * TIMEOUT_S)
-        pending = lookup.begin([[key] for key in keys])
-        if isinstance(pending, int):
-            return pending
-        deadline = time.monotonic() + 4 * TIMEOUT_S
-        while (answer := lookup.resume(pending)) is None:
-            assert time.monotonic() < deadline, "a lookup outlived its timeout"
-            time.sleep(0.002)
-        return answer
+        try:
+            pending = lookup.begin([[key] for key in keys])
+            if isinstance(pending, int):
+                return pending
+            deadline = time.monotonic() + 4 * TIMEOUT_S
+            while (answer := lookup.resume(pending)) is None:
+                assert time.monotonic() < deadline, "a lookup outlived its timeout"
+                time.sleep(0.002)
+            return answer
+        finally:
+            lookup.close()
 
     def close(self) -> None:
         self.tier.close()

@@ -254,5 +254,6 @@ def test_index_counts_leading_chunks_only(lmcache_server: LMCacheServer) -> None
                 assert time.monotonic() < deadline
                 time.sleep(0.002)
             assert hits == 1
+            lookup.close()
         finally:
             index.close()

@@ -129,6 +129,7 @@ def test_killed_then_restarted_master(master_factory: MasterFactory) -> None:
         while settle(lookup, [[after]], 3.0) != 1:
             assert time.monotonic() < deadline, "the index never rejoined the restarted master"
             time.sleep(0.3)
+        lookup.close()
 
 
 def test_value_larger_than_the_segment_fails_cleanly(master_factory: MasterFactory) -> None:

@@ -66,7 +66,7 @@ def test_remote_index_ask_again_then_answer() -> None:
     index = InMemoryChunkIndex()
     index.add([ChunkKey("a")])
     remote = remote_view(index)
-    lookup = PrefixLookup(remote, 1.0, clock=Clock())
+    lookup = PrefixLookup(remote, 1.0, clock=Clock(), threaded=False)
     with remote.stall():
         pending = lookup.begin(keys("a", "b"))
         assert isinstance(pending, PendingLookup)
@@ -78,7 +78,7 @@ def test_preceding_chunks_reach_the_remote_index_and_are_not_counted() -> None:
     index = InMemoryChunkIndex()
     index.add([ChunkKey("a"), ChunkKey("b"), ChunkKey("c")])
     remote = remote_view(index)
-    lookup = PrefixLookup(remote, 1.0, clock=Clock())
+    lookup = PrefixLookup(remote, 1.0, clock=Clock(), threaded=False)
     pending = lookup.begin(keys("c", "d"), keys("a", "b"))
     assert isinstance(pending, PendingLookup)
     assert [preceding for _, preceding in remote.asked] == [tuple(keys("a", "b"))]
@@ -90,7 +90,7 @@ def test_timeout_is_a_miss(caplog: pytest.LogCaptureFixture) -> None:
     index = InMemoryChunkIndex()
     index.add([ChunkKey("a")])
     remote = remote_view(index)
-    lookup = PrefixLookup(remote, 0.5, clock=clock)
+    lookup = PrefixLookup(remote, 0.5, clock=clock, threaded=False)
     with remote.stall(), caplog.at_level(logging.WARNING):
         pending = lookup.begin(keys("a"))
         assert isinstance(pending, PendingLookup)
@@ -105,7 +105,7 @@ def test_failures_trip_the_breaker_then_recover() -> None:
     index.add([ChunkKey("a")])
     breaker = CircuitBreaker(threshold=2, backoff_s=10, clock=clock)
     remote = remote_view(index)
-    lookup = PrefixLookup(remote, 1.0, breaker=breaker, clock=clock)
+    lookup = PrefixLookup(remote, 1.0, breaker=breaker, clock=clock, threaded=False)
     remote.fail_next(2)
     for _ in range(2):
         pending = lookup.begin(keys("a"))

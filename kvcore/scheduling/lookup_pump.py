@@ -1,0 +1,161 @@
+"""Remote lookups driven by a thread of their own, so that neither their progress nor their deadline
+depends on the engine's pace.
+
+A remote index answers through submit and poll. Polled only when the engine asks again, once per engine
+step, a lookup of several rounds (an LMCache server's lookup, then its prefetch status; a stack of tiers,
+one tier after the other) advances one round per step, and a deadline judged then fires whenever a step
+outlasts it: a long prefill counted as the server's silence, and the hit recomputed. ``LookupPump`` polls
+every watched lookup from its own thread — every 200 µs at first, less often the longer it waits, up to
+every 5 ms — so each round is sent as soon as the one before it is answered, and judges the deadline
+there, ``timeout_s`` after the lookup was submitted: what it measures is how long the tier has left the
+lookup unanswered. The scheduler reads the outcome when it asks again; an answer that arrived while the
+engine was busy is an answer, never a miss.
+
+The pump and its owner share one lock around every call into the index, so an index sees one caller at
+a time (from two threads). The thread starts with the first lookup (never in a process that merely
+built a scheduler before forking) and stops at ``close``. Each ``outcome`` also polls the lookup it asks
+for, so an engine that asks again in a tight loop of its own sees no added latency, and an unthreaded
+pump (``threaded=False``) is a plain poll on each ask.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kvcore.errors import BackendError, KVCoreError, TransferTimeout
+from kvcore.ids import LookupId
+from kvcore.ports import ChunkIndex
+
+__all__ = ["LookupPump"]
+
+log = logging.getLogger(__name__)
+
+FIRST_INTERVAL_S = 0.0002
+LAST_INTERVAL_S = 0.005
+CLOSE_S = 1.0
+
+
+class LookupPump:
+    """Polls watched lookups of one index until each answers, fails or outlasts ``timeout_s``.
+
+    ``outcome`` hands out, once, the answer (an int), the failure (a ``BackendError``: the index's own,
+    or ``TransferTimeout`` once the deadline passed, the lookup then cancelled) or ``None`` while pending.
+    """
+
+    def __init__(
+        self,
+        index: ChunkIndex,
+        timeout_s: float,
+        lock: threading.Lock,
+        *,
+        threaded: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._index = index
+        self._timeout = timeout_s
+        self._index_lock = lock
+        self._threaded = threaded
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._deadlines: dict[LookupId, float] = {}
+        self._outcomes: dict[LookupId, int | BackendError] = {}
+        self._fresh = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def watch(self, lookup_id: LookupId) -> None:
+        """Drive a lookup just submitted; its deadline is ``timeout_s`` from now."""
+        with self._cond:
+            self._deadlines[lookup_id] = self._clock() + self._timeout
+            self._fresh = True
+            if self._threaded and self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="kvcore-lookups", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def outcome(self, lookup_id: LookupId) -> int | BackendError | None:
+        """The lookup's outcome, handed out once, or ``None`` while it is pending. Asking polls the
+        lookup once more, so an engine that asks in a loop of its own needs no thread."""
+        self._settle(lookup_id)
+        with self._cond:
+            return self._outcomes.pop(lookup_id, None)
+
+    def forget(self, lookup_id: LookupId) -> None:
+        """Stop driving a lookup and drop its outcome; the caller cancels it in the index."""
+        with self._cond:
+            self._deadlines.pop(lookup_id, None)
+            self._outcomes.pop(lookup_id, None)
+
+    def tick(self) -> bool:
+        """One pass: poll each watched lookup once, settling those answered, failed or past their
+        deadline. Whether any is still pending."""
+        with self._cond:
+            watched = list(self._deadlines)
+            self._fresh = False
+        for lookup_id in watched:
+            self._settle(lookup_id)
+        with self._cond:
+            return bool(self._deadlines)
+
+    def close(self) -> None:
+        """Stop the thread (within a second); lookups still watched get no outcome. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._deadlines.clear()
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(CLOSE_S)
+
+    def _settle(self, lookup_id: LookupId) -> None:
+        """Poll the lookup if it is still watched, and record its outcome once it has one: both under
+        the index lock, so that no second poll ever asks for an answer already handed out."""
+        with self._index_lock:
+            with self._cond:
+                deadline = self._deadlines.get(lookup_id)
+            if deadline is None:
+                return  # settled, or forgotten: its owner cancels it
+            result = self._poll(lookup_id, deadline)
+            if result is not None:
+                with self._cond:
+                    if self._deadlines.pop(lookup_id, None) is not None:  # not forgotten meanwhile
+                        self._outcomes[lookup_id] = result
+
+    def _poll(self, lookup_id: LookupId, deadline: float) -> int | BackendError | None:
+        try:
+            answer = self._index.poll_lookup(lookup_id)
+        except BackendError as exc:
+            return exc
+        except KVCoreError as exc:  # an index that lost track of its own lookup
+            return BackendError(f"the index could not poll lookup {lookup_id}: {exc}")
+        if answer is not None:
+            return answer
+        if self._clock() < deadline:
+            return None
+        try:
+            self._index.cancel_lookup(lookup_id)
+        except BackendError as exc:
+            log.warning("kvcore: cancelling lookup %s failed: %s", lookup_id, exc)
+        return TransferTimeout(f"lookup timed out: no answer within {self._timeout:.3f}s")
+
+    def _run(self) -> None:
+        interval = FIRST_INTERVAL_S
+        while True:
+            with self._cond:
+                while not self._deadlines and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                if self._fresh:
+                    interval = FIRST_INTERVAL_S
+            try:
+                pending = self.tick()
+            except Exception:  # never let the thread die: the lookups would wait for their deadline
+                log.exception("kvcore: polling remote lookups failed")
+                pending = True
+            if pending:
+                time.sleep(interval)
+                interval = min(2 * interval, LAST_INTERVAL_S)

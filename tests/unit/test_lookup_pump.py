@@ -1,0 +1,191 @@
+"""Remote lookups driven by their own thread: an engine that is away neither stalls nor fails them.
+
+The index here is a port fake with the shape of an LMCache server's lookup (a second round sent only once
+the first is answered, from inside ``poll_lookup``) and a wall-clock server; the same behaviour on a real
+engine and a real server is ``tests/lmcache/test_vllm_slow_steps.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from kvcore.errors import BackendError, UsageError
+from kvcore.ids import ChunkKey, LookupId
+from kvcore.scheduling.remote_lookup import PendingLookup, PrefixLookup
+
+ROUND_S = 0.002  # the server's answer to one round
+TIMEOUT_S = 0.1
+AWAY_S = 0.3  # an engine step three times the deadline
+
+
+class TwoRounds:
+    """Answers ``found`` after two rounds of ``ROUND_S``, the second sent when a poll sees the first's
+    reply; ``silent`` never answers. Fails the test if two callers are ever inside it at once."""
+
+    def __init__(self, found: int, *, silent: bool = False) -> None:
+        self.found = found
+        self.silent = silent
+        self._ids = itertools.count(1)
+        self._sent: dict[LookupId, tuple[int, float]] = {}  # round, when it was sent
+        self._inside = threading.Lock()
+        self.polls = 0
+        self.cancelled: list[LookupId] = []
+
+    def _enter(self) -> None:
+        assert self._inside.acquire(blocking=False), "two callers inside the index at once"
+
+    def submit_lookup(
+        self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
+    ) -> LookupId:
+        self._enter()
+        try:
+            lookup_id = LookupId(next(self._ids))
+            self._sent[lookup_id] = (1, time.monotonic())
+            return lookup_id
+        finally:
+            self._inside.release()
+
+    def poll_lookup(self, lookup_id: LookupId) -> int | None:
+        self._enter()
+        try:
+            self.polls += 1
+            if lookup_id not in self._sent:
+                raise UsageError(f"lookup {lookup_id} is unknown")
+            round_, sent = self._sent[lookup_id]
+            if self.silent or time.monotonic() - sent < ROUND_S:
+                return None
+            if round_ == 1:
+                self._sent[lookup_id] = (2, time.monotonic())
+                return None
+            del self._sent[lookup_id]
+            return self.found
+        finally:
+            self._inside.release()
+
+    def cancel_lookup(self, lookup_id: LookupId) -> None:
+        self._enter()
+        try:
+            self._sent.pop(lookup_id, None)
+            self.cancelled.append(lookup_id)
+        finally:
+            self._inside.release()
+
+    def close(self) -> None:
+        pass
+
+
+def chunks(n: int) -> list[tuple[ChunkKey, ...]]:
+    return [(ChunkKey(f"k{i}"),) for i in range(n)]
+
+
+def resume_within(lookup: PrefixLookup, pending: PendingLookup, bound_s: float) -> int:
+    deadline = time.monotonic() + bound_s
+    while (answer := lookup.resume(pending)) is None:
+        assert time.monotonic() < deadline, "no answer within the bound"
+        time.sleep(0.001)
+    return answer
+
+
+def test_a_lookup_answered_while_the_engine_was_away_is_a_hit(caplog: pytest.LogCaptureFixture) -> None:
+    lookup = PrefixLookup(TwoRounds(found=3), TIMEOUT_S)
+    try:
+        with caplog.at_level(logging.WARNING):
+            pending = lookup.begin(chunks(4))
+            assert isinstance(pending, PendingLookup)
+            time.sleep(AWAY_S)  # one long engine step
+            assert lookup.resume(pending) == 3  # answered at the engine's first look
+        assert "timed out" not in caplog.text
+    finally:
+        lookup.close()
+
+
+def test_polled_only_by_the_engine_the_same_lookup_was_a_false_miss() -> None:
+    # what the pump removes: the second round waits for the engine, and the deadline counts its step
+    lookup = PrefixLookup(TwoRounds(found=3), TIMEOUT_S, threaded=False)
+    pending = lookup.begin(chunks(4))
+    assert isinstance(pending, PendingLookup)
+    time.sleep(AWAY_S)
+    assert lookup.resume(pending) == 0
+
+
+def test_a_silent_server_is_a_miss_at_the_deadline(caplog: pytest.LogCaptureFixture) -> None:
+    index = TwoRounds(found=3, silent=True)
+    lookup = PrefixLookup(index, TIMEOUT_S)
+    try:
+        with caplog.at_level(logging.WARNING):
+            started = time.monotonic()
+            pending = lookup.begin(chunks(4))
+            assert isinstance(pending, PendingLookup)
+            assert resume_within(lookup, pending, 10 * TIMEOUT_S) == 0
+            took = time.monotonic() - started
+        assert TIMEOUT_S <= took < 5 * TIMEOUT_S
+        assert "timed out" in caplog.text
+        assert index.cancelled == [pending.lookup_id]  # the index forgets it too
+    finally:
+        lookup.close()
+
+
+def test_an_abandoned_lookup_is_cancelled_and_no_longer_polled() -> None:
+    index = TwoRounds(found=3, silent=True)
+    lookup = PrefixLookup(index, 10.0)
+    try:
+        pending = lookup.begin(chunks(2))
+        assert isinstance(pending, PendingLookup)
+        time.sleep(0.02)
+        lookup.abandon(pending)
+        assert index.cancelled == [pending.lookup_id]
+        polls = index.polls
+        time.sleep(0.05)
+        assert index.polls == polls
+        assert lookup.resume(pending) is None  # nothing handed out for it, ever
+    finally:
+        lookup.close()
+
+
+def test_a_failing_index_is_a_miss_and_the_pump_goes_on() -> None:
+    class Failing(TwoRounds):
+        def poll_lookup(self, lookup_id: LookupId) -> int | None:
+            raise BackendError("the server answered garbage")
+
+    lookup = PrefixLookup(Failing(found=1), TIMEOUT_S)
+    try:
+        for _ in range(2):
+            pending = lookup.begin(chunks(2))
+            assert isinstance(pending, PendingLookup)
+            assert resume_within(lookup, pending, 1.0) == 0
+    finally:
+        lookup.close()
+
+
+def test_many_lookups_at_once_each_get_their_answer_and_the_index_one_caller_at_a_time() -> None:
+    index = TwoRounds(found=2)
+    lookup = PrefixLookup(index, 5.0)
+    try:
+        pending = [lookup.begin(chunks(3)) for _ in range(50)]
+        for i, each in enumerate(pending):
+            assert isinstance(each, PendingLookup)
+            if i % 5 == 0:
+                lookup.abandon(each)
+        answers = [
+            resume_within(lookup, each, 5.0)
+            for i, each in enumerate(pending)
+            if i % 5 and isinstance(each, PendingLookup)
+        ]
+        assert answers == [2] * 40
+    finally:
+        lookup.close()
+
+
+def test_close_stops_the_thread() -> None:
+    lookup = PrefixLookup(TwoRounds(found=1, silent=True), 10.0)
+    pending = lookup.begin(chunks(1))
+    assert isinstance(pending, PendingLookup)
+    assert any(t.name == "kvcore-lookups" for t in threading.enumerate())
+    lookup.close()
+    assert not any(t.name == "kvcore-lookups" and t.is_alive() for t in threading.enumerate())
