@@ -30,6 +30,7 @@ class Benchmark:
     baseline: str
     legend: str
     starts: str = ""
+    by_name_only: bool = False  # too long for a run of every benchmark: run when named
 
 
 BENCHMARKS = {
@@ -95,6 +96,18 @@ BENCHMARKS = {
         "one os.write / os.readv per chunk file of the same bytes on the same file system (like dd)",
         "ratio = baseline time / kvcore time (= kvcore GB/s / baseline GB/s); > 1 is faster",
     ),
+    "serve": Benchmark(
+        "benchmarks.bench_serve",
+        "a served engine under streaming clients: throughput, TTFT p50/p90/p99, inter-token latency, hits "
+        "by source, on multi-turn chat, shared documents, unique prompts and a burst on one prefix",
+        "vLLM alone, and LMCache's own connector on an LMCache server of the same size, same flags, same run",
+        "x vLLM / x LMCache = this configuration's figure / the baseline's (throughput: > 1 is better; TTFT: "
+        "< 1 is better); differ = answers unlike vLLM alone's (must be 0); spread = throughput's (max - min) "
+        "/ median over the repeats. Its own flags after --: kvcore bench serve -- --help",
+        starts="a vLLM server per configuration, workload and repeat, and an LMCache server where one is "
+        "compared (about an hour with the defaults; --quick: minutes)",
+        by_name_only=True,
+    ),
 }
 
 # Quiet by default, an operator's own setting wins: Mooncake's glog lines (MC_LOG_LEVEL; its native
@@ -117,6 +130,7 @@ def _entry(name: str) -> list[str]:
     bench = BENCHMARKS[name]
     fields = [(name, bench.measures), ("  baseline", bench.baseline), ("  legend", bench.legend)]
     fields += [("  starts", bench.starts)] if bench.starts else []
+    fields += [("  run", f"only when named: kvcore bench {name}")] if bench.by_name_only else []
     return [
         textwrap.fill(text, 106, initial_indent=f"{key}: ", subsequent_indent=" " * 6) for key, text in fields
     ]
@@ -127,7 +141,7 @@ def listing() -> str:
     return "\n".join(line for name in BENCHMARKS for line in _entry(name))
 
 
-def _run(name: str, checkout: Path, quick: bool, verbose: bool) -> int:
+def _run(name: str, checkout: Path, quick: bool, verbose: bool, extra: Sequence[str]) -> int:
     """Run one benchmark in a process of its own; its stdout goes straight through, its stderr too except
     Mooncake's glog lines, which are counted (and shown if it fails, or with ``verbose``)."""
     bench = BENCHMARKS[name]
@@ -135,7 +149,7 @@ def _run(name: str, checkout: Path, quick: bool, verbose: bool) -> int:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(checkout), env.get("PYTHONPATH"))))
     if not verbose:
         env = {**QUIET, **env}
-    argv = [sys.executable, "-m", bench.module, *(["--quick"] if quick else [])]
+    argv = [sys.executable, "-m", bench.module, *(["--quick"] if quick else []), *extra]
     hidden = []
     with subprocess.Popen(argv, cwd=checkout, env=env, stderr=subprocess.PIPE, text=True) as process:
         for line in process.stderr or ():
@@ -154,18 +168,24 @@ def _run(name: str, checkout: Path, quick: bool, verbose: bool) -> int:
     return code
 
 
-def run_benchmarks(names: Sequence[str], quick: bool = False, verbose: bool = False) -> int:
-    """Run the named benchmarks (all by default); returns a process exit code (the worst of theirs)."""
+def run_benchmarks(
+    names: Sequence[str], quick: bool = False, verbose: bool = False, extra: Sequence[str] = ()
+) -> int:
+    """Run the named benchmarks (by default, all but those run by name only); returns a process exit code
+    (the worst of theirs). ``extra`` are one named benchmark's own flags."""
     unknown = sorted(set(names) - set(BENCHMARKS))
     if unknown:
         print(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    if extra and len(names) != 1:
+        print(f"flags {list(extra)} go to one benchmark: name exactly one before them", file=sys.stderr)
         return 2
     checkout = Path(__file__).resolve().parents[2]
     if not (checkout / "benchmarks").is_dir():
         print("kvcore bench runs from a source checkout (benchmarks/ is not installed)", file=sys.stderr)
         return 2
     code = 0
-    for name in names or list(BENCHMARKS):
+    for name in names or [name for name, bench in BENCHMARKS.items() if not bench.by_name_only]:
         print("\n## " + "\n".join(_entry(name)) + "\n", flush=True)
-        code = max(code, _run(name, checkout, quick, verbose))
+        code = max(code, _run(name, checkout, quick, verbose, extra))
     return code

@@ -135,7 +135,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.list:
         print(listing())
         return 0
-    return run_benchmarks(args.names, quick=args.quick, verbose=args.verbose)
+    return run_benchmarks(args.names, quick=args.quick, verbose=args.verbose, extra=args.extra)
 
 
 def _fuzz(args: argparse.Namespace) -> int:
@@ -214,7 +214,11 @@ def _parser() -> argparse.ArgumentParser:
         epilog=f"benchmarks:\n{listing()}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("names", nargs="*", help=f"{', '.join(BENCHMARKS)} (default: all)")
+    bench.add_argument(
+        "names",
+        nargs="*",
+        help=f"{', '.join(BENCHMARKS)} (default: all but serve); after --, one benchmark's own flags",
+    )
     bench.add_argument("--quick", action="store_true", help="a few seconds each (plus any engine's start)")
     bench.add_argument("--list", action="store_true", help="list the benchmarks, their baselines and legends")
     bench.add_argument(
@@ -312,7 +316,14 @@ class _Versions(argparse.Action):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    # after `--`, one benchmark's own flags: `kvcore bench serve -- --clients 4`
+    cut = given.index("--") if "--" in given else len(given)
+    parser = _parser()
+    args = parser.parse_args(given[:cut])
+    args.extra = given[cut + 1 :]
+    if args.extra and args.run is not _bench:
+        parser.error(f"flags after --: {' '.join(args.extra)}; only `kvcore bench NAME -- ...` takes them")
     code: int = args.run(args)
     return code
 

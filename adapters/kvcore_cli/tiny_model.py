@@ -73,6 +73,15 @@ BENCH = ModelShape(  # BENCHMARKS.md's TTFT model: 8 KiB of bf16 KV per token
     head_dim=64,
     max_positions=8192,
 )
+SERVE = ModelShape(  # bench_serve's model: in float32, prefill dominates a step as with real models on a CPU
+    hidden_size=768,
+    intermediate_size=2048,
+    num_layers=6,
+    num_heads=12,
+    num_kv_heads=4,
+    head_dim=64,
+    max_positions=8192,
+)
 
 
 def build_tokenizer(corpus: tuple[str, ...] = CORPUS) -> PreTrainedTokenizerFast:

@@ -340,3 +340,14 @@ def test_the_installed_command_exits_2_without_a_traceback(tmp_path: Path) -> No
         assert done.returncode == 2, done.stderr
         assert "Traceback" not in done.stderr
         assert "config_file" in done.stderr
+
+
+def test_bench_hands_flags_after_the_name_to_that_benchmark(capfd: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "serve", "--", "--help"]) == 0
+    assert "--workloads" in capfd.readouterr().out  # bench_serve's own help
+    assert main(["bench", "hashing", "pool", "--", "--quick"]) == 2
+    assert "name exactly one" in capfd.readouterr().err
+
+
+def test_bench_runs_the_long_benchmarks_only_when_named() -> None:
+    assert [name for name, bench in BENCHMARKS.items() if bench.by_name_only] == ["serve"]

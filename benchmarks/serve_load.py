@@ -1,0 +1,238 @@
+"""Served load for ``bench_serve``: workloads as sessions of turns, and streaming HTTP clients that run them.
+
+A workload is a list of phases run one after the other; a phase is a list of sessions, run by up to
+``clients`` clients at once; a session is a list of turns one client runs in order. A chat session
+carries its history: each turn's prompt is the last prompt, the answer (the token ids the server
+streamed) and the new user tokens. Prompts are token ids (``/v1/completions`` takes them as they are: no
+tokenizer between the workload and the engine), drawn in ``[10, 250)`` so that every model with a
+vocabulary of 256 or more takes them. Between phases a workload may ask the server to forget its own
+prefix cache (``/reset_prefix_cache``): a burst on a prefix that only the connector still holds.
+
+Each request is one streaming completion (``stream: true``, usage in the last chunk): its time to first
+token, the gaps between its tokens, the tokens the server says were cached, its token ids, or its error.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+import random
+import threading
+import time
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+from attrs import field, frozen
+
+__all__ = ["Phase", "Record", "Session", "Turn", "Workload", "WORKLOADS", "run_phase", "workload"]
+
+REQUEST_TIMEOUT_S = 600.0
+
+
+@frozen
+class Turn:
+    """New prompt tokens (after the history, for a chat), and how many tokens to generate."""
+
+    tokens: tuple[int, ...]
+    max_tokens: int
+
+
+@frozen
+class Session:
+    name: str
+    turns: tuple[Turn, ...]
+    chat: bool = False  # each turn's prompt is the history, the answer, then the turn's tokens
+
+
+@frozen
+class Phase:
+    sessions: tuple[Session, ...]
+    reset_before: bool = False  # the server forgets its own prefix cache first
+    timed: bool = True  # counted in the figures (a warm-up or a priming phase is not)
+
+
+@frozen
+class Workload:
+    name: str
+    describe: str
+    phases: tuple[Phase, ...]
+
+
+@frozen
+class Record:
+    """One request: its session and turn, prompt length, what came back, and when."""
+
+    session: str
+    turn: int
+    prompt_tokens: int
+    started: float
+    ttft: float | None = None
+    gaps: tuple[float, ...] = ()
+    output: tuple[int, ...] = ()
+    cached_tokens: int = 0
+    ended: float = 0.0
+    error: str | None = field(default=None)
+
+
+def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(10, 250) for _ in range(n))
+
+
+def workload(
+    name: str, *, users: int, turns: int, prefix_tokens: int, turn_tokens: int, answer_tokens: int, seed: int
+) -> Workload:
+    """The named workload (``WORKLOADS``), its sizes from the benchmark's flags."""
+    rng = random.Random(f"{name}/{seed}")
+    warm = Phase(tuple(Session(f"warm-{i}", (Turn(_tokens(rng, 64), 4),)) for i in range(2)), timed=False)
+    if name == "chat":
+        system = _tokens(rng, prefix_tokens)
+        sessions = tuple(
+            Session(
+                f"user-{u}",
+                tuple(
+                    Turn((system if t == 0 else ()) + _tokens(rng, turn_tokens), answer_tokens)
+                    for t in range(turns)
+                ),
+                chat=True,
+            )
+            for u in range(users)
+        )
+        return Workload(name, WORKLOADS[name], (warm, Phase(sessions)))
+    if name == "rag":
+        documents = [_tokens(rng, prefix_tokens) for _ in range(max(1, users // 3))]
+        sessions = tuple(
+            Session(
+                f"ask-{u}-{t}",
+                (Turn(documents[(u + t) % len(documents)] + _tokens(rng, turn_tokens), answer_tokens),),
+            )
+            for t in range(turns)
+            for u in range(users)
+        )
+        return Workload(name, WORKLOADS[name], (warm, Phase(sessions)))
+    if name == "unique":
+        sessions = tuple(
+            Session(f"unique-{i}", (Turn(_tokens(rng, prefix_tokens + turn_tokens), answer_tokens),))
+            for i in range(users * turns)
+        )
+        return Workload(name, WORKLOADS[name], (warm, Phase(sessions)))
+    if name == "burst":
+        phases = [warm]
+        for r in range(turns):
+            prefix = _tokens(rng, prefix_tokens)
+            prime = Session(f"prime-{r}", (Turn(prefix + _tokens(rng, turn_tokens), 1),))
+            phases.append(Phase((prime,), timed=False))
+            burst = tuple(
+                Session(f"burst-{r}-{i}", (Turn(prefix + _tokens(rng, turn_tokens), answer_tokens),))
+                for i in range(users)
+            )
+            phases.append(Phase(burst, reset_before=True))
+        return Workload(name, WORKLOADS[name], tuple(phases))
+    raise ValueError(f"workload: got {name!r}, expected one of {sorted(WORKLOADS)}")
+
+
+WORKLOADS = {
+    "chat": "multi-turn chat: each user's turns in order, a shared system prompt, the history sent each turn",
+    "rag": "long shared documents (one per 3 users), each asked a new question by many users",
+    "unique": "unique prompts, nothing to reuse: what the connector costs",
+    "burst": "a prefix stored, the engine's own cache reset, then every user at once on that prefix",
+}
+
+
+def _stream(url: str, prompt: Sequence[int], max_tokens: int, record: Record) -> Record:
+    """One streaming greedy completion; the record filled in (or its error)."""
+    parts = urlsplit(url)
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "min_tokens": max_tokens,  # every configuration generates as many tokens
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
+    )
+    connection = http.client.HTTPConnection(
+        parts.hostname or "127.0.0.1", parts.port, timeout=REQUEST_TIMEOUT_S
+    )
+    ttft: float | None = None
+    last = record.started
+    gaps: list[float] = []
+    output: list[int] = []
+    cached = 0
+    try:
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            return _failed(record, f"HTTP {response.status}: {response.read()[:200]!r}")
+        for raw in response:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or {}
+            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or cached)
+            for choice in chunk.get("choices") or ():
+                ids = choice.get("token_ids") or ()
+                if not ids:
+                    continue
+                now = time.monotonic()
+                if ttft is None:
+                    ttft = now - record.started
+                else:
+                    gaps.append(now - last)
+                last = now
+                output.extend(int(i) for i in ids)
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        return _failed(record, f"{type(exc).__name__}: {exc}")
+    finally:
+        connection.close()
+    if ttft is None:
+        return _failed(record, "no token came back")
+    return Record(
+        record.session, record.turn, record.prompt_tokens, record.started, ttft, tuple(gaps), tuple(output),
+        cached, time.monotonic(),
+    )  # fmt: skip
+
+
+def _failed(record: Record, why: str) -> Record:
+    return Record(
+        record.session, record.turn, record.prompt_tokens, record.started, ended=time.monotonic(), error=why
+    )
+
+
+def _run_session(url: str, session: Session, out: list[Record]) -> None:
+    history: tuple[int, ...] = ()
+    for t, turn in enumerate(session.turns):
+        prompt = history + turn.tokens if session.chat else turn.tokens
+        record = _stream(url, prompt, turn.max_tokens, Record(session.name, t, len(prompt), time.monotonic()))
+        out.append(record)
+        if record.error is not None:
+            return  # the rest of the conversation depends on this answer
+        history = prompt + record.output
+
+
+def run_phase(url: str, phase: Phase, clients: int) -> tuple[list[Record], float]:
+    """Run a phase's sessions on up to ``clients`` threads; its records and its wall time (seconds)."""
+    todo: queue.SimpleQueue[Session] = queue.SimpleQueue()
+    for session in phase.sessions:
+        todo.put(session)
+    records: list[Record] = []
+
+    def client() -> None:
+        while True:
+            try:
+                session = todo.get_nowait()
+            except queue.Empty:
+                return
+            _run_session(url, session, records)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(min(clients, len(phase.sessions)))]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(REQUEST_TIMEOUT_S * 10)
+    return records, time.monotonic() - started

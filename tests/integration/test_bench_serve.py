@@ -1,0 +1,54 @@
+"""``kvcore bench serve --quick``, as a user runs it: real servers, streaming clients, the table printed.
+
+Two workloads of the quick run (the tiny model, vLLM alone and kvcore's CPU tier): unique prompts and
+the burst, where every user asks at once on a prefix that only kvcore still holds — one load per round,
+the others served from vLLM's own cache once it is there. No request fails and no answer differs from
+vLLM alone's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import VLLM_MARKS
+
+pytestmark = [*VLLM_MARKS, pytest.mark.timeout(900)]
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+PREFIX_TOKENS = 512  # --quick's
+ROUNDS = 2  # --quick's --turns: burst rounds
+
+
+def test_the_quick_serving_benchmark_runs_and_prints_its_table(tmp_path: Path) -> None:
+    figures = tmp_path / "serve.json"
+    argv = ["kvcore_cli.main", "bench", "serve", "--quick", "--", "--workloads", "unique,burst"]
+    done = subprocess.run(
+        [sys.executable, "-m", *argv, "--json", str(figures)],
+        check=False,
+        cwd=CHECKOUT,
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "workload config" in out
+    assert "tok/s vs vLLM" in out
+    rows = {(row["workload"], row["config"]): row for row in json.loads(figures.read_text())["rows"]}
+    assert set(rows) == {(w, c) for w in ("unique", "burst") for c in ("vllm", "kvcore-cpu")}
+    for row in rows.values():
+        assert row["errors"] == 0
+        assert row["differ"] == 0
+        assert row["throughput"] > 0
+        assert row["ttft_p99"] >= row["ttft_p50"] > 0
+    assert (
+        rows["unique", "kvcore-cpu"]["ext"] == rows["unique", "kvcore-cpu"]["local"] == 0
+    )  # nothing to reuse
+    assert rows["burst", "vllm"]["ext"] == 0
+    assert rows["burst", "kvcore-cpu"]["ext"] == ROUNDS * PREFIX_TOKENS  # one load per round
+    assert rows["burst", "kvcore-cpu"]["local"] > 0  # the others: vLLM's own cache, once loaded
