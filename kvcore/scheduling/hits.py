@@ -12,6 +12,7 @@ from kvcore.checks import is_int_in
 from kvcore.errors import InvalidSpecError
 from kvcore.ids import RequestId
 from kvcore.keying.hashing import ExtraKeys
+from kvcore.ports import Direction
 from kvcore.scheduling.load_spec import LoadSpec, check_local_tokens, hit_tokens, plan_load
 from kvcore.scheduling.remote_lookup import PendingLookup
 from kvcore.scheduling.request_keys import prompt_tokens
@@ -77,7 +78,38 @@ def lookup(
     )
     if req.load is None:
         state.release_held(req)
-    return req.load.num_tokens if req.load is not None else 0
+        return 0
+    if _loading_elsewhere(state, request_id, req):
+        return None  # another request's load writes these chunks into the engine: ask again after it
+    return req.load.num_tokens
+
+
+def _loading_elsewhere(state: SchedulerState, request_id: RequestId, req: RequestState) -> bool:
+    """Whether an asynchronous load of another request, still in flight, brings in a chunk this request's
+    load would read. Requests that share a prefix and arrive together would each load it: the engine
+    finds a chunk an asynchronous load writes in its own cache only once that load has ended (a
+    synchronous load's blocks are in it at once). This one waits instead, and finds the chunk in the
+    engine's cache when that load ends, or loads it itself if it failed; bounded by that load's own
+    timeout."""
+    load = req.load
+    if load is None or not len(state.ops):
+        return False
+    chunk = state.config.chunk_tokens
+    wanted = set(req.chain.keys[load.start // chunk : -(-load.stop // chunk)])
+    if req.tail is not None:
+        wanted.add(req.tail.key)
+    for entry in state.ops:
+        other = state.requests.get(entry.request_id) if entry.request_id != request_id else None
+        if (
+            other is not None
+            and other.loaded is not None
+            and other.loaded.is_async
+            and entry.op.direction is Direction.LOAD
+            and not entry.fenced
+            and not wanted.isdisjoint(entry.keys)
+        ):
+            return True
+    return False
 
 
 def cap_load(state: SchedulerState, request_id: RequestId, num_tokens: int) -> int:

@@ -113,6 +113,37 @@ def test_a_chunk_evicted_locally_is_fetched_from_the_remote_tier_byte_exact() ->
     assert rig.sched.stats().pool.pinned == 0
 
 
+def test_requests_on_one_prefix_wait_for_the_asynchronous_load_in_flight_instead_of_loading_it_again() -> (
+    None
+):
+    rig = Rig(slots=3)
+    rig.serve_and_save("a", TOKENS, range(8))
+    rig.serve_and_save("b", OTHER, range(8, 16))  # a's chunks only in the store now
+    c, d, e = RequestId("c"), RequestId("d"), RequestId("e")
+    assert rig.lookup(c, TOKENS) == 24
+    rig.sched.start_load(c, range(20, 28), is_async=True)
+    plan = rig.sched.take_plan()  # c's load in flight: its blocks are not in the engine's cache yet
+    # d would read what c's load brings: however often it asks, it waits
+    assert all(rig.sched.lookup(d, tokens=TOKENS) is None for _ in range(20))
+    assert rig.lookup(e, OTHER) == 24  # another prefix: no wait
+    rig.worker.execute(plan)
+    rig.sched.complete(rig.worker.wait(plan.op_ids(), 5.0))
+    # c's load ended: the engine holds its blocks, so d asks from there on and loads nothing
+    assert rig.sched.lookup(d, tokens=TOKENS, local_tokens=24) == 0
+    assert rig.sched.stats().async_loads == 1
+
+
+def test_a_synchronous_load_in_flight_makes_nobody_wait() -> None:
+    # the engine has a synchronous load's blocks in its own cache at once
+    rig = Rig(slots=3)
+    rig.serve_and_save("a", TOKENS, range(8))
+    c = RequestId("c")
+    assert rig.lookup(c, TOKENS) == 24
+    rig.sched.start_load(c, range(20, 28))
+    rig.sched.take_plan()
+    assert rig.sched.lookup(RequestId("d"), tokens=TOKENS) == 24
+
+
 def test_the_local_hit_is_loaded_locally_and_the_rest_fetched() -> None:
     # pool of 4 slots: a's 3 chunks, then b's 3 chunks evict a's first two (LRU) -> a: chunk 2 local
     rig = Rig(slots=4)
