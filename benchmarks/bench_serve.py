@@ -118,7 +118,11 @@ def _connector(config: str, args: argparse.Namespace, scratch: Path) -> Iterator
     if config == "vllm":
         yield None
         return
-    kvcore: dict[str, Any] = {"kv_connector": "KVCoreConnector", "kv_role": "kv_both"}
+    kvcore: dict[str, Any] = {
+        "kv_connector": "KVCoreConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",  # a load that fails is recomputed, as docs/vllm.md advises
+    }
     if config == "kvcore-cpu":
         yield {**kvcore, "kv_connector_extra_config": {"backend": {"kind": "cpu", "size": args.pool_size}}}
         return
@@ -170,7 +174,12 @@ def _run(config: str, name: str, repeat: int, args: argparse.Namespace, scratch:
         env = {**_engine_env(scratch), "VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache, for the burst
         server = ServedEngine(args.model, log, transfer, args=engine_args, env=env)
         try:
-            server.wait_ready(READY_S)
+            try:
+                server.wait_ready(READY_S)
+            except AssertionError as exc:
+                raise SystemExit(
+                    f"{config} ({name}): the server did not start; its log: {log}\n{exc}"
+                ) from None
             records: list[Record] = []
             seconds = 0.0
             totals: dict[str, float] = dict.fromkeys(METRICS, 0.0)
@@ -307,7 +316,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--turn-tokens", type=int, default=128, help="new tokens per turn or question")
     parser.add_argument("--answer-tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--kv-cache-tokens", type=int, default=8192, help="vLLM's own KV cache, in tokens")
-    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, help="default: --kv-cache-tokens (vLLM's limit)")
     parser.add_argument("--pool-size", default="4GiB", help="kvcore's CPU tier / the LMCache server's L1")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", type=Path, help="write every figure and request record here")
@@ -320,13 +329,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.shape, args.configs, args.clients, args.turns, args.repeats = "tiny", "vllm,kvcore-cpu", 4, 2, 1
         args.prefix_tokens, args.turn_tokens, args.answer_tokens = 512, 64, 8
-        args.kv_cache_tokens, args.max_model_len, args.pool_size = 2048, 2048, "256MiB"
+        args.kv_cache_tokens, args.max_model_len, args.pool_size = 2048, None, "256MiB"
     configs = [c for c in args.configs.split(",") if c]
     workloads = [w for w in args.workloads.split(",") if w]
     for given, known, flag in ((configs, CONFIGS, "--configs"), (workloads, WORKLOADS, "--workloads")):
         wrong = [g for g in given if g not in known]
         if wrong or not given:
             parser.error(f"{flag}: got {wrong or given}, expected some of {', '.join(known)}")
+    if args.max_model_len is None:
+        args.max_model_len = args.kv_cache_tokens
+    if args.max_model_len > args.kv_cache_tokens:
+        parser.error(
+            f"--max-model-len {args.max_model_len}: more than vLLM's cache holds (--kv-cache-tokens)"
+        )
     if (
         min(args.clients, args.turns, args.prefix_tokens, args.turn_tokens, args.answer_tokens, args.repeats)
         < 1

@@ -184,6 +184,13 @@ class LMCacheChunkIndex:
             self._answered[lookup_id] = record
         return record.held.end - record.held.start
 
+    def lookup_progress(self, lookup_id: LookupId) -> float | None:
+        """When the server last answered a round of the lookup (``SupportsLookupProgress``): a held
+        lookup releasing the locks it does not keep made progress when it was answered."""
+        with self._lock:
+            settling = self._settling.get(lookup_id)
+        return settling.at if settling is not None else self._lookups.progress(lookup_id)
+
     def take_held(self, lookup_id: LookupId) -> HeldChunks | None:
         with self._lock:
             record = self._answered.pop(lookup_id, None)

@@ -39,6 +39,7 @@ from kvcore.ports.scheduler_side import (
     ChunkIndex,
     SupportsHeldLookups,
     SupportsImmediateLookup,
+    SupportsLookupProgress,
     SupportsTierUsage,
 )
 from kvcore.ports.stores import ChunkStore, ManagedTier, SupportsAdoptedLocks, SupportsBlockTransfer
@@ -81,6 +82,7 @@ __all__ = [
     "SupportsHeldLookups",
     "SupportsImmediateLookup",
     "SupportsReopen",
+    "SupportsLookupProgress",
     "SupportsTierUsage",
     "SupportsWriteBack",
     "TierUsage",

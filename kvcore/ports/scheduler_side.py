@@ -11,7 +11,13 @@ from typing import Protocol, runtime_checkable
 from kvcore.ids import ChunkKey, LookupId
 from kvcore.ports.common import HeldChunks, TierUsage
 
-__all__ = ["ChunkIndex", "SupportsHeldLookups", "SupportsImmediateLookup", "SupportsTierUsage"]
+__all__ = [
+    "ChunkIndex",
+    "SupportsHeldLookups",
+    "SupportsImmediateLookup",
+    "SupportsLookupProgress",
+    "SupportsTierUsage",
+]
 
 
 class ChunkIndex(Protocol):
@@ -56,6 +62,18 @@ class ChunkIndex(Protocol):
         that is down), and lookups still pending are dropped: ``poll_lookup`` raises ``BackendError`` for
         them. ``cancel_lookup`` keeps working; an immediate ``lookup`` may still answer.
         """
+        ...
+
+
+@runtime_checkable
+class SupportsLookupProgress(Protocol):
+    """A ``ChunkIndex`` whose lookups take several rounds with its server, and that can tell when a lookup
+    last made progress, so that the lookup's deadline counts the server's silence since then, not the time
+    the rounds before took (``kvcore.scheduling.lookup_pump``)."""
+
+    def lookup_progress(self, lookup_id: LookupId) -> float | None:
+        """When (``time.monotonic()``) the server last answered a round of this lookup, or ``None`` for an
+        id that is unknown, cancelled or answered."""
         ...
 
 

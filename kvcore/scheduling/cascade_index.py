@@ -22,7 +22,13 @@ from kvcore.errors import BackendError, KVCoreError, UsageError
 from kvcore.ids import ChunkKey, LookupId
 from kvcore.kit.closing import close_quietly
 from kvcore.kit.health import CircuitBreaker
-from kvcore.ports import ChunkIndex, SupportsImmediateLookup, SupportsTierUsage, TierUsage
+from kvcore.ports import (
+    ChunkIndex,
+    SupportsImmediateLookup,
+    SupportsLookupProgress,
+    SupportsTierUsage,
+    TierUsage,
+)
 
 __all__ = ["CascadeIndex", "ImmediateCascadeIndex", "cascade_index", "tier_usage"]
 
@@ -45,7 +51,8 @@ def tier_usage(index: ChunkIndex) -> TierUsage | None:
 class _Lookup:
     chunks: list[Sequence[ChunkKey]]
     preceding: list[Sequence[ChunkKey]]
-    deadline: float
+    deadline: float  # the current tier's: ``budget_s`` from when it was asked
+    asked: float  # when the current tier was asked
     stage: int = 0
     found: int = 0
     inner: LookupId | None = None
@@ -55,10 +62,12 @@ class CascadeIndex:
     """The ``ChunkIndex`` of several tiers asked in order (module docstring). ``found[i]`` counts the
     chunks tier ``i``'s lookups found.
 
-    ``budget_s`` bounds a whole lookup: a tier still pending past it is cancelled and the lookup answers
-    what the tiers before it found (the caller's own timeout, ``lookup_timeout_s``, would answer 0 for
-    all of them). A tier that fails ``BREAKER_FAILURES`` lookups in a row is skipped for a back-off
-    (``kvcore.kit.health.CircuitBreaker``), so a tier that is down costs the others nothing per lookup.
+    ``budget_s`` bounds each tier's part of a lookup, from when that tier is asked: a tier still pending
+    past it is cancelled and the lookup answers what the tiers before it found (the caller's own
+    timeout, ``lookup_timeout_s``, would answer 0 for all of them; it counts from the cascade's latest
+    progress, ``lookup_progress``). A tier that fails ``BREAKER_FAILURES`` lookups in a row is skipped
+    for a back-off (``kvcore.kit.health.CircuitBreaker``), so a tier that is down costs the others
+    nothing per lookup.
     """
 
     BREAKER_FAILURES = 3
@@ -82,7 +91,8 @@ class CascadeIndex:
     def submit_lookup(
         self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
     ) -> LookupId:
-        lookup = _Lookup(list(chunks), list(preceding), self._clock() + self._budget)
+        now = self._clock()
+        lookup = _Lookup(list(chunks), list(preceding), now + self._budget, now)
         lookup_id = LookupId(next(self._ids))
         self._lookups[lookup_id] = lookup
         self._ask(lookup)
@@ -121,6 +131,18 @@ class CascadeIndex:
         del self._lookups[lookup_id]
         return lookup.found
 
+    def lookup_progress(self, lookup_id: LookupId) -> float | None:
+        """When the lookup last moved (``SupportsLookupProgress``): its current tier asked, or that tier's
+        own latest answer to it."""
+        lookup = self._lookups.get(lookup_id)
+        if lookup is None:
+            return None
+        if lookup.inner is None:
+            return lookup.asked
+        index: object = self._indexes[lookup.stage]
+        inner = index.lookup_progress(lookup.inner) if isinstance(index, SupportsLookupProgress) else None
+        return lookup.asked if inner is None else max(lookup.asked, inner)
+
     def usage(self) -> tuple[TierUsage | None, ...]:
         """Each tier's usage (``tier_usage``), in order."""
         return tuple(tier_usage(index) for index in self._indexes)
@@ -148,6 +170,8 @@ class CascadeIndex:
             if breaker.allow():
                 try:
                     lookup.inner = self._indexes[lookup.stage].submit_lookup(rest, before)
+                    lookup.asked = self._clock()
+                    lookup.deadline = lookup.asked + self._budget
                     return
                 except BackendError as exc:
                     log.warning("kvcore: tier %d refused a lookup (%s)", lookup.stage + 1, exc)

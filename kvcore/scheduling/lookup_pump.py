@@ -7,9 +7,10 @@ one tier after the other) advances one round per step, and a deadline judged the
 outlasts it: a long prefill counted as the server's silence, and the hit recomputed. ``LookupPump`` polls
 every watched lookup from its own thread — every 200 µs at first, less often the longer it waits, up to
 every 5 ms — so each round is sent as soon as the one before it is answered, and judges the deadline
-there, ``timeout_s`` after the lookup was submitted: what it measures is how long the tier has left the
-lookup unanswered. The scheduler reads the outcome when it asks again; an answer that arrived while the
-engine was busy is an answer, never a miss.
+there: ``timeout_s`` after the lookup was submitted or, for a tier that tells when it last answered a
+round of it (``SupportsLookupProgress``), after that answer (at most ``LONGEST`` timeouts in all). What
+it measures is how long the tier has left the lookup unanswered. The scheduler reads the outcome when
+it asks again; an answer that arrived while the engine was busy is an answer, never a miss.
 
 The pump and its owner share one lock around every call into the index, so an index sees one caller at
 a time (from two threads). The thread starts with the first lookup (never in a process that merely
@@ -27,7 +28,7 @@ from collections.abc import Callable
 
 from kvcore.errors import BackendError, KVCoreError, TransferTimeout
 from kvcore.ids import LookupId
-from kvcore.ports import ChunkIndex
+from kvcore.ports import ChunkIndex, SupportsLookupProgress
 
 __all__ = ["LookupPump"]
 
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 FIRST_INTERVAL_S = 0.0002
 LAST_INTERVAL_S = 0.005
 CLOSE_S = 1.0
+LONGEST = 10  # timeouts: the most a lookup whose tier keeps answering a round may take in all
 
 
 class LookupPump:
@@ -61,6 +63,7 @@ class LookupPump:
         self._clock = clock
         self._cond = threading.Condition()
         self._deadlines: dict[LookupId, float] = {}
+        self._submitted: dict[LookupId, float] = {}
         self._outcomes: dict[LookupId, int | BackendError] = {}
         self._fresh = False
         self._closed = False
@@ -69,7 +72,9 @@ class LookupPump:
     def watch(self, lookup_id: LookupId) -> None:
         """Drive a lookup just submitted; its deadline is ``timeout_s`` from now."""
         with self._cond:
-            self._deadlines[lookup_id] = self._clock() + self._timeout
+            now = self._clock()
+            self._submitted[lookup_id] = now
+            self._deadlines[lookup_id] = now + self._timeout
             self._fresh = True
             if self._threaded and self._thread is None and not self._closed:
                 self._thread = threading.Thread(target=self._run, name="kvcore-lookups", daemon=True)
@@ -87,6 +92,7 @@ class LookupPump:
         """Stop driving a lookup and drop its outcome; the caller cancels it in the index."""
         with self._cond:
             self._deadlines.pop(lookup_id, None)
+            self._submitted.pop(lookup_id, None)
             self._outcomes.pop(lookup_id, None)
 
     def tick(self) -> bool:
@@ -105,6 +111,7 @@ class LookupPump:
         with self._cond:
             self._closed = True
             self._deadlines.clear()
+            self._submitted.clear()
             self._cond.notify()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -121,6 +128,7 @@ class LookupPump:
             result = self._poll(lookup_id, deadline)
             if result is not None:
                 with self._cond:
+                    self._submitted.pop(lookup_id, None)
                     if self._deadlines.pop(lookup_id, None) is not None:  # not forgotten meanwhile
                         self._outcomes[lookup_id] = result
 
@@ -133,13 +141,36 @@ class LookupPump:
             return BackendError(f"the index could not poll lookup {lookup_id}: {exc}")
         if answer is not None:
             return answer
-        if self._clock() < deadline:
+        now = self._clock()
+        if now < deadline:
+            return None
+        later = self._progress_deadline(lookup_id, now)
+        if later is not None:
+            with self._cond:
+                self._deadlines[lookup_id] = later
             return None
         try:
             self._index.cancel_lookup(lookup_id)
         except BackendError as exc:
             log.warning("kvcore: cancelling lookup %s failed: %s", lookup_id, exc)
         return TransferTimeout(f"lookup timed out: no answer within {self._timeout:.3f}s")
+
+    def _progress_deadline(self, lookup_id: LookupId, now: float) -> float | None:
+        """A later deadline for a lookup past its own whose tier answered a round within ``timeout_s``
+        (``SupportsLookupProgress``): a server that answers is slow, not silent. Never past
+        ``LONGEST`` timeouts from the submission."""
+        if not isinstance(self._index, SupportsLookupProgress):
+            return None
+        try:
+            progress = self._index.lookup_progress(lookup_id)
+        except KVCoreError:
+            return None
+        with self._cond:
+            submitted = self._submitted.get(lookup_id, now)
+        if progress is None or progress + self._timeout <= now:
+            return None
+        latest = submitted + LONGEST * self._timeout
+        return min(progress + self._timeout, latest) if now < latest else None
 
     def _run(self) -> None:
         interval = FIRST_INTERVAL_S

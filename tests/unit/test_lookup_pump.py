@@ -17,6 +17,7 @@ import pytest
 
 from kvcore.errors import BackendError, UsageError
 from kvcore.ids import ChunkKey, LookupId
+from kvcore.scheduling.lookup_pump import LONGEST
 from kvcore.scheduling.remote_lookup import PendingLookup, PrefixLookup
 
 ROUND_S = 0.002  # the server's answer to one round
@@ -25,12 +26,17 @@ AWAY_S = 0.3  # an engine step three times the deadline
 
 
 class TwoRounds:
-    """Answers ``found`` after two rounds of ``ROUND_S``, the second sent when a poll sees the first's
-    reply; ``silent`` never answers. Fails the test if two callers are ever inside it at once."""
+    """Answers ``found`` after ``rounds`` rounds of ``round_s`` (two of ``ROUND_S`` by default), each sent
+    when a poll sees the reply to the one before; ``silent`` never answers. Fails the test if two callers
+    are ever inside it at once."""
 
-    def __init__(self, found: int, *, silent: bool = False) -> None:
+    def __init__(
+        self, found: int, *, silent: bool = False, rounds: int = 2, round_s: float = ROUND_S
+    ) -> None:
         self.found = found
         self.silent = silent
+        self.rounds = rounds
+        self.round_s = round_s
         self._ids = itertools.count(1)
         self._sent: dict[LookupId, tuple[int, float]] = {}  # round, when it was sent
         self._inside = threading.Lock()
@@ -58,10 +64,10 @@ class TwoRounds:
             if lookup_id not in self._sent:
                 raise UsageError(f"lookup {lookup_id} is unknown")
             round_, sent = self._sent[lookup_id]
-            if self.silent or time.monotonic() - sent < ROUND_S:
+            if self.silent or time.monotonic() - sent < self.round_s:
                 return None
-            if round_ == 1:
-                self._sent[lookup_id] = (2, time.monotonic())
+            if round_ < self.rounds:
+                self._sent[lookup_id] = (round_ + 1, time.monotonic())
                 return None
             del self._sent[lookup_id]
             return self.found
@@ -189,3 +195,44 @@ def test_close_stops_the_thread() -> None:
     assert any(t.name == "kvcore-lookups" for t in threading.enumerate())
     lookup.close()
     assert not any(t.name == "kvcore-lookups" and t.is_alive() for t in threading.enumerate())
+
+
+class Progressing(TwoRounds):
+    """Tells when it last answered a round (``SupportsLookupProgress``)."""
+
+    def lookup_progress(self, lookup_id: LookupId) -> float | None:
+        sent = self._sent.get(lookup_id)
+        return None if sent is None else sent[1]
+
+
+def test_a_server_that_keeps_answering_rounds_is_slow_not_silent() -> None:
+    # five rounds of 40 ms: 200 ms in all, twice the deadline, never 100 ms without an answer
+    index = Progressing(found=2, rounds=5, round_s=0.04)
+    lookup = PrefixLookup(index, TIMEOUT_S)
+    try:
+        pending = lookup.begin(chunks(2))
+        assert isinstance(pending, PendingLookup)
+        assert resume_within(lookup, pending, 2.0) == 2
+    finally:
+        lookup.close()
+    # the same server, but without telling its progress: a miss at the deadline
+    lookup = PrefixLookup(TwoRounds(found=2, rounds=5, round_s=0.04), TIMEOUT_S)
+    try:
+        pending = lookup.begin(chunks(2))
+        assert isinstance(pending, PendingLookup)
+        assert resume_within(lookup, pending, 2.0) == 0
+    finally:
+        lookup.close()
+
+
+def test_a_server_that_answers_rounds_forever_is_given_up_after_the_longest_wait() -> None:
+    index = Progressing(found=2, rounds=10**6, round_s=0.01)
+    lookup = PrefixLookup(index, 0.05)
+    try:
+        started = time.monotonic()
+        pending = lookup.begin(chunks(2))
+        assert isinstance(pending, PendingLookup)
+        assert resume_within(lookup, pending, 5.0) == 0
+        assert LONGEST * 0.05 <= time.monotonic() - started < LONGEST * 0.05 + 1.0
+    finally:
+        lookup.close()
