@@ -8,8 +8,9 @@ outlasts it: a long prefill counted as the server's silence, and the hit recompu
 every watched lookup from its own thread — every 200 µs at first, less often the longer it waits, up to
 every 5 ms — so each round is sent as soon as the one before it is answered, and judges the deadline
 there: ``timeout_s`` after the lookup was submitted or, for a tier that tells when it last answered a
-round of it (``SupportsLookupProgress``), after that answer (at most ``LONGEST`` timeouts in all). What
-it measures is how long the tier has left the lookup unanswered. The scheduler reads the outcome when
+round of it (``SupportsLookupProgress``), after that answer (at most ``LONGEST`` timeouts in all); time
+the thread itself could not run is not counted. What it measures is how long the tier has left the
+lookup unanswered. The scheduler reads the outcome when
 it asks again; an answer that arrived while the engine was busy is an answer, never a miss.
 
 The pump and its owner share one lock around every call into the index, so an index sees one caller at
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 FIRST_INTERVAL_S = 0.0002
 LAST_INTERVAL_S = 0.005
 CLOSE_S = 1.0
+STALLED_S = 0.05  # a pass later than this after the last one: the thread could not run meanwhile
 LONGEST = 10  # timeouts: the most a lookup whose tier keeps answering a round may take in all
 
 
@@ -83,8 +85,9 @@ class LookupPump:
 
     def outcome(self, lookup_id: LookupId) -> int | BackendError | None:
         """The lookup's outcome, handed out once, or ``None`` while it is pending. Asking polls the
-        lookup once more, so an engine that asks in a loop of its own needs no thread."""
-        self._settle(lookup_id)
+        lookup once more, so an engine that asks in a loop of its own needs no thread (the deadline is
+        judged by the thread, where there is one)."""
+        self._settle(lookup_id, judge=not self._threaded)
         with self._cond:
             return self._outcomes.pop(lookup_id, None)
 
@@ -102,7 +105,7 @@ class LookupPump:
             watched = list(self._deadlines)
             self._fresh = False
         for lookup_id in watched:
-            self._settle(lookup_id)
+            self._settle(lookup_id, judge=True)
         with self._cond:
             return bool(self._deadlines)
 
@@ -117,22 +120,23 @@ class LookupPump:
         if thread is not None and thread is not threading.current_thread():
             thread.join(CLOSE_S)
 
-    def _settle(self, lookup_id: LookupId) -> None:
+    def _settle(self, lookup_id: LookupId, *, judge: bool) -> None:
         """Poll the lookup if it is still watched, and record its outcome once it has one: both under
-        the index lock, so that no second poll ever asks for an answer already handed out."""
+        the index lock, so that no second poll ever asks for an answer already handed out. ``judge``:
+        a lookup past its deadline is given up."""
         with self._index_lock:
             with self._cond:
                 deadline = self._deadlines.get(lookup_id)
             if deadline is None:
                 return  # settled, or forgotten: its owner cancels it
-            result = self._poll(lookup_id, deadline)
+            result = self._poll(lookup_id, deadline, judge)
             if result is not None:
                 with self._cond:
                     self._submitted.pop(lookup_id, None)
                     if self._deadlines.pop(lookup_id, None) is not None:  # not forgotten meanwhile
                         self._outcomes[lookup_id] = result
 
-    def _poll(self, lookup_id: LookupId, deadline: float) -> int | BackendError | None:
+    def _poll(self, lookup_id: LookupId, deadline: float, judge: bool) -> int | BackendError | None:
         try:
             answer = self._index.poll_lookup(lookup_id)
         except BackendError as exc:
@@ -142,7 +146,7 @@ class LookupPump:
         if answer is not None:
             return answer
         now = self._clock()
-        if now < deadline:
+        if not judge or now < deadline:
             return None
         later = self._progress_deadline(lookup_id, now)
         if later is not None:
@@ -172,21 +176,35 @@ class LookupPump:
         latest = submitted + LONGEST * self._timeout
         return min(progress + self._timeout, latest) if now < latest else None
 
+    def _extend(self, seconds: float) -> None:
+        """Every watched deadline later by ``seconds``: time this thread could not look (its process
+        stalled, the interpreter held elsewhere) is not the tier's silence."""
+        with self._cond:
+            for lookup_id in self._deadlines:
+                self._deadlines[lookup_id] += seconds
+
     def _run(self) -> None:
         interval = FIRST_INTERVAL_S
+        last = self._clock()
         while True:
             with self._cond:
-                while not self._deadlines and not self._closed:
-                    self._cond.wait()
+                if not self._deadlines:
+                    while not self._deadlines and not self._closed:
+                        self._cond.wait()
+                    last = self._clock()  # idle, not stalled
                 if self._closed:
                     return
                 if self._fresh:
                     interval = FIRST_INTERVAL_S
+            now = self._clock()
+            if now - last > STALLED_S:
+                self._extend(now - last)
             try:
                 pending = self.tick()
             except Exception:  # never let the thread die: the lookups would wait for their deadline
                 log.exception("kvcore: polling remote lookups failed")
                 pending = True
+            last = self._clock()
             if pending:
                 time.sleep(interval)
                 interval = min(2 * interval, LAST_INTERVAL_S)

@@ -236,3 +236,20 @@ def test_a_server_that_answers_rounds_forever_is_given_up_after_the_longest_wait
         assert LONGEST * 0.05 <= time.monotonic() - started < LONGEST * 0.05 + 1.0
     finally:
         lookup.close()
+
+
+def test_time_the_pump_could_not_run_is_not_the_servers_silence() -> None:
+    # the whole process stalls for 10 s (the pump's clock jumps) while the server is on its first round
+    offset = [0.0]
+
+    def clock() -> float:
+        return time.monotonic() + offset[0]
+
+    lookup = PrefixLookup(TwoRounds(found=3, round_s=0.2), 0.5, clock=clock)
+    try:
+        pending = lookup.begin(chunks(4))
+        assert isinstance(pending, PendingLookup)
+        offset[0] = 10.0
+        assert resume_within(lookup, pending, 3.0) == 3
+    finally:
+        lookup.close()
