@@ -172,6 +172,8 @@ def _stream(url: str, prompt: Sequence[int], max_tokens: int, record: Record) ->
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if not isinstance(chunk, dict) or "error" in chunk:
+                return _failed(record, f"the server's error: {str(chunk)[:200]}")
             usage = chunk.get("usage") or {}
             cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or cached)
             for choice in chunk.get("choices") or ():
@@ -182,15 +184,15 @@ def _stream(url: str, prompt: Sequence[int], max_tokens: int, record: Record) ->
                 if ttft is None:
                     ttft = now - record.started
                 else:
-                    gaps.append(now - last)
+                    gaps.extend([(now - last) / len(ids)] * len(ids))  # a chunk may carry several tokens
                 last = now
                 output.extend(int(i) for i in ids)
     except (OSError, http.client.HTTPException, ValueError) as exc:
         return _failed(record, f"{type(exc).__name__}: {exc}")
     finally:
         connection.close()
-    if ttft is None:
-        return _failed(record, "no token came back")
+    if ttft is None or len(output) != max_tokens:
+        return _failed(record, f"{len(output)} of {max_tokens} tokens came back")
     return Record(
         record.session, record.turn, record.prompt_tokens, record.started, ttft, tuple(gaps), tuple(output),
         cached, time.monotonic(),
@@ -207,7 +209,11 @@ def _run_session(url: str, session: Session, out: list[Record]) -> None:
     history: tuple[int, ...] = ()
     for t, turn in enumerate(session.turns):
         prompt = history + turn.tokens if session.chat else turn.tokens
-        record = _stream(url, prompt, turn.max_tokens, Record(session.name, t, len(prompt), time.monotonic()))
+        started = Record(session.name, t, len(prompt), time.monotonic())
+        try:
+            record = _stream(url, prompt, turn.max_tokens, started)
+        except Exception as exc:  # counted as an error, never a session lost without a trace
+            record = _failed(started, f"{type(exc).__name__}: {exc}")
         out.append(record)
         if record.error is not None:
             return  # the rest of the conversation depends on this answer

@@ -23,7 +23,10 @@ from kvcore.errors import BackendError, TransferTimeout, UsageError
 from kvcore.ids import ChunkKey, LookupId, RequestId
 from kvcore_lmcache.link import ServerLink
 
-__all__ = ["LookupBook", "LookupState"]
+__all__ = ["ROUNDS_CAP", "LookupBook", "LookupState"]
+
+ROUNDS_CAP = 10
+"""Request timeouts a lookup may take in all while its server keeps answering "still prefetching"."""
 
 
 class LookupState:
@@ -32,7 +35,7 @@ class LookupState:
     ``first`` is where the asked chunks start in each chain (the chunks before it are context).
     """
 
-    __slots__ = ("acks", "chains", "first", "sent", "servers", "session", "statuses")
+    __slots__ = ("acks", "begun", "chains", "first", "sent", "servers", "session", "statuses")
 
     def __init__(
         self,
@@ -47,6 +50,7 @@ class LookupState:
         self.servers = servers
         self.first = first
         self.sent = sent  # when its latest round went out (monotonic): its silence counts from there
+        self.begun = sent  # when its first round went out: ``ROUNDS_CAP`` request timeouts at most in all
         self.acks: list[MessagingFuture[Any]] = []
         self.statuses: list[MessagingFuture[int | None]] | None = None
 
@@ -100,7 +104,9 @@ class LookupBook:
             self.cancel(lookup_id)
             raise
         if hits is None:
-            if time.monotonic() < state.sent + self._link.config.request_timeout_s:
+            timeout = self._link.config.request_timeout_s
+            now = time.monotonic()
+            if now < state.sent + timeout and now < state.begun + ROUNDS_CAP * timeout:
                 # An engine polls from a busy loop; yielding the GIL once lets the client's reply thread
                 # hand over what arrived (measured in vLLM: a 24-chunk lookup took 100 ms without, 60 with).
                 time.sleep(0)

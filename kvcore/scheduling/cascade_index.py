@@ -29,6 +29,7 @@ from kvcore.ports import (
     SupportsTierUsage,
     TierUsage,
 )
+from kvcore.scheduling.lookup_pump import LONGEST
 
 __all__ = ["CascadeIndex", "ImmediateCascadeIndex", "cascade_index", "tier_usage"]
 
@@ -114,7 +115,7 @@ class CascadeIndex:
                 answer = 0
             else:
                 if answer is None:
-                    if self._clock() < lookup.deadline:
+                    if self._clock() < lookup.deadline or self._progressing(lookup, index):
                         return None
                     index.cancel_lookup(lookup.inner)  # too late: answer what the tiers before it found
                     log.warning(
@@ -130,6 +131,19 @@ class CascadeIndex:
             self._ask(lookup)
         del self._lookups[lookup_id]
         return lookup.found
+
+    def _progressing(self, lookup: _Lookup, index: object) -> bool:
+        """Whether the current tier, past its budget, answered a round of the lookup within the budget
+        (``SupportsLookupProgress``); its budget then counts from that answer, ``LONGEST`` budgets at
+        most from when it was asked."""
+        if lookup.inner is None or not isinstance(index, SupportsLookupProgress):
+            return False
+        progress = index.lookup_progress(lookup.inner)
+        now = self._clock()
+        if progress is None or progress + self._budget <= now or now >= lookup.asked + LONGEST * self._budget:
+            return False
+        lookup.deadline = progress + self._budget
+        return True
 
     def lookup_progress(self, lookup_id: LookupId) -> float | None:
         """When the lookup last moved (``SupportsLookupProgress``): its current tier asked, or that tier's

@@ -87,7 +87,8 @@ class LookupPump:
         """The lookup's outcome, handed out once, or ``None`` while it is pending. Asking polls the
         lookup once more, so an engine that asks in a loop of its own needs no thread (the deadline is
         judged by the thread, where there is one)."""
-        self._settle(lookup_id, judge=not self._threaded)
+        thread = self._thread
+        self._settle(lookup_id, judge=not (self._threaded and thread is not None and thread.is_alive()))
         with self._cond:
             return self._outcomes.pop(lookup_id, None)
 
@@ -137,21 +138,22 @@ class LookupPump:
                         self._outcomes[lookup_id] = result
 
     def _poll(self, lookup_id: LookupId, deadline: float, judge: bool) -> int | BackendError | None:
+        now = self._clock()  # before the poll: a stall inside it is not the tier's silence
         try:
             answer = self._index.poll_lookup(lookup_id)
         except BackendError as exc:
             return exc
-        except KVCoreError as exc:  # an index that lost track of its own lookup
-            return BackendError(f"the index could not poll lookup {lookup_id}: {exc}")
+        except Exception as exc:  # an index that lost track of its lookup, or a client's own error
+            return BackendError(f"the index could not poll lookup {lookup_id}: {exc!r}")
         if answer is not None:
             return answer
-        now = self._clock()
         if not judge or now < deadline:
             return None
         later = self._progress_deadline(lookup_id, now)
         if later is not None:
             with self._cond:
-                self._deadlines[lookup_id] = later
+                if lookup_id in self._deadlines:  # not forgotten meanwhile
+                    self._deadlines[lookup_id] = later
             return None
         try:
             self._index.cancel_lookup(lookup_id)

@@ -148,9 +148,12 @@ class PrefixLookup:
                 log.warning("kvcore: cancelling lookup %s failed: %s", pending.lookup_id, exc)
 
     def close(self) -> None:
-        """Stop driving remote lookups (the index itself is its owner's to close)."""
+        """Stop driving remote lookups, and return once no call into the index is in progress (the
+        index itself is its owner's to close)."""
         if self._pump is not None:
             self._pump.close()
+        with self._lock:
+            pass
 
     def _accept(self, answer: int, num_chunks: int) -> int:
         if not 0 <= answer <= num_chunks:

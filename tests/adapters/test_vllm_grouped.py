@@ -122,8 +122,11 @@ def test_the_hit_is_what_every_group_serves_and_sliding_window_saves_skip_freed_
     loads = [[op.engine_blocks for op in m.plan.ops if op.direction.name == "LOAD"] for m in meta.groups]
     assert loads == [[(20, 21, 22)], [(32,)]]
     # a prompt that shares chunks 0 and 1 only: the full group serves both, the sliding-window group the
-    # window of chunk 0 alone (it never held chunk 1): one chunk, the full group's load lowered to it
+    # window of chunk 0 alone (it never held chunk 1): one chunk, the full group's load lowered to it;
+    # asked while b's asynchronous load of those chunks is in flight, it waits for that load first
     c = _request("c", 4 * BLOCK, diverge_at=2)
+    assert side.get_num_new_matched_tokens(c, 0) == (None, False)
+    _complete(side, meta)
     assert side.get_num_new_matched_tokens(c, 0) == (BLOCK, True)
     side.update_state_after_alloc(c, ([40, 41, 42, 43], [50, 51, 52, 53]), BLOCK)
     meta = side.build_connector_meta(
@@ -267,8 +270,11 @@ def test_a_state_is_saved_from_the_block_where_a_step_ends_on_a_block_end() -> N
     loads = [[op.engine_blocks for op in m.plan.ops if op.direction.name == "LOAD"] for m in meta.groups]
     assert loads == [[(20, 21, 22, 23)], [(40,)]]
     # one that diverges in block 3: the full group serves 3 blocks, the state group no state after 3,
-    # so both serve 2 (the state after 256), never a state of another length
+    # so both serve 2 (the state after 256), never a state of another length (once b's load is done:
+    # until then it waits for it)
     c = _request("c", 4 * BLOCK + 10, diverge_at=3)
+    assert side.get_num_new_matched_tokens(c, 0) == (None, False)
+    _complete(side, meta)
     assert side.get_num_new_matched_tokens(c, 0) == (2 * BLOCK, True)
     # and a prompt whose last token ends block 4 is served 3 blocks at most (a state is never loaded at
     # the prompt's end): here the state after 3 blocks is not held, so 2

@@ -12,6 +12,7 @@ deleted, it does not.
 from __future__ import annotations
 
 import shutil
+import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -67,9 +68,18 @@ def _chunk_files(store: Path) -> set[Path]:
 
 
 def _push_out(server: ServedEngine, seed: int) -> None:
-    """Three prompts of 12 blocks each through vLLM's 24-block cache and the 4-chunk pool."""
+    """Three prompts of 12 blocks each through vLLM's 24-block cache and the 4-chunk pool; returns once
+    their saves have ended (a 4-chunk pool whose every slot is being stored has none to fetch into)."""
     for i in range(3):
         server.complete(prompt(seed + i, 1500), max_tokens=1)
+    # saves are reported with the engine's steps, and an idle server runs none: short requests (less
+    # than a block: nothing to save) step it until the pool stores nothing
+    for i in range(20):
+        server.complete(prompt(seed + 100 + i, 16), max_tokens=1)
+        if not server.metrics().get("vllm:kvcore_pool_storing", 0.0):
+            return
+        time.sleep(0.1)
+    raise AssertionError("the pool's saves never ended")
 
 
 def _extra(answer: dict[str, Any]) -> int:
