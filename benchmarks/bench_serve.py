@@ -25,7 +25,8 @@ a CPU; ``--shape tiny`` for a quick look).
 
 Run: ``python -m benchmarks.bench_serve [--model DIR | --shape serve|tiny] [--configs vllm,kvcore-cpu,...]
 [--workloads chat,rag,unique,burst] [--clients 12] [--turns 6] [--prefix-tokens 1024] [--turn-tokens 128]
-[--answer-tokens 32] [--kv-cache-tokens 8192] [--pool-size 4GiB] [--repeats 2] [--json FILE]``
+[--answer-tokens 32] [--kv-cache-tokens 8192] [--pool-size 4GiB] [--repeats 2] [--json FILE]
+[--kvcore-config '{"save_after_sightings": 2}']``
 (``--quick``: the tiny model, vLLM alone and kvcore's CPU tier, a few requests of each workload); or
 ``kvcore bench serve -- <flags>``.
 """
@@ -124,13 +125,14 @@ def _connector(config: str, args: argparse.Namespace, scratch: Path) -> Iterator
         "kv_load_failure_policy": "recompute",  # a load that fails is recomputed, as docs/vllm.md advises
     }
     if config == "kvcore-cpu":
-        yield {**kvcore, "kv_connector_extra_config": {"backend": {"kind": "cpu", "size": args.pool_size}}}
+        backend = {"kind": "cpu", "size": args.pool_size}
+        yield {**kvcore, "kv_connector_extra_config": {**args.kvcore_config, "backend": backend}}
         return
     if config == "kvcore-disk":
         with tempfile.TemporaryDirectory(dir=scratch) as files:
             local = args.kv_cache_tokens * args.kv_bytes_per_token
             backend = {"kind": "disk", "path": files, "size": args.pool_size, "local_size": local}
-            yield {**kvcore, "kv_connector_extra_config": {"backend": backend}}
+            yield {**kvcore, "kv_connector_extra_config": {**args.kvcore_config, "backend": backend}}
         return
     from benchmarks.bench_lmcache import CHUNK_TOKENS, lmcache_server
 
@@ -144,7 +146,8 @@ def _connector(config: str, args: argparse.Namespace, scratch: Path) -> Iterator
             }
         else:
             backend = {"kind": "lmcache_mp", "url": url}
-            yield {**kvcore, "kv_connector_extra_config": {"backend": backend, "chunk_tokens": CHUNK_TOKENS}}
+            mine: dict[str, Any] = {**args.kvcore_config, "backend": backend, "chunk_tokens": CHUNK_TOKENS}
+            yield {**kvcore, "kv_connector_extra_config": mine}
 
 
 def _counters(server: ServedEngine) -> dict[str, float]:
@@ -319,6 +322,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, help="default: --kv-cache-tokens (vLLM's limit)")
     parser.add_argument("--pool-size", default="4GiB", help="kvcore's CPU tier / the LMCache server's L1")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--kvcore-config",
+        type=json.loads,
+        default={},
+        help='kvcore config keys for each kvcore configuration, as JSON: {"save_after_sightings": 2}',
+    )
     parser.add_argument("--json", type=Path, help="write every figure and request record here")
     return parser
 
