@@ -25,7 +25,7 @@ from kvcore_mooncake.config import MooncakeStoreConfig
 from tests.netns import require_loopback_namespace
 
 MASTER_BIN = Path(sys.executable).parent / "mooncake_master"
-LEASE_MS = 200
+LEASE_MS = 1000  # long enough for a read on a loaded machine (200 ms expired mid-read under make test)
 MiB = 1 << 20
 
 
