@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -174,7 +175,7 @@ def _run(config: str, name: str, repeat: int, args: argparse.Namespace, scratch:
             "--max-num-seqs", str(max(args.clients, 16)), "--enable-prompt-tokens-details",
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
-        env = {**_engine_env(scratch), "VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache, for the burst
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # dev mode: the burst's reset
         server = ServedEngine(args.model, log, transfer, args=engine_args, env=env)
         try:
             try:
@@ -209,15 +210,6 @@ def _reset_prefix_cache(server: ServedEngine, within_s: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"vLLM refused to reset its prefix cache for {within_s:.0f} s")
         time.sleep(0.1)
-
-
-def _engine_env(scratch: Path) -> dict[str, str]:
-    import os
-
-    env = dict(os.environ)
-    env.update(VLLM_CACHE_ROOT=str(scratch / "cache"), TMPDIR=str(scratch), VLLM_CPU_NUM_OF_RESERVED_CPU="1")
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    return env
 
 
 def _differing(run: Run, alone: Run | None) -> int:
