@@ -10,14 +10,18 @@ request generates exactly its ``max_tokens`` (``min_tokens``), so that throughpu
 Printed: one row per workload and configuration, the median over the repeats of output throughput
 (tokens/s), time to first token p50/p90/p99, inter-token latency p50/p99 (ms), the prompt tokens served
 from vLLM's own prefix cache (``local``) and from the connector (``ext``), errors, answers that differ
-from vLLM alone's (greedy: they must not), and the throughput's spread over the repeats ((max - min) /
-median). Then the ratios: each configuration against vLLM alone and against LMCache's own connector.
-``--json`` writes every figure and every request's record.
+from vLLM alone's (greedy: they must not), the throughput's spread over the repeats ((max - min) /
+median), and for the stall workload how long the decoding streams stalled while the loads ran (their
+longest token gap over their mean gap before; ``serve_load.stall``). Then the ratios: each
+configuration against vLLM alone and against LMCache's own connector. ``--json`` writes every
+figure and every request's record.
 
 Configurations: ``vllm`` (alone), ``kvcore-cpu`` (kvcore, a CPU tier of ``--pool-size``), ``kvcore-disk``
 (a CPU tier of ``--kv-cache-tokens`` in front of a disk tier in a scratch folder), ``kvcore-lmcache``
 (kvcore's LMCache backend on an LMCache server of ``--pool-size``), ``lmcache`` (LMCache's own
-``LMCacheMPConnector`` on the same kind of server). The LMCache ones need LMCache installed.
+``LMCacheMPConnector`` on the same kind of server). The LMCache ones need LMCache installed; with
+``--link-delay-ms`` both reach their server through a ``kvcore.testing.slow_link.SlowLink`` that delays
+every byte that long each way (a server across a network; the shared-memory payloads are not delayed).
 
 The model is ``--model DIR`` (a Hugging Face model directory of your own), or a random-weight Llama made
 here (``--shape serve``: hidden 768, 6 layers, float32, so that prefill dominates as with real models on
@@ -26,7 +30,9 @@ a CPU; ``--shape tiny`` for a quick look).
 Run: ``python -m benchmarks.bench_serve [--model DIR | --shape serve|tiny] [--configs vllm,kvcore-cpu,...]
 [--workloads chat,rag,unique,burst] [--clients 12] [--turns 6] [--prefix-tokens 1024] [--turn-tokens 128]
 [--answer-tokens 32] [--kv-cache-tokens 8192] [--pool-size 4GiB] [--repeats 2] [--json FILE]
-[--kvcore-config '{"save_after_sightings": 2}']``
+[--kvcore-config '{"save_after_sightings": 2}'] [--link-delay-ms 40]``
+The issue's stall scenario: ``--workloads stall --configs vllm,kvcore-cpu,kvcore-lmcache,lmcache
+--clients 8 --link-delay-ms 40``.
 (``--quick``: the tiny model, vLLM alone and kvcore's CPU tier, a few requests of each workload); or
 ``kvcore bench serve -- <flags>``.
 """
@@ -48,7 +54,16 @@ from typing import Any
 from attrs import asdict, frozen
 
 from benchmarks.engine_env import vllm_scratch
-from benchmarks.serve_load import WORKLOADS, Record, run_phase, workload
+from benchmarks.serve_load import (
+    STALL_ANSWER,
+    STALL_LONG,
+    STALL_STREAMS,
+    WORKLOADS,
+    Record,
+    run_phase,
+    stall,
+    workload,
+)
 from benchmarks.served import ServedEngine
 
 CONFIGS = {
@@ -97,6 +112,7 @@ class Run:
             "ext": self.counters.get("ext", 0.0),
             "prompt": self.counters.get("prompt", 0.0),
             "errors": float(len(self.records) - len(done)),
+            "stall": stall(self.records),
         }
 
 
@@ -137,7 +153,15 @@ def _connector(config: str, args: argparse.Namespace, scratch: Path) -> Iterator
         return
     from benchmarks.bench_lmcache import CHUNK_TOKENS, lmcache_server
 
-    with lmcache_server(args.pool_bytes / 1e9) as (url, _):
+    with contextlib.ExitStack() as stack:
+        url, _ = stack.enter_context(lmcache_server(args.pool_bytes / 1e9))
+        if args.link_delay_ms:
+            from kvcore.testing.slow_link import SlowLink
+
+            host, port = url.removeprefix("tcp://").rsplit(":", 1)
+            link = stack.enter_context(SlowLink((host, int(port))))
+            link.delay_s = args.link_delay_ms / 1000
+            url = "tcp://{}:{}".format(*link.address)
         if config == "lmcache":
             extra = {"lmcache.mp.server_urls": url, "lmcache.mp.mp_transfer_mode": "engine_driven"}
             yield {
@@ -251,7 +275,7 @@ def summarize(runs: Sequence[Run]) -> list[dict[str, Any]]:
 def print_table(rows: Sequence[dict[str, Any]]) -> None:
     header = (
         f"{'workload':<8} {'config':<15} {'tok/s':>7} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'ITL p50':>8} "
-        f"{'p99':>6} {'local':>7} {'ext':>7} {'err':>4} {'differ':>6} {'spread':>7}"
+        f"{'p99':>6} {'local':>7} {'ext':>7} {'err':>4} {'differ':>6} {'spread':>7} {'stall':>6}"
     )
     print(header)
     for r in rows:
@@ -259,7 +283,8 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
             f"{r['workload']:<8} {r['config']:<15} {r['throughput']:>7.1f} {r['ttft_p50']:>9.0f} "
             f"{r['ttft_p90']:>7.0f} {r['ttft_p99']:>7.0f} {r['itl_p50']:>8.1f} {r['itl_p99']:>6.0f} "
             f"{r['local']:>7.0f} {r['ext']:>7.0f} "
-            f"{r['errors']:>4.0f} {r['differ']:>6} {r['spread']:>6.0%}"
+            f"{r['errors']:>4.0f} {r['differ']:>6} {r['spread']:>6.0%} "
+            + (f"{r['stall']:>5.1f}x" if r["stall"] else f"{'-':>6}")
         )
     print("(ms for latencies; local / ext: prompt tokens from vLLM's own cache / from the connector)")
     print()
@@ -320,6 +345,12 @@ def _parser() -> argparse.ArgumentParser:
         default={},
         help='kvcore config keys for each kvcore configuration, as JSON: {"save_after_sightings": 2}',
     )
+    parser.add_argument(
+        "--link-delay-ms",
+        type=float,
+        default=0.0,
+        help="the LMCache configurations reach their server through a link this slow each way",
+    )
     parser.add_argument("--json", type=Path, help="write every figure and request record here")
     return parser
 
@@ -343,6 +374,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--max-model-len {args.max_model_len}: more than vLLM's cache holds (--kv-cache-tokens)"
         )
+    if "stall" in workloads:
+        if STALL_LONG * args.prefix_tokens >= args.max_model_len:
+            parser.error(
+                f"--prefix-tokens {args.prefix_tokens}: the stall workload's prompts of {STALL_LONG}x that "
+                f"do not fit --max-model-len {args.max_model_len}"
+            )
+        streams = min(args.clients, STALL_STREAMS) * (args.turn_tokens + STALL_ANSWER * args.answer_tokens)
+        if streams + STALL_LONG * args.prefix_tokens + NULL_BLOCK > args.kv_cache_tokens:
+            parser.error(
+                f"--kv-cache-tokens {args.kv_cache_tokens}: the stall workload's streams ({streams} tokens) "
+                f"and a loaded prompt ({STALL_LONG * args.prefix_tokens}) must fit at once, or vLLM preempts"
+            )
     if (
         min(args.clients, args.turns, args.prefix_tokens, args.turn_tokens, args.answer_tokens, args.repeats)
         < 1

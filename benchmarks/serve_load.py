@@ -6,7 +6,10 @@ carries its history: each turn's prompt is the last prompt, the answer (the toke
 streamed) and the new user tokens. Prompts are token ids (``/v1/completions`` takes them as they are: no
 tokenizer between the workload and the engine), drawn in ``[10, 250)`` so that every model with a
 vocabulary of 256 or more takes them. Between phases a workload may ask the server to forget its own
-prefix cache (``/reset_prefix_cache``): a burst on a prefix that only the connector still holds.
+prefix cache (``/reset_prefix_cache``): a burst on a prefix that only the connector still holds. A
+session may wait until the phase's other sessions have streamed some tokens, and a phase may run every
+session at once whatever the number of clients (the stall workload: streams decoding, then loads
+arriving among them, whatever the model's pace).
 
 Each request is one streaming completion (``stream: true``, usage in the last chunk): its time to first
 token, the gaps between its tokens, the tokens the server says were cached, its token ids, or its error.
@@ -15,17 +18,23 @@ token, the gaps between its tokens, the tokens the server says were cached, its 
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import queue
 import random
+import statistics
+import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from urllib.parse import urlsplit
 
 from attrs import field, frozen
 
-__all__ = ["Phase", "Record", "Session", "Turn", "Workload", "WORKLOADS", "run_phase", "workload"]
+__all__ = [
+    "Phase", "Record", "Session", "Turn", "Workload", "WORKLOADS", "run_phase", "stall", "workload",
+]  # fmt: skip
 
 REQUEST_TIMEOUT_S = 600.0
 
@@ -43,6 +52,8 @@ class Session:
     name: str
     turns: tuple[Turn, ...]
     chat: bool = False  # each turn's prompt is the history, the answer, then the turn's tokens
+    start_after_tokens: int = 0  # it waits until each session of its phase that does not wait has
+    # streamed this many tokens (or ended)
 
 
 @frozen
@@ -50,6 +61,7 @@ class Phase:
     sessions: tuple[Session, ...]
     reset_before: bool = False  # the server forgets its own prefix cache first
     timed: bool = True  # counted in the figures (a warm-up or a priming phase is not)
+    all_at_once: bool = False  # a client per session, whatever ``clients``
 
 
 @frozen
@@ -128,7 +140,48 @@ def workload(
             )
             phases.append(Phase(burst, reset_before=True))
         return Workload(name, WORKLOADS[name], tuple(phases))
+    if name == "stall":
+        long_prompts = tuple(Turn(_tokens(rng, STALL_LONG * prefix_tokens), 1) for _ in range(STALL_LOADS))
+        prime = Session("prime", long_prompts)
+        streams = tuple(
+            Session(f"{STREAM}{i}", (Turn(_tokens(rng, turn_tokens), STALL_ANSWER * answer_tokens),))
+            for i in range(min(users, STALL_STREAMS))
+        )
+        loads = Session(LOAD, long_prompts, start_after_tokens=STALL_ANSWER * answer_tokens // 4)
+        watched = Phase((*streams, loads), reset_before=True, all_at_once=True)
+        return Workload(name, WORKLOADS[name], (warm, Phase((prime,), timed=False), watched))
     raise ValueError(f"workload: got {name!r}, expected one of {sorted(WORKLOADS)}")
+
+
+STREAM, LOAD = "stream-", "loads"
+STALL_STREAMS = 8
+STALL_LOADS = 3
+STALL_LONG = 3  # a loaded prompt: this many times --prefix-tokens
+STALL_ANSWER = 12  # a stream's answer: this many times --answer-tokens
+
+
+def stall(records: Sequence[Record]) -> float:
+    """The stall workload's figure: a decoding stream's longest gap between two tokens while the loads
+    run (from the first one's arrival to the last one's first token) over its mean gap before, the
+    median over the streams; 0 when the records hold no loads or no stream decoded before them."""
+    loads = [r for r in records if r.session == LOAD and r.error is None and r.ttft is not None]
+    if not loads:
+        return 0.0
+    begin = min(r.started for r in loads)
+    end = max(r.started + (r.ttft or 0.0) for r in loads)
+    ratios = []
+    for r in records:
+        if not r.session.startswith(STREAM) or r.error is not None or r.ttft is None:
+            continue
+        arrivals = list(itertools.accumulate(r.gaps, initial=r.started + r.ttft))
+        before = [t for t in arrivals if t < begin]
+        if len(before) < 2:
+            continue
+        mean = (before[-1] - before[0]) / (len(before) - 1)
+        spans = [b - a for a, b in itertools.pairwise(arrivals) if b >= begin and a <= end]
+        if spans and mean > 0:
+            ratios.append(max(spans) / mean)
+    return statistics.median(ratios) if ratios else 0.0
 
 
 WORKLOADS = {
@@ -136,10 +189,42 @@ WORKLOADS = {
     "rag": "long shared documents (one per 3 users), each asked a new question by many users",
     "unique": "unique prompts, nothing to reuse: what the connector costs",
     "burst": "a prefix stored, the engine's own cache reset, then every user at once on that prefix",
+    "stall": (
+        f"up to {STALL_STREAMS} streams decoding, then {STALL_LOADS} stored long prompts one after another "
+        "(vLLM's own cache reset): the streams' longest token gap while they load over their mean gap before"
+    ),
 }
 
 
-def _stream(url: str, prompt: Sequence[int], max_tokens: int, record: Record) -> Record:
+class _Progress:
+    """Tokens streamed so far by each session of a phase that does not wait for others."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self._counts = dict.fromkeys(names, 0)
+        self._cond = threading.Condition()
+
+    def add(self, name: str, tokens: int) -> None:
+        self._set(name, lambda count: count + tokens)
+
+    def end(self, name: str) -> None:
+        self._set(name, lambda _: sys.maxsize)
+
+    def _set(self, name: str, new: Callable[[int], int]) -> None:
+        with self._cond:
+            if name in self._counts:
+                self._counts[name] = new(self._counts[name])
+                self._cond.notify_all()
+
+    def wait(self, tokens: int) -> None:
+        with self._cond:
+            self._cond.wait_for(
+                lambda: min(self._counts.values(), default=tokens) >= tokens, REQUEST_TIMEOUT_S
+            )
+
+
+def _stream(
+    url: str, prompt: Sequence[int], max_tokens: int, record: Record, on_tokens: Callable[[int], None]
+) -> Record:
     """One streaming greedy completion; the record filled in (or its error)."""
     parts = urlsplit(url)
     body = json.dumps(
@@ -187,6 +272,7 @@ def _stream(url: str, prompt: Sequence[int], max_tokens: int, record: Record) ->
                     gaps.extend([(now - last) / len(ids)] * len(ids))  # a chunk may carry several tokens
                 last = now
                 output.extend(int(i) for i in ids)
+                on_tokens(len(ids))
     except (OSError, http.client.HTTPException, ValueError) as exc:
         return _failed(record, f"{type(exc).__name__}: {exc}")
     finally:
@@ -205,19 +291,23 @@ def _failed(record: Record, why: str) -> Record:
     )
 
 
-def _run_session(url: str, session: Session, out: list[Record]) -> None:
+def _run_session(url: str, session: Session, out: list[Record], progress: _Progress) -> None:
+    progress.wait(session.start_after_tokens)
     history: tuple[int, ...] = ()
-    for t, turn in enumerate(session.turns):
-        prompt = history + turn.tokens if session.chat else turn.tokens
-        started = Record(session.name, t, len(prompt), time.monotonic())
-        try:
-            record = _stream(url, prompt, turn.max_tokens, started)
-        except Exception as exc:  # counted as an error, never a session lost without a trace
-            record = _failed(started, f"{type(exc).__name__}: {exc}")
-        out.append(record)
-        if record.error is not None:
-            return  # the rest of the conversation depends on this answer
-        history = prompt + record.output
+    try:
+        for t, turn in enumerate(session.turns):
+            prompt = history + turn.tokens if session.chat else turn.tokens
+            started = Record(session.name, t, len(prompt), time.monotonic())
+            try:
+                record = _stream(url, prompt, turn.max_tokens, started, partial(progress.add, session.name))
+            except Exception as exc:  # counted as an error, never a session lost without a trace
+                record = _failed(started, f"{type(exc).__name__}: {exc}")
+            out.append(record)
+            if record.error is not None:
+                return  # the rest of the conversation depends on this answer
+            history = prompt + record.output
+    finally:
+        progress.end(session.name)
 
 
 def run_phase(url: str, phase: Phase, clients: int) -> tuple[list[Record], float]:
@@ -226,6 +316,7 @@ def run_phase(url: str, phase: Phase, clients: int) -> tuple[list[Record], float
     for session in phase.sessions:
         todo.put(session)
     records: list[Record] = []
+    progress = _Progress([s.name for s in phase.sessions if not s.start_after_tokens])
 
     def client() -> None:
         while True:
@@ -233,9 +324,10 @@ def run_phase(url: str, phase: Phase, clients: int) -> tuple[list[Record], float
                 session = todo.get_nowait()
             except queue.Empty:
                 return
-            _run_session(url, session, records)
+            _run_session(url, session, records, progress)
 
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(min(clients, len(phase.sessions)))]
+    width = len(phase.sessions) if phase.all_at_once else min(clients, len(phase.sessions))
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(width)]
     started = time.monotonic()
     for thread in threads:
         thread.start()

@@ -4,8 +4,9 @@ A job's items are cut into runs of consecutive chunks of the request's chain, an
 request; the runs of a job are pipelined. A store reserves a run's slots (``prepare_store``), copies the
 values in, writes each slot's header and commits; a retrieve maps the slots of a run of locked hits
 (``prepare_retrieve``), checks each header, copies the values out and commits, which releases the read
-locks (those a lookup of the session took or the session adopted, else a lookup of the job's own). No
-tensor is ever pickled onto the socket.
+locks (those a lookup of the session took or the session adopted, else a lookup of the job's own). A
+retrieve is done once its copies are: its result is handed over before the commits are answered (they
+only end the server's reads), a round trip sooner. No tensor is ever pickled onto the socket.
 """
 
 from __future__ import annotations
@@ -126,14 +127,21 @@ class SlotIO:
         return JobResult(job_id, tuple(sorted(set(failed))))
 
     def retrieve(
-        self, job_id: JobId, session: RequestId, values: Values, chain: tuple[ChunkKey, ...]
-    ) -> JobResult:
+        self,
+        job_id: JobId,
+        session: RequestId,
+        values: Values,
+        chain: tuple[ChunkKey, ...],
+        done: Callable[[JobResult], object],
+    ) -> None:
+        """Run a retrieve; ``done`` gets its result once, as soon as the copies are in (or it failed),
+        before this waits for the commits' replies and releases the locks."""
         at, failed = self._placed(values.keys, chain)
         # the session's locks on what this job reads are the job's alone from now on: it releases what
         # it did not read (or could not) once its commits are answered, whatever becomes of it
         holds = self._locks.take(session, chain, at)
         try:
-            return self._retrieve(job_id, session, values, chain, at, failed, holds)
+            self._retrieve(job_id, session, values, chain, at, failed, holds, done)
         finally:
             for hold in {id(hold): hold for hold in holds.values()}.values():
                 hold.release(self._link)
@@ -147,12 +155,15 @@ class SlotIO:
         at: dict[int, list[int]],
         failed: list[int],
         holds: dict[int, Hold],
-    ) -> JobResult:
+        done: Callable[[JobResult], object],
+    ) -> None:
         pool = self._pool(values)
         if pool is None:
-            return self._refused(job_id, values)
+            done(self._refused(job_id, values))
+            return
         if not at:
-            return JobResult(job_id, tuple(failed))
+            done(JobResult(job_id, tuple(failed)))
+            return
         codec, client, iid = self._link.codec, self._link.client, self._link.instance_id
         # what no earlier lookup of the session locked is locked now, by a lookup of this job
         locked_here, lookup = (
@@ -172,29 +183,32 @@ class SlotIO:
         commits: list[MessagingFuture[bool]] = []
         settled = 0  # leading spans whose locks are accounted for
         try:
-            for (start, end), key, future in zip(spans, keys, prepared, strict=True):
-                try:
-                    slots, consumed = self._prepared_slots(future)
-                    if consumed:  # a prepare consumed one lock per chunk of its run, whatever it found
-                        self._consumed(range(start, end), holds, leftover)
-                    settled += 1
-                    failed.extend(self._read_run(values, pool, at, (start, end), slots))
-                finally:
-                    # Every prepare gets its commit, after the run's copies: the commit ends the server's
-                    # read, and the slot may be reused from then on. A reply that came too late still
-                    # leaves the read pending, and the commit, on the same server thread, ends it.
-                    commits.append(client.commit_retrieve(key, iid))
+            try:
+                for (start, end), key, future in zip(spans, keys, prepared, strict=True):
+                    try:
+                        slots, consumed = self._prepared_slots(future)
+                        if consumed:  # a prepare consumed one lock per chunk of its run, whatever it found
+                            self._consumed(range(start, end), holds, leftover)
+                        settled += 1
+                        failed.extend(self._read_run(values, pool, at, (start, end), slots))
+                    finally:
+                        # Every prepare gets its commit, after the run's copies: the commit ends the
+                        # server's read, and the slot may be reused from then on. A reply that came too
+                        # late still leaves the read pending, and the commit, on the same server thread,
+                        # ends it.
+                        commits.append(client.commit_retrieve(key, iid))
+            finally:
+                for start, end in spans[settled:]:  # prepared, never read (something raised): consumed
+                    self._consumed(range(start, end), holds, leftover)
+                commits.extend(client.commit_retrieve(key, iid) for key in keys[len(commits) :])
+            done(JobResult(job_id, tuple(sorted(set(failed)))))
         finally:
-            for start, end in spans[settled:]:  # prepared, never read (something raised): consumed
-                self._consumed(range(start, end), holds, leftover)
-            commits.extend(client.commit_retrieve(key, iid) for key in keys[len(commits) :])
             for commit in commits:
                 self._reply(commit, "commit_retrieve")
             if lookup is not None:
                 self._link.release(lookup, chain, runs(leftover))
             if shared is None:
                 self._link.release(server, chain, ())
-        return JobResult(job_id, tuple(sorted(set(failed))))
 
     @staticmethod
     def _consumed(positions: range, holds: dict[int, Hold], leftover: set[int]) -> None:

@@ -38,7 +38,8 @@ __all__ = ["LMCacheManagedTier"]
 
 log = logging.getLogger(__name__)
 
-_Job = Callable[[JobId, RequestId, Values, tuple[ChunkKey, ...]], JobResult]
+_Job = Callable[[JobId, RequestId, Values, tuple[ChunkKey, ...], Callable[[JobResult], object]], None]
+"""A job: it hands its result to the callable it is given, once (a retrieve before it is over)."""
 
 
 def _chain_of(items: Sequence[StoreItem | BlockItem], chain: Sequence[ChunkKey]) -> tuple[ChunkKey, ...]:
@@ -137,9 +138,8 @@ class LMCacheManagedTier:
     def submit_store(
         self, session: RequestId, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
-        return self._submit(
-            self._slots.store, session, self._host_values(items), _chain_of(items, chain), store=True
-        )
+        values = self._host_values(items)
+        return self._submit(self._store, session, values, _chain_of(items, chain), store=True)
 
     def submit_retrieve(
         self, session: RequestId, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
@@ -150,7 +150,7 @@ class LMCacheManagedTier:
         self, session: RequestId, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
         values = self._block_values(items, whole=True)
-        return self._submit(self._slots.store, session, values, _chain_of(items, chain), store=True)
+        return self._submit(self._store, session, values, _chain_of(items, chain), store=True)
 
     def submit_retrieve_blocks(
         self, session: RequestId, items: Sequence[BlockItem], chain: Sequence[ChunkKey] = ()
@@ -257,20 +257,42 @@ class LMCacheManagedTier:
             self._lane.submit(run, partial(self._fail, job_id), Priority.WRITE if store else Priority.READ)
         return job_id
 
+    def _store(
+        self,
+        job_id: JobId,
+        session: RequestId,
+        values: Values,
+        chain: tuple[ChunkKey, ...],
+        done: Callable[[JobResult], object],
+    ) -> None:
+        done(self._slots.store(job_id, session, values, chain))
+
     def _run(
         self, job: _Job, job_id: JobId, session: RequestId, values: Values, chain: tuple[ChunkKey, ...]
     ) -> None:
-        """On the lane: run a job; a ``BackendError`` is its failure (anything else, a bug, the lane's)."""
+        """On the lane: run a job; a ``BackendError`` before its result is its failure (after: logged;
+        anything else, a bug, the lane's)."""
+        finished = False
+
+        def done(result: JobResult) -> None:
+            nonlocal finished
+            finished = True
+            self._finish(result)
+
         try:
-            result = job(job_id, session, values, chain)
+            job(job_id, session, values, chain, done)
         except BackendError as exc:
-            result = JobResult(job_id, error=str(exc))
-        self._finish(result)
+            if finished:
+                log.warning("kvcore: LMCache job %s, after its result: %s", job_id, exc)
+            else:
+                self._finish(JobResult(job_id, error=str(exc)))
 
     def _fail(self, job_id: JobId, why: str) -> None:
         self._finish(JobResult(job_id, error=why))
 
     def _finish(self, result: JobResult) -> None:
+        """Hand a job's result over, once (a job that raises after its result fails no more)."""
         with self._lock:
-            self._jobs.pop(result.job_id, None)
+            if self._jobs.pop(result.job_id, None) is None:
+                return
         self._board.finish(result)

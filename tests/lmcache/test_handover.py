@@ -20,6 +20,7 @@ from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
 from kvcore.ids import ChunkKey, RequestId
 from kvcore.testing.counting import CallCounter
+from kvcore.testing.slow_link import SlowLink
 from kvcore.testing.support import SETTLE_S, settle
 from kvcore_lmcache import LMCacheChunkIndex
 from kvcore_lmcache.config import LMCacheMPConfig
@@ -193,6 +194,35 @@ def test_without_the_hand_over_each_worker_locks_with_a_lookup_of_its_own(
     assert b.blocks(0, INTO) == a.blocks(0, range(BLOCKS))
     assert counted.calls["lookup"] == 1
     assert _unlocked(server)
+
+
+def test_a_load_is_done_once_its_copies_are_in_a_round_trip_before_its_commit_is_answered(
+    server: LMCacheServer, engines: EngineFactory
+) -> None:
+    """A retrieve's result is handed over when its copies are done: its commit only ends the server's
+    read (answered later, its lock released then). Behind a link of ``delay`` each way, a load under
+    the handed-over locks takes one round trip (the prepare), not two."""
+    delay = 0.25
+    spec = engine_spec(1)
+    a = engines(spec, seed=16, server=server)
+    tokens = prompt(28)
+    save(a, "a", tokens)
+    host, port = server.url.removeprefix("tcp://").rsplit(":", 1)
+    with SlowLink((host, int(port))) as link:
+        b = engines(spec, seed=17, server=server, url="tcp://{}:{}".format(*link.address))
+        assert b.lookup("b", tokens) == CHUNKS * CHUNK_TOKENS
+        link.delay_s = delay
+        b.sched.start_load(RequestId("b"), list(INTO))
+        started = time.monotonic()
+        b.step()
+        took = time.monotonic() - started
+        assert b.sched.take_load_errors() == {}
+        assert b.blocks(0, INTO) == a.blocks(0, range(BLOCKS))
+        assert took < 3.5 * delay  # one round trip (2 delays) and the copies; two would be 4 delays
+        b.sched.finish(RequestId("b"))
+        b.step()
+        assert _unlocked(server)  # the commit, answered later, ended the read
+        link.delay_s = 0.0
 
 
 def test_locks_the_load_does_not_read_are_released_once_it_ran(
