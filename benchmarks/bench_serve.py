@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.shape, args.configs, args.clients, args.turns, args.repeats = "tiny", "vllm,kvcore-cpu", 4, 2, 1
         args.prefix_tokens, args.turn_tokens, args.answer_tokens = 512, 64, 8
-        args.kv_cache_tokens, args.max_model_len, args.pool_size = 2048, None, "256MiB"
+        args.kv_cache_tokens, args.max_model_len, args.pool_size = 2560, None, "256MiB"
     configs = [c for c in args.configs.split(",") if c]
     workloads = [w for w in args.workloads.split(",") if w]
     for given, known, flag in ((configs, CONFIGS, "--configs"), (workloads, WORKLOADS, "--workloads")):

@@ -1,9 +1,9 @@
 """``kvcore bench serve --quick``, as a user runs it: real servers, streaming clients, the table printed.
 
-Two workloads of the quick run (the tiny model, vLLM alone and kvcore's CPU tier): unique prompts and
+Three workloads of the quick run (the tiny model, vLLM alone and kvcore's CPU tier): unique prompts,
 the burst, where every user asks at once on a prefix that only kvcore still holds — one load per round,
-the others served from vLLM's own cache once it is there. No request fails and no answer differs from
-vLLM alone's.
+the others served from vLLM's own cache once it is there — and the stall, streams decoding while stored
+long prompts come back, each loaded whole. No request fails and no answer differs from vLLM alone's.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.serve_load import STALL_LOADS, STALL_LONG
 from tests.integration.conftest import VLLM_MARKS
 
 pytestmark = [*VLLM_MARKS, pytest.mark.timeout(900)]
@@ -26,7 +27,7 @@ ROUNDS = 2  # --quick's --turns: burst rounds
 
 def test_the_quick_serving_benchmark_runs_and_prints_its_table(tmp_path: Path) -> None:
     figures = tmp_path / "serve.json"
-    argv = ["kvcore_cli.main", "bench", "serve", "--quick", "--", "--workloads", "unique,burst"]
+    argv = ["kvcore_cli.main", "bench", "serve", "--quick", "--", "--workloads", "unique,burst,stall"]
     done = subprocess.run(
         [sys.executable, "-m", *argv, "--json", str(figures)],
         check=False,
@@ -40,7 +41,7 @@ def test_the_quick_serving_benchmark_runs_and_prints_its_table(tmp_path: Path) -
     assert "workload config" in out
     assert "tok/s vs vLLM" in out
     rows = {(row["workload"], row["config"]): row for row in json.loads(figures.read_text())["rows"]}
-    assert set(rows) == {(w, c) for w in ("unique", "burst") for c in ("vllm", "kvcore-cpu")}
+    assert set(rows) == {(w, c) for w in ("unique", "burst", "stall") for c in ("vllm", "kvcore-cpu")}
     for row in rows.values():
         assert row["errors"] == 0
         assert row["differ"] == 0
@@ -52,3 +53,8 @@ def test_the_quick_serving_benchmark_runs_and_prints_its_table(tmp_path: Path) -
     assert rows["burst", "vllm"]["ext"] == 0
     assert rows["burst", "kvcore-cpu"]["ext"] == ROUNDS * PREFIX_TOKENS  # one load per round
     assert rows["burst", "kvcore-cpu"]["local"] > 0  # the others: vLLM's own cache, once loaded
+    # each stored long prompt comes back whole but its last token (vLLM computes one), after vLLM's reset
+    assert rows["stall", "kvcore-cpu"]["ext"] == STALL_LOADS * (STALL_LONG * PREFIX_TOKENS - 1)
+    assert rows["stall", "vllm"]["ext"] == rows["stall", "vllm"]["local"] == 0
+    assert rows["stall", "vllm"]["stall"] > 0  # the streams decoded before and while the loads ran
+    assert rows["stall", "kvcore-cpu"]["stall"] > 0
