@@ -96,6 +96,14 @@ BENCHMARKS = {
         "one os.write / os.readv per chunk file of the same bytes on the same file system (like dd)",
         "ratio = baseline time / kvcore time (= kvcore GB/s / baseline GB/s); > 1 is faster",
     ),
+    "cross-tp": Benchmark(
+        "benchmarks.bench_cross_tp",
+        "a stored chunk served to a reader at another TP size, two designs counted (issue 37): values, "
+        "bytes and copies per reader rank, lookup keys per chunk",
+        "today's same-TP reuse of the same chunk, counted by the same plan functions",
+        "read/need = bytes a reader rank fetches over the bytes it holds (1.00x: nothing wasted); copies and "
+        "their mean size = what moves into its engine blocks",
+    ),
     "serve": Benchmark(
         "benchmarks.bench_serve",
         "a served engine under streaming clients: throughput, TTFT p50/p90/p99, inter-token latency, hits "
