@@ -61,11 +61,11 @@ from benchmarks.engine_env import loopback_only, vllm_scratch
 from benchmarks.serve_load import (
     STALL_ANSWER,
     STALL_LONG,
-    STALL_STREAMS,
     WORKLOADS,
     Record,
     run_phase,
     stall,
+    stall_streams,
     workload,
 )
 from benchmarks.served import ServedEngine
@@ -83,7 +83,7 @@ NEEDS_MOONCAKE = ("kvcore-mooncake",)
 READY_S = 900.0
 QUICK = {
     "shape": "tiny", "configs": "vllm,kvcore-cpu", "clients": 4, "turns": 2, "repeats": 1,
-    "prefix_tokens": 512, "turn_tokens": 64, "answer_tokens": 8, "kv_cache_tokens": 2560,
+    "prefix_tokens": 512, "turn_tokens": 64, "answer_tokens": 8, "kv_cache_tokens": 3072,
     "pool_size": "256MiB",
 }  # fmt: skip
 """``--quick``'s defaults: the tiny model, vLLM alone and kvcore's CPU tier, a few requests."""
@@ -192,6 +192,13 @@ def _connector(config: str, args: argparse.Namespace, scratch: Path) -> Iterator
             backend = {"kind": "lmcache_mp", "url": url}
             mine: dict[str, Any] = {**args.kvcore_config, "backend": backend, "chunk_tokens": CHUNK_TOKENS}
             yield {**kvcore, "kv_connector_extra_config": mine}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its package is missing
+        return False
 
 
 def _counters(server: ServedEngine) -> dict[str, float]:
@@ -400,11 +407,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"--prefix-tokens {args.prefix_tokens}: the stall workload's prompts of {STALL_LONG}x that "
                 f"do not fit --max-model-len {args.max_model_len}"
             )
-        streams = min(args.clients, STALL_STREAMS) * (args.turn_tokens + STALL_ANSWER * args.answer_tokens)
-        if streams + STALL_LONG * args.prefix_tokens + NULL_BLOCK > args.kv_cache_tokens:
+        stream = -(-(args.turn_tokens + STALL_ANSWER * args.answer_tokens) // NULL_BLOCK)  # blocks
+        long = -(-(STALL_LONG * args.prefix_tokens + 1) // NULL_BLOCK)
+        blocks = stall_streams(args.clients) * stream + long
+        if blocks * NULL_BLOCK > args.kv_cache_tokens:
             parser.error(
-                f"--kv-cache-tokens {args.kv_cache_tokens}: the stall workload's streams ({streams} tokens) "
-                f"and a loaded prompt ({STALL_LONG * args.prefix_tokens}) must fit at once, or vLLM preempts"
+                f"--kv-cache-tokens {args.kv_cache_tokens}: the stall workload's streams and a loaded prompt "
+                f"take {blocks * NULL_BLOCK} tokens of whole blocks at once; less and vLLM preempts"
             )
     if (
         min(args.clients, args.turns, args.prefix_tokens, args.turn_tokens, args.answer_tokens, args.repeats)
@@ -421,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         (NEEDS_MOONCAKE, "mooncake.store", "Mooncake"),
     ):
         skipped = [c for c in configs if c in needs]
-        if skipped and importlib.util.find_spec(module.split(".")[0]) is None:
+        if skipped and not _installed(module):
             configs = [c for c in configs if c not in needs]
             print(f"{what} is not installed: {', '.join(skipped)} left out", file=sys.stderr)
     if any(c in NEEDS_MOONCAKE for c in configs):

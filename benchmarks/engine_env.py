@@ -16,8 +16,8 @@ __all__ = ["loopback_only", "vllm_scratch"]
 
 def loopback_only(module: str, argv: list[str]) -> int | None:
     """``None`` inside a loopback-only network namespace; outside one, re-execute ``python -m module argv``
-    under ``unshare -n`` (root, or user namespaces, needed): it does not return then; 2 (after saying
-    so) where ``unshare`` is missing."""
+    under ``unshare -n`` (which needs root): it does not return then; 2 (after saying so) where
+    ``unshare`` is missing."""
     lines = Path("/proc/net/dev").read_text().splitlines()[2:]
     if [line.split(":", 1)[0].strip() for line in lines] == ["lo"]:
         return None

@@ -33,7 +33,8 @@ from urllib.parse import urlsplit
 from attrs import field, frozen
 
 __all__ = [
-    "Phase", "Record", "Session", "Turn", "Workload", "WORKLOADS", "run_phase", "stall", "workload",
+    "Phase", "Record", "Session", "Turn", "Workload", "WORKLOADS", "run_phase", "stall", "stall_streams",
+    "workload",
 ]  # fmt: skip
 
 REQUEST_TIMEOUT_S = 600.0
@@ -52,8 +53,9 @@ class Session:
     name: str
     turns: tuple[Turn, ...]
     chat: bool = False  # each turn's prompt is the history, the answer, then the turn's tokens
-    start_after_tokens: int = 0  # it waits until each session of its phase that does not wait has
-    # streamed this many tokens (or ended)
+    start_after_tokens: int = 0
+    """It starts once every session of its phase that does not wait has streamed this many tokens (or
+    ended); only in a phase that runs every session at once (``Phase.all_at_once``)."""
 
 
 @frozen
@@ -80,11 +82,24 @@ class Record:
     prompt_tokens: int
     started: float
     ttft: float | None = None
-    gaps: tuple[float, ...] = ()
+    gaps: tuple[float, ...] = ()  # per token: a chunk's wait shared by the tokens it carried
+    chunks: tuple[tuple[float, int], ...] = ()  # when each streamed chunk came (monotonic), its tokens
     output: tuple[int, ...] = ()
     cached_tokens: int = 0
     ended: float = 0.0
     error: str | None = field(default=None)
+
+
+STREAM, LOAD = "stream-", "loads"
+STALL_STREAMS = 8
+STALL_LOADS = 3
+STALL_LONG = 3  # a loaded prompt: this many times --prefix-tokens
+STALL_ANSWER = 12  # a stream's answer: this many times --answer-tokens
+
+
+def stall_streams(users: int) -> int:
+    """The stall workload's decoding streams for ``users`` clients."""
+    return min(users, STALL_STREAMS)
 
 
 def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
@@ -145,7 +160,7 @@ def workload(
         prime = Session("prime", long_prompts)
         streams = tuple(
             Session(f"{STREAM}{i}", (Turn(_tokens(rng, turn_tokens), STALL_ANSWER * answer_tokens),))
-            for i in range(min(users, STALL_STREAMS))
+            for i in range(stall_streams(users))
         )
         loads = Session(LOAD, long_prompts, start_after_tokens=STALL_ANSWER * answer_tokens // 4)
         watched = Phase((*streams, loads), reset_before=True, all_at_once=True)
@@ -153,32 +168,27 @@ def workload(
     raise ValueError(f"workload: got {name!r}, expected one of {sorted(WORKLOADS)}")
 
 
-STREAM, LOAD = "stream-", "loads"
-STALL_STREAMS = 8
-STALL_LOADS = 3
-STALL_LONG = 3  # a loaded prompt: this many times --prefix-tokens
-STALL_ANSWER = 12  # a stream's answer: this many times --answer-tokens
-
-
 def stall(records: Sequence[Record]) -> float:
-    """The stall workload's figure: a decoding stream's longest gap between two tokens while the loads
-    run (from the first one's arrival to the last one's first token) over its mean gap before, the
-    median over the streams; 0 when the records hold no loads or no stream decoded before them."""
-    loads = [r for r in records if r.session == LOAD and r.error is None and r.ttft is not None]
+    """The stall workload's figure: a decoding stream's longest wait between two streamed chunks while the
+    loads run (from the first one's arrival to the last one's first token) over its mean gap per token
+    before, the median over the streams; 0 when the records hold no loads or no stream decoded before
+    them."""
+    loads = [(r.started, r.started + r.ttft) for r in records if r.session == LOAD and r.ttft is not None]
     if not loads:
         return 0.0
-    begin = min(r.started for r in loads)
-    end = max(r.started + (r.ttft or 0.0) for r in loads)
+    begin = min(started for started, _ in loads)
+    end = max(first for _, first in loads)
     ratios = []
     for r in records:
-        if not r.session.startswith(STREAM) or r.error is not None or r.ttft is None:
+        if not r.session.startswith(STREAM) or r.error is not None:
             continue
-        arrivals = list(itertools.accumulate(r.gaps, initial=r.started + r.ttft))
-        before = [t for t in arrivals if t < begin]
-        if len(before) < 2:
+        before = [(at, tokens) for at, tokens in r.chunks if at < begin]
+        tokens = sum(count for _, count in before[1:])
+        if not tokens:
             continue
-        mean = (before[-1] - before[0]) / (len(before) - 1)
-        spans = [b - a for a, b in itertools.pairwise(arrivals) if b >= begin and a <= end]
+        mean = (before[-1][0] - before[0][0]) / tokens
+        times = [at for at, _ in r.chunks]
+        spans = [b - a for a, b in itertools.pairwise(times) if b >= begin and a <= end]
         if spans and mean > 0:
             ratios.append(max(spans) / mean)
     return statistics.median(ratios) if ratios else 0.0
@@ -215,9 +225,10 @@ class _Progress:
                 self._counts[name] = new(self._counts[name])
                 self._cond.notify_all()
 
-    def wait(self, tokens: int) -> None:
+    def wait(self, tokens: int) -> bool:
+        """Whether every session streamed ``tokens`` within a request's timeout."""
         with self._cond:
-            self._cond.wait_for(
+            return self._cond.wait_for(
                 lambda: min(self._counts.values(), default=tokens) >= tokens, REQUEST_TIMEOUT_S
             )
 
@@ -245,6 +256,7 @@ def _stream(
     ttft: float | None = None
     last = record.started
     gaps: list[float] = []
+    chunks: list[tuple[float, int]] = []
     output: list[int] = []
     cached = 0
     try:
@@ -271,6 +283,7 @@ def _stream(
                 else:
                     gaps.extend([(now - last) / len(ids)] * len(ids))  # a chunk may carry several tokens
                 last = now
+                chunks.append((now, len(ids)))
                 output.extend(int(i) for i in ids)
                 on_tokens(len(ids))
     except (OSError, http.client.HTTPException, ValueError) as exc:
@@ -280,8 +293,8 @@ def _stream(
     if ttft is None or len(output) != max_tokens:
         return _failed(record, f"{len(output)} of {max_tokens} tokens came back")
     return Record(
-        record.session, record.turn, record.prompt_tokens, record.started, ttft, tuple(gaps), tuple(output),
-        cached, time.monotonic(),
+        record.session, record.turn, record.prompt_tokens, record.started, ttft, tuple(gaps), tuple(chunks),
+        tuple(output), cached, time.monotonic(),
     )  # fmt: skip
 
 
@@ -292,7 +305,12 @@ def _failed(record: Record, why: str) -> Record:
 
 
 def _run_session(url: str, session: Session, out: list[Record], progress: _Progress) -> None:
-    progress.wait(session.start_after_tokens)
+    if not progress.wait(session.start_after_tokens):
+        waited = Record(session.name, 0, 0, time.monotonic())
+        why = f"the sessions it waits for streamed fewer than {session.start_after_tokens} tokens"
+        out.append(_failed(waited, why))
+        progress.end(session.name)
+        return
     history: tuple[int, ...] = ()
     try:
         for t, turn in enumerate(session.turns):
@@ -317,6 +335,8 @@ def run_phase(url: str, phase: Phase, clients: int) -> tuple[list[Record], float
         todo.put(session)
     records: list[Record] = []
     progress = _Progress([s.name for s in phase.sessions if not s.start_after_tokens])
+    if not phase.all_at_once and any(s.start_after_tokens for s in phase.sessions):
+        raise ValueError("a session that waits for others needs a phase that runs every session at once")
 
     def client() -> None:
         while True:

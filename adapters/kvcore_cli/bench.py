@@ -107,13 +107,16 @@ BENCHMARKS = {
     "serve": Benchmark(
         "benchmarks.bench_serve",
         "a served engine under streaming clients: throughput, TTFT p50/p90/p99, inter-token latency, hits "
-        "by source, on multi-turn chat, shared documents, unique prompts and a burst on one prefix",
+        "by source, on multi-turn chat, shared documents, unique prompts, a burst on one prefix, and "
+        "decoding streams while stored prompts load (their longest token gap)",
         "vLLM alone, and LMCache's own connector on an LMCache server of the same size, same flags, same run",
         "x vLLM / x LMCache = this configuration's figure / the baseline's (throughput: > 1 is better; TTFT: "
         "< 1 is better); differ = answers unlike vLLM alone's (must be 0); spread = throughput's (max - min) "
         "/ median over the repeats. Its own flags after --: kvcore bench serve -- --help",
-        starts="a vLLM server per configuration, workload and repeat, and an LMCache server where one is "
-        "compared (about an hour with the defaults; --quick: minutes)",
+        starts="a vLLM server per configuration, workload and repeat, an LMCache server where one is "
+        "compared, a mooncake_master and a segment holder for kvcore-mooncake (then the benchmark re-runs "
+        "itself in a loopback-only network namespace, which needs root); about an hour with the defaults, "
+        "--quick: minutes",
         by_name_only=True,
     ),
 }

@@ -134,8 +134,9 @@ class SlotIO:
         chain: tuple[ChunkKey, ...],
         done: Callable[[JobResult], object],
     ) -> None:
-        """Run a retrieve; ``done`` gets its result once, as soon as the copies are in (or it failed),
-        before this waits for the commits' replies and releases the locks."""
+        """Run a retrieve; ``done`` gets its result once, as soon as the copies are in (or the job found
+        nothing to read), before this waits for the commits' replies and releases the locks. A job that
+        raises before that never calls ``done``: its caller fails it."""
         at, failed = self._placed(values.keys, chain)
         # the session's locks on what this job reads are the job's alone from now on: it releases what
         # it did not read (or could not) once its commits are answered, whatever becomes of it

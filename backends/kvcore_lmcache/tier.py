@@ -291,8 +291,6 @@ class LMCacheManagedTier:
         self._finish(JobResult(job_id, error=why))
 
     def _finish(self, result: JobResult) -> None:
-        """Hand a job's result over, once (a job that raises after its result fails no more)."""
         with self._lock:
-            if self._jobs.pop(result.job_id, None) is None:
-                return
-        self._board.finish(result)
+            self._jobs.pop(result.job_id, None)
+        self._board.finish(result)  # a second result of a job (it raised after its first) is ignored

@@ -13,16 +13,23 @@ from benchmarks.serve_load import (
     STALL_LONG,
     STALL_STREAMS,
     STREAM,
+    Phase,
     Record,
+    Session,
+    Turn,
+    run_phase,
     stall,
     workload,
 )
 
 
-def _stream(name: str, first: float, gaps: list[float]) -> Record:
-    """A stream whose first token came at ``first`` (it started at 0), then one token after each gap."""
-    output = tuple(range(len(gaps) + 1))
-    return Record(name, 0, 8, 0.0, ttft=first, gaps=tuple(gaps), output=output)
+def _stream(name: str, first: float, gaps: list[float], tokens: list[int] | None = None) -> Record:
+    """A stream whose first chunk came at ``first`` (it started at 0), then a chunk after each gap, of one
+    token each or of ``tokens``."""
+    counts = tokens or [1] * (len(gaps) + 1)
+    chunks = tuple(zip(itertools.accumulate(gaps, initial=first), counts, strict=True))
+    output = tuple(range(sum(counts)))
+    return Record(name, 0, 8, 0.0, ttft=first, chunks=chunks, output=output)
 
 
 def _load(started: float, ttft: float) -> Record:
@@ -50,10 +57,18 @@ def test_the_gap_across_the_first_loads_arrival_counts_and_the_median_stream_is_
     assert stall(records) == pytest.approx(8.0)
 
 
+def test_a_stall_that_ends_with_a_chunk_of_several_tokens_counts_its_whole_wait() -> None:
+    # the server was held 0.3 s, then sent the tokens it had made meanwhile in one chunk
+    gaps = [0.01] * 99 + [0.3] + [0.01] * 50
+    tokens = [1] * 100 + [5] + [1] * 50
+    records = [_stream(f"{STREAM}0", 0.01, gaps, tokens), _load(1.005, 0.5)]
+    assert stall(records) == pytest.approx(30.0)
+
+
 def test_no_loads_or_no_stream_before_them_is_no_figure() -> None:
     assert stall([_stream(f"{STREAM}0", 0.01, [0.01] * 10)]) == 0.0
     assert stall([_stream(f"{STREAM}0", 2.0, [0.01] * 10), _load(1.0, 0.5)]) == 0.0
-    failed = Record(LOAD, 0, 3072, 1.0, error="HTTP 500")
+    failed = Record(LOAD, 0, 3072, 1.0, error="HTTP 500")  # no first token
     assert stall([_stream(f"{STREAM}0", 0.01, [0.01] * 300), failed]) == 0.0
 
 
@@ -73,3 +88,10 @@ def test_the_stall_workload_primes_the_long_prompts_then_loads_them_among_the_st
     assert loads.name == LOAD
     assert loads.turns == primer.turns
     assert 0 < loads.start_after_tokens < STALL_ANSWER * 4
+
+
+def test_a_session_that_waits_for_others_needs_every_session_at_once() -> None:
+    waits = Session("loads", (Turn((1, 2), 1),), start_after_tokens=4)
+    streams = Session(f"{STREAM}0", (Turn((1, 2), 8),))
+    with pytest.raises(ValueError, match="at once"):  # a waiting session could hold the only client
+        run_phase("http://127.0.0.1:9", Phase((waits, streams)), clients=1)
