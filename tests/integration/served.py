@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,10 +19,12 @@ __all__ = [
     "ServedEngine",
     "Stopped",
     "free_port",
+    "quick_serve_rows",
     "serve",
     "session_processes",
 ]
 
+CHECKOUT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 300.0  # about 20 s on an idle machine; much more on 2 cores shared with other engines
 KV_BYTES_PER_TOKEN = 512  # the tiny model: 2 layers x 2 KV heads x 32 x (K, V) x bf16
 
@@ -67,3 +72,22 @@ def serve(
         yield server
     finally:
         server.stop()
+
+
+def quick_serve_rows(tmp_path: Path, flags: Sequence[str], timeout_s: float) -> dict[tuple[str, str], Any]:
+    """Run ``kvcore bench serve --quick -- <flags>`` as a user does; its rows by (workload, config),
+    after checking that it exited 0 and printed its tables."""
+    figures = tmp_path / "serve.json"
+    argv = [sys.executable, "-m", "kvcore_cli.main", "bench", "serve", "--quick", "--", *flags]
+    done = subprocess.run(
+        [*argv, "--json", str(figures)],
+        check=False,
+        cwd=CHECKOUT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "workload config" in done.stdout
+    assert "tok/s vs vLLM" in done.stdout
+    return {(row["workload"], row["config"]): row for row in json.loads(figures.read_text())["rows"]}
