@@ -309,7 +309,6 @@ def _run_session(url: str, session: Session, out: list[Record], progress: _Progr
         waited = Record(session.name, 0, 0, time.monotonic())
         why = f"the sessions it waits for streamed fewer than {session.start_after_tokens} tokens"
         out.append(_failed(waited, why))
-        progress.end(session.name)
         return
     history: tuple[int, ...] = ()
     try:
