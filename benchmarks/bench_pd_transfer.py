@@ -20,19 +20,16 @@ namespace (``unshare -n``, needs root) unless it already runs in one.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
+from benchmarks.engine_env import loopback_only
 from kvcore.config import PDConfig
 from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.model.transfer_plan import TPSide, TransferPlan, plan_transfer
@@ -41,20 +38,6 @@ from kvcore.ports import MemoryRegion
 IntArray = npt.NDArray[np.int64]
 IDLE_S = 0.05  # pause before each timed call, so that the engines' polling threads settle
 RAW_BATCH = 512  # the raw engine's entries per batch: as the transport's (one batch of 4096 fails on TCP)
-
-
-def _in_loopback_namespace() -> bool:
-    lines = Path("/proc/net/dev").read_text().splitlines()[2:]
-    return [line.split(":", 1)[0].strip() for line in lines] == ["lo"]
-
-
-def _reexec(argv: Sequence[str]) -> int:
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        print("needs a loopback-only network namespace: run under unshare -n (util-linux)", file=sys.stderr)
-        return 2
-    command = " ".join([sys.executable, "-m", "benchmarks.bench_pd_transfer", *argv])
-    return subprocess.call([unshare, "-n", "sh", "-c", f"ip link set lo up; exec {command}"])
 
 
 def _median_s(fn: Callable[[], object], repeats: int) -> float:
@@ -206,12 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smaller request and fewer repeats (seconds)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 7, quick 3)")
     args = parser.parse_args(argv)
-    if not _in_loopback_namespace():
-        if os.environ.get("KVCORE_BENCH_REEXEC") == "1":
-            print("still not in a loopback-only namespace after unshare -n", file=sys.stderr)
-            return 2
-        os.environ["KVCORE_BENCH_REEXEC"] = "1"
-        return _reexec(sys.argv[1:] if argv is None else argv)
+    refused = loopback_only("benchmarks.bench_pd_transfer", sys.argv[1:] if argv is None else argv)
+    if refused is not None:
+        return refused
     repeats = args.repeats or (3 if args.quick else 7)
     bench_plan(200 if args.quick else 1000, repeats)
     if args.quick:

@@ -11,20 +11,29 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["loopback_only", "vllm_scratch"]
+__all__ = ["in_loopback_namespace", "loopback_only", "vllm_scratch"]
+
+_REEXEC = "KVCORE_BENCH_REEXEC"  # set in the re-executed process: it never re-executes again
+
+
+def in_loopback_namespace() -> bool:
+    """True when the only network interface is ``lo`` (a namespace made by ``unshare -n``)."""
+    # /proc/net/dev follows the caller's namespace (sysfs keeps showing the host's interfaces).
+    lines = Path("/proc/net/dev").read_text().splitlines()[2:]
+    return [line.split(":", 1)[0].strip() for line in lines] == ["lo"]
 
 
 def loopback_only(module: str, argv: list[str]) -> int | None:
     """``None`` inside a loopback-only network namespace; outside one, re-execute ``python -m module argv``
     under ``unshare -n`` (which needs root): it does not return then; 2 (after saying so) where
-    ``unshare`` is missing."""
-    lines = Path("/proc/net/dev").read_text().splitlines()[2:]
-    if [line.split(":", 1)[0].strip() for line in lines] == ["lo"]:
+    ``unshare`` is missing, or where the re-executed process is still outside one."""
+    if in_loopback_namespace():
         return None
-    if shutil.which("unshare") is not None:
+    if shutil.which("unshare") is not None and os.environ.get(_REEXEC) != "1":
+        os.environ[_REEXEC] = "1"
         inner = shlex.join([sys.executable, "-m", module, *argv])
         os.execvp("unshare", ["unshare", "-n", "sh", "-c", f"ip link set lo up; exec {inner}"])
-    print("needs a loopback-only network namespace: run under unshare -n", file=sys.stderr)
+    print("needs a loopback-only network namespace: run under unshare -n (util-linux)", file=sys.stderr)
     return 2
 
 

@@ -7,20 +7,14 @@ then they fail.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
+
+from benchmarks.engine_env import in_loopback_namespace
 
 __all__ = ["in_loopback_namespace", "require_loopback_namespace"]
 
 REQUIRED = os.environ.get("KVCORE_REQUIRE_NETNS") == "1"
-
-
-def in_loopback_namespace() -> bool:
-    """True when the only network interface is ``lo`` (a namespace made by ``unshare -n``)."""
-    # /proc/net/dev follows the caller's namespace (sysfs keeps showing the host's interfaces).
-    lines = Path("/proc/net/dev").read_text().splitlines()[2:]
-    return [line.split(":", 1)[0].strip() for line in lines] == ["lo"]
 
 
 def require_loopback_namespace() -> None:
