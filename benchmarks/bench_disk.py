@@ -175,7 +175,7 @@ def rebuild(root: Path, count: int) -> None:
     for i in range(count):
         key = f"kv/rebuild/{i}"
         path = directory.file(key)
-        directory.commit(write_temporary(path, key, value, fsync=False), path, file_bytes(key, len(value)))
+        directory.commit(write_temporary(path, key, [value], fsync=False), path, file_bytes(key, len(value)))
     opened = _timed(lambda: ChunkDirectory.open(folder, directory.size))
     index = DiskChunkIndex(directory)
     keys = [[ChunkKey(f"kv/rebuild/{i}")] for i in range(64)]

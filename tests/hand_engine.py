@@ -47,6 +47,7 @@ class Engine:
 
     def __init__(self, config: KVCoreConfig, spec: EngineSpec, seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
+        self.spec = spec
         self.sched: CacheScheduler = open_scheduler(config, spec, hash_identity="test-hashes")
         self.plans: list[StepPlan] = []
         self.workers: list[CPUWorker] = []

@@ -104,6 +104,16 @@ BENCHMARKS = {
         "read/need = bytes a reader rank fetches over the bytes it holds (1.00x: nothing wasted); copies and "
         "their mean size = what moves into its engine blocks",
     ),
+    "cross-tp-ttft": Benchmark(
+        "benchmarks.bench_cross_tp_ttft",
+        "TTFT of a TP-2 engine serving a prompt a TP-1 engine wrote to a disk tier (s), and per load the "
+        "bytes and files each rank reads",
+        "the same TP-2 engine serving a prompt it wrote itself from the same disk, and its recompute",
+        "cross/same = cross-TP TTFT / same-TP TTFT (1.00x: a reuse costs the same whoever wrote it); "
+        "speed-up = recompute / cross-TP",
+        starts="two vLLM engines (TP 1 and TP 2) with kvcore over one disk tier",
+        by_name_only=True,
+    ),
     "serve": Benchmark(
         "benchmarks.bench_serve",
         "a served engine under streaming clients: throughput, TTFT p50/p90/p99, inter-token latency, hits "

@@ -52,6 +52,7 @@ _SUMMED = (
     "ops_in_flight",
     "written_back_chunks",
     "failed_write_back_chunks",
+    "assembled_chunks",
 )
 
 

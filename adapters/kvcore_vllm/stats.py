@@ -50,6 +50,8 @@ COUNTERS = {
     "written_back_chunks": "pool chunks written back to the tiers written back before their eviction "
     "(each once, those no tier stored included)",
     "failed_write_back_chunks": "chunks whose write-back no tier stored (the pool keeps them, clean)",
+    "assembled_chunks": "chunks loaded from tiers that keep a value per KV head, each rank assembling its "
+    "shard from its heads' values whatever TP size wrote them",
 }
 GAUGES = {
     "pool_capacity": "host slots (chunks) of the pool (reported with the first engine step)",

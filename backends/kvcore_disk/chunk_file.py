@@ -23,6 +23,7 @@ import hashlib
 import os
 import struct
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import xxhash
@@ -49,11 +50,17 @@ FORMAT = 1
 MAGIC = b"KVCDISK\0"
 _FIXED = struct.Struct("<8sIIQQI")  # magic, format, header bytes, value bytes, digest, key bytes
 MAX_KEY_BYTES = 4096
+_IOV_MAX = 1024  # buffers one pwritev/preadv takes (POSIX's IOV_MAX on Linux); a value of more parts loops
 
 
-def digest(value: bytes | memoryview) -> int:
-    """The digest a chunk file keeps of its value: XXH3-64."""
-    return xxhash.xxh3_64_intdigest(value)
+def digest(value: Sequence[bytes | memoryview]) -> int:
+    """The digest a chunk file keeps of its value (its parts, one after another): XXH3-64."""
+    if len(value) == 1:
+        return xxhash.xxh3_64_intdigest(value[0])
+    state = xxhash.xxh3_64()
+    for part in value:
+        state.update(part)
+    return state.intdigest()
 
 
 class BadChunkFile(Exception):
@@ -117,14 +124,15 @@ def temporary_name(name: str) -> str:
     return f".{name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
 
 
-def write_temporary(path: str | Path, key: str, value: memoryview, *, fsync: bool) -> str:
-    """Write ``key``'s chunk (header and value in one ``pwritev``) to a temporary file beside ``path``,
+def write_temporary(path: str | Path, key: str, value: Sequence[memoryview], *, fsync: bool) -> str:
+    """Write ``key``'s chunk (header and ``value``, its parts one after another, in one ``pwritev``) to a
+    temporary file beside ``path``,
     flushed to the device first when ``fsync``; its name. Raises ``OSError`` (a full or read-only disk)
     or ``ValueError`` (a key longer than ``MAX_KEY_BYTES``); either way no file is left."""
     encoded = len(key.encode())
     if encoded > MAX_KEY_BYTES:
         raise ValueError(f"key of {encoded} bytes: at most {MAX_KEY_BYTES} fit in a chunk file's header")
-    header = ChunkHeader(key, len(value), digest(value)).pack()
+    header = ChunkHeader(key, sum(len(part) for part in value), digest(value)).pack()
     folder, name = os.path.split(path)
     temporary = os.path.join(folder, temporary_name(name))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -135,7 +143,7 @@ def write_temporary(path: str | Path, key: str, value: memoryview, *, fsync: boo
         fd = os.open(temporary, flags, 0o600)
     try:
         try:
-            _write_fully(fd, [header, value])
+            _write_fully(fd, [header, *value])
             if fsync:
                 os.fsync(fd)
         finally:
@@ -147,8 +155,8 @@ def write_temporary(path: str | Path, key: str, value: memoryview, *, fsync: boo
     return temporary
 
 
-def read_value(path: str | Path, key: str, into: memoryview) -> bool:
-    """Read ``key``'s value from ``path`` into ``into`` (exactly its length), and bump the file's
+def read_value(path: str | Path, key: str, into: Sequence[memoryview]) -> bool:
+    """Read ``key``'s value from ``path`` into ``into`` (its parts, exactly their length), and bump the file's
     modification time (the tier's LRU clock). Returns ``False`` when there is no such file, or when it
     holds a whole value of another length (both a miss, the file kept). Raises ``BadChunkFile`` when the
     file is not a whole chunk of ``key`` (the caller removes it); ``into`` is then undefined."""
@@ -159,18 +167,19 @@ def read_value(path: str | Path, key: str, into: memoryview) -> bool:
     try:
         size = os.fstat(fd).st_size
         header = bytearray(header_bytes(key))
-        if size != len(header) + len(into):
+        value_bytes = sum(len(part) for part in into)
+        if size != len(header) + value_bytes:
             parsed = ChunkHeader.unpack(header[: os.preadv(fd, [header], 0)])
             if parsed.key == key and size == len(header) + parsed.value_bytes:
                 return False  # a whole value of another length: a miss, not damage
             raise BadChunkFile(f"{size} bytes, its header says {len(header) + parsed.value_bytes}")
-        got = _read_fully(fd, [memoryview(header), into])
+        got = _read_fully(fd, [memoryview(header), *into])
         if got != size:
             raise BadChunkFile(f"read {got} of {size} bytes")
         parsed = ChunkHeader.unpack(header)
         if parsed.key != key:
             raise BadChunkFile(f"it holds key {parsed.key!r}")
-        if parsed.value_bytes != len(into) or digest(into) != parsed.digest:
+        if parsed.value_bytes != value_bytes or digest(into) != parsed.digest:
             raise BadChunkFile("its value does not match its header's digest")
         os.utime(fd)
         return True
@@ -182,7 +191,7 @@ def _write_fully(fd: int, views: list[bytes | memoryview]) -> None:
     offset = 0
     pending = [memoryview(v).cast("B") for v in views]
     while pending:
-        written = os.pwritev(fd, pending, offset)
+        written = os.pwritev(fd, pending[:_IOV_MAX], offset)
         if written <= 0:
             raise OSError(f"pwritev wrote {written} bytes at offset {offset}")
         offset += written
@@ -194,7 +203,7 @@ def _read_fully(fd: int, views: list[memoryview]) -> int:
     offset = 0
     pending = [v.cast("B") for v in views]
     while pending:
-        got = os.preadv(fd, pending, offset)
+        got = os.preadv(fd, pending[:_IOV_MAX], offset)
         if got == 0:
             break
         offset += got

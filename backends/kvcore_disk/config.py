@@ -26,6 +26,7 @@ class DiskConfig:
     HOST_FIELD: ClassVar[str] = "local_size"
     MOVES_BLOCKS: ClassVar[bool] = False  # every chunk is staged through the host pool
     REMOTE: ClassVar[bool] = True  # chunks live outside the engine: saves are published to the files
+    PER_HEAD: ClassVar[bool] = True  # one file per KV head: engines at every TP size share them
     NODE_FIELDS: ClassVar[tuple[str, ...]] = ("local_size",)
     path: str = field(validator=non_empty)
     size: ByteSize = field()

@@ -36,6 +36,7 @@ from kvcore.errors import BackendUnavailable, InvalidSpecError
 from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobResult
 from kvcore.kit.faults import FaultHooks, leading_failures
+from kvcore.kit.host_ranges import views
 from kvcore.kit.lane_store import LaneStore, StoreJob
 from kvcore.kit.repeats import RepeatedWarnings
 from kvcore.ports import Direction, StoreItem
@@ -156,7 +157,7 @@ class DiskChunkStore(LaneStore):
         path = self._directory.file(item.key)
         if os.path.isfile(path):
             return True
-        value = self._host[item.offset : item.offset + item.length]
+        value = views(self._host, item)
         try:
             wait = deadline - time.monotonic()
             if wait <= 0:  # an item before it found the lock held the whole wait: no file is written
@@ -173,7 +174,7 @@ class DiskChunkStore(LaneStore):
     def _get(self, item: StoreItem) -> bool:
         path = self._directory.file(item.key)
         try:
-            return read_value(path, item.key, self._host[item.offset : item.offset + item.length])
+            return read_value(path, item.key, views(self._host, item))
         except BadChunkFile as exc:
             log.warning("kvcore disk tier: %s is not a whole chunk (%s): removed, a miss", path, exc)
             self._background(partial(self._directory.remove, [path]), f"removing damaged chunk file {path}")

@@ -99,6 +99,18 @@ class StoreBinding(Protocol):
 
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]: ...
 
+    def batch_put_from_multi_buffers(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        config: ReplicateConfig,
+    ) -> list[int]: ...
+
+    def batch_get_into_multi_buffers(
+        self, keys: list[str], all_buffer_ptrs: list[list[int]], all_sizes: list[list[int]]
+    ) -> list[int]: ...
+
     def batch_is_exist(self, keys: list[str]) -> list[int]: ...
 
     def batch_remove(self, keys: list[str], force: bool) -> list[int]: ...
@@ -246,6 +258,22 @@ class MooncakeClient:
         """Copy each key's value into registered memory; per key the bytes read or a negative code."""
         with self._guard() as native:
             return self._note(native.batch_get_into(keys, addresses, sizes))
+
+    def put_from_parts(
+        self, keys: list[str], addresses: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]:
+        """Store each key's value gathered from its parts in registered memory; per key 0 or a negative
+        code."""
+        with self._guard() as native:
+            return self._note(native.batch_put_from_multi_buffers(keys, addresses, sizes, self._replicate))
+
+    def get_into_parts(
+        self, keys: list[str], addresses: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]:
+        """Scatter each key's value into its parts in registered memory; per key the bytes read or a
+        negative code."""
+        with self._guard() as native:
+            return self._note(native.batch_get_into_multi_buffers(keys, addresses, sizes))
 
     def exist(self, keys: list[str]) -> list[int]:
         """Per key 1 (present), 0 (absent) or a negative code."""

@@ -40,6 +40,7 @@ class MooncakeStoreConfig:
     HOST_FIELD: ClassVar[str] = "local_size"
     MOVES_BLOCKS: ClassVar[bool] = False
     REMOTE: ClassVar[bool] = True
+    PER_HEAD: ClassVar[bool] = True  # one value per KV head: engines at every TP size share them
     NODE_FIELDS: ClassVar[tuple[str, ...]] = ("local_size", "segment_size", "transfer_buffer_size")
     master: str = field(default="127.0.0.1:50051", validator=host_and_port)
     metadata: str = field(

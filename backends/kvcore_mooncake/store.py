@@ -171,14 +171,25 @@ class MooncakeChunkStore(LaneStore):
 
     # -- the worker ----------------------------------------------------------------------------------
 
-    def _transfer(self, put: bool, keys: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+    def _transfer(self, put: bool, items: list[StoreItem]) -> list[int]:
         """Run one batch on the worker thread and return the native code of each item; the leading items
-        the fault hooks fail answer ``TRANSFER_FAILED`` without moving."""
-        failed = leading_failures(self._faults, Direction.SAVE if put else Direction.LOAD, len(keys))
+        the fault hooks fail answer ``TRANSFER_FAILED`` without moving. Items of one range move with
+        Mooncake's single-buffer calls, a batch with runs (a value per KV head) with its multi-buffer
+        ones."""
+        failed = leading_failures(self._faults, Direction.SAVE if put else Direction.LOAD, len(items))
         codes = [int(Code.TRANSFER_FAILED)] * failed
-        if failed < len(keys):
+        rest = items[failed:]
+        if not rest:
+            return codes
+        keys: list[str] = [item.key for item in rest]
+        if any(item.runs for item in rest):
+            addresses = [[self._base + offset for offset, _ in item.ranges()] for item in rest]
+            sizes = [[length for _, length in item.ranges()] for item in rest]
+            parts = self._client.put_from_parts if put else self._client.get_into_parts
+            codes.extend(parts(keys, addresses, sizes))
+        else:
             transfer = self._client.put_from if put else self._client.get_into
-            codes.extend(transfer(keys[failed:], addresses[failed:], sizes[failed:]))
+            codes.extend(transfer(keys, [self._base + i.offset for i in rest], [i.length for i in rest]))
         return codes
 
     def _run(self, job: StoreJob) -> JobResult:
@@ -187,11 +198,8 @@ class MooncakeChunkStore(LaneStore):
         codes = [int(Code.ERROR)] * len(job.items)
         # Mooncake answers a key twice in one batch but copies it once: repeats go in later rounds.
         for round_ in _rounds(job.items):
-            keys: list[str] = [job.items[i].key for i in round_]
-            addresses = [self._base + job.items[i].offset for i in round_]
-            sizes = [job.items[i].length for i in round_]
             try:
-                answered = self._transfer(job.put, keys, addresses, sizes)
+                answered = self._transfer(job.put, [job.items[i] for i in round_])
             except BackendError as exc:
                 self._breaker.record_failure()
                 return job.failed(str(exc))

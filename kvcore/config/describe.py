@@ -1,5 +1,6 @@
 """A config in one line, for the start-up log of every process that runs kvcore: the tiers with their
-sizes as given and as resolved, where each keeps its chunks, the chunk size and how saves are written.
+sizes as given and as resolved, where each keeps its chunks (and whether a value per KV head, which
+engines of every TP size share), the chunk size and how saves are written.
 
 Sizes are printed in binary units; where the config spelled a size otherwise, the spelling comes first
 (``size 10GB = 9.31 GiB``), so that a person sees what a unit meant.
@@ -13,7 +14,7 @@ import attrs
 
 from kvcore.config.model import KVCoreConfig
 from kvcore.config.tiers import Tier, TierStack
-from kvcore.kit.settings import BackendSettings, ByteCount, ByteSize, format_size
+from kvcore.kit.settings import BackendSettings, ByteCount, ByteSize, format_size, keeps_heads
 
 __all__ = ["describe"]
 
@@ -60,9 +61,9 @@ def _tier(settings: BackendSettings, raw: Mapping[str, object], tier: Tier | Non
         and (getattr(settings, f.name) or f.name in raw)
         and (tier is None or f.name != settings.HOST_FIELD)  # a stacked tier stages through the first's pool
     ]
-    rule = ""
+    rule = ", a value per KV head (any TP size)" if keeps_heads(settings) else ""
     if tier is not None:
-        rule = f", written {tier.write}" + (
+        rule += f", written {tier.write}" + (
             f", admitted after {tier.admit_after} saves" if tier.admit_after > 1 else ""
         )
     return f"{settings.KIND}{' ' + where[0] if where else ''} ({', '.join(sizes) or 'no host memory'}{rule})"

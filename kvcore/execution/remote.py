@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+
+import attrs
 
 from kvcore.errors import BackendError, UsageError
 from kvcore.ids import ChunkKey, JobId, RequestId
 from kvcore.jobs import JobResult
+from kvcore.keying.keys import head_keys
 from kvcore.kit.closing import close_quietly
+from kvcore.model.head_runs import HeadRuns
 from kvcore.ports import (
     BlockItem,
     ChunkStore,
@@ -58,27 +62,73 @@ class _Remote:
 
 
 class StoreRemote(_Remote):
-    """A ``ChunkStore`` as a remote tier (sessions mean nothing to it)."""
+    """A ``ChunkStore`` as a remote tier (sessions mean nothing to it).
 
-    def __init__(self, store: ChunkStore) -> None:
+    Given the rank's ``HeadRuns`` (a backend that keeps values per KV head, ``BackendSettings.PER_HEAD``),
+    each of the rank's values becomes one per head it holds (``kvcore.keying.keys.head_keys``, gathered
+    from and scattered into the slot's runs), so engines at every tensor-parallel size share them; a
+    chunk's fetch or publish fails where one of its heads' did (a fetch's slot is then freed, never read).
+    """
+
+    def __init__(self, store: ChunkStore, heads: HeadRuns | None = None) -> None:
         super().__init__(store)
         self.store = store
+        self._heads = heads if heads is not None and heads.heads > 1 else None
+        self._owners: dict[JobId, tuple[int, ...]] = {}  # a split job's parts: the item each belongs to
 
     def submit_fetch(self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()) -> JobId:
         self._check_open("submit_fetch")
-        return self.store.submit_get(items)
+        return self._split(self.store.submit_get, items)
 
     def submit_publish(
         self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
         self._check_open("submit_publish")
-        return self.store.submit_put(items)
+        return self._split(self.store.submit_put, items)
+
+    def poll(self) -> tuple[JobResult, ...]:
+        return tuple(self._joined(result) for result in self.store.poll())
+
+    def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
+        return tuple(self._joined(result) for result in self.store.wait(job_ids, timeout))
 
     def adopt(self, session: str, holder: str, chain: Sequence[ChunkKey], start: int, end: int) -> None:
         """A store takes no locks."""
 
     def end_session(self, session: str) -> None:
         """A store keeps no sessions."""
+
+    def _split(self, submit: Callable[[Sequence[StoreItem]], JobId], items: Sequence[StoreItem]) -> JobId:
+        heads = self._heads
+        if heads is None:
+            return submit(items)
+        parts: list[StoreItem] = []
+        owners: list[int] = []
+        for i, item in enumerate(items):
+            keys = head_keys(item.key)
+            blocks, rest = divmod(item.length, heads.block_bytes)
+            if len(keys) != heads.heads or rest or not blocks:
+                raise UsageError(
+                    f"items[{i}] ({item.key!r}, {item.length} bytes): expected the key of {heads.heads} "
+                    f"heads and whole host blocks of {heads.block_bytes} bytes"
+                )
+            for head, key in enumerate(keys):
+                runs = heads.value(head, item.offset, blocks)
+                parts.append(StoreItem(key, runs[0][0], item.length // heads.heads, runs))
+                owners.append(i)
+        with self._lock:
+            job_id = submit(parts)
+            self._owners[job_id] = tuple(owners)
+        return job_id
+
+    def _joined(self, result: JobResult) -> JobResult:
+        """A split job's result over its items: an item failed where any of its heads did."""
+        with self._lock:
+            owners = self._owners.pop(result.job_id, None)
+        if owners is None or not result.failed:
+            return result
+        failed = tuple(sorted({owners[part] for part in result.failed}))
+        return attrs.evolve(result, failed=failed)
 
 
 class ManagedRemote(_Remote):

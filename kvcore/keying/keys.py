@@ -5,11 +5,16 @@ namespace holds every deployment fact that changes KV bytes, the shard says whic
 ranks a worker holds, and the chunk hash stands for the tokens. Ranks that hold the same heads share
 keys (one of them writes, see ``is_shard_writer``). With a deployment secret the chunk part is an HMAC, so a
 client without the secret can neither predict nor plant keys.
+
+The namespace holds no parallel split: an engine at any tensor-parallel size keys a chunk alike, and only
+the shard says which heads a value holds. A tier that keeps one value per KV head (``head_keys``) is so
+shared by engines at every TP size: the key of head ``h`` is the same whichever rank wrote it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -18,11 +23,11 @@ import attrs
 from attrs import field, frozen
 from attrs.validators import and_, ge, instance_of, matches_re, min_len, optional
 
-from kvcore.errors import ConfigError, UnsupportedConfiguration
+from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguration
 from kvcore.ids import ChunkKey
 from kvcore.keying.hashing import HashAlgorithm
 
-__all__ = ["Keyspace", "Namespace", "Shard", "is_shard_writer"]
+__all__ = ["Keyspace", "Namespace", "Shard", "head_keys", "is_shard_writer", "lookup_keys"]
 
 _U32 = struct.Struct("<I")
 _NAMESPACE_DOMAIN = b"kvcore.namespace.v1"
@@ -137,10 +142,14 @@ class Shard:
 
     def render(self) -> str:
         """Canonical text, e.g. ``l0-32.h0-4.c0.g0``; distinct shards never render alike."""
-        return (
-            f"l{self.layer_start}-{self.layer_stop}.h{self.head_start}-{self.head_stop}"
-            f".c{self.cp_rank}.g{self.group}"
+        return _render(
+            self.layer_start, self.layer_stop, self.head_start, self.head_stop, self.cp_rank, self.group
         )
+
+    def placement(self) -> str:
+        """The shard less its heads, e.g. ``l0-32.c0.g0``: what a keyed chunk's MAC covers, so that the
+        key of one head (``head_keys``) follows from the key of any shard holding it."""
+        return f"l{self.layer_start}-{self.layer_stop}.c{self.cp_rank}.g{self.group}"
 
     @classmethod
     def for_tp_rank(
@@ -160,6 +169,45 @@ class Shard:
             raise ConfigError("num_layers", num_layers, "an int >= 1")
         head_start, head_stop, _ = _head_ownership(total_kv_heads, tp_size, tp_rank, mla)
         return cls(layer_start, layer_start + num_layers, head_start, head_stop, cp_rank, group)
+
+
+def _render(layer_start: int, layer_stop: int, head_start: int, head_stop: int, cp: int, group: int) -> str:
+    return f"l{layer_start}-{layer_stop}.h{head_start}-{head_stop}.c{cp}.g{group}"
+
+
+_KEY = re.compile(r"kv/([0-9a-f]+)/l(\d+)-(\d+)\.h(\d+)-(\d+)\.c(\d+)\.g(\d+)/([0-9a-f]+)")
+
+
+def head_keys(key: ChunkKey) -> tuple[ChunkKey, ...]:
+    """The keys of each KV head of the shard ``key`` names, in head order: ``kv/n/l0-2.h0-2.c0.g0/c`` gives
+    ``kv/n/l0-2.h0-1.c0.g0/c`` and ``kv/n/l0-2.h1-2.c0.g0/c``; a shard of one head, its own key.
+
+    A head's key is the same whichever shard it was derived from (a keyed chunk's MAC covers the shard's
+    ``placement`` only), so engines at different tensor-parallel sizes name each head alike. Raises
+    ``InvalidSpecError`` for a key ``Keyspace`` did not render.
+    """
+    parsed = _KEY.fullmatch(key)
+    if parsed is None:
+        raise InvalidSpecError(f"head_keys: {key!r} is not a key kvcore's Keyspace rendered")
+    namespace, ls, le, hs, he, cp, group, chunk = parsed.groups()
+    first, stop = int(hs), int(he)
+    if stop <= first:
+        raise InvalidSpecError(f"head_keys: {key!r} names an empty head range")
+    if stop - first == 1:
+        return (key,)
+    layers, tail = (int(ls), int(le)), (int(cp), int(group))
+    return tuple(
+        ChunkKey(f"kv/{namespace}/{_render(*layers, h, h + 1, *tail)}/{chunk}") for h in range(first, stop)
+    )
+
+
+def lookup_keys(shards: Sequence[ChunkKey], *, per_head: bool) -> tuple[ChunkKey, ...]:
+    """What a lookup asks a tier for one chunk, given every rank's key of it (replicas repeat theirs):
+    each key once, or, for a tier that keeps values per KV head, each head's key once (``head_keys``):
+    the chunk counts only where every head is present, whoever wrote it."""
+    if not per_head:
+        return tuple(dict.fromkeys(shards))
+    return tuple(dict.fromkeys(head for key in shards for head in head_keys(key)))
 
 
 def _head_ownership(total_kv_heads: int, tp_size: int, tp_rank: int, mla: bool) -> tuple[int, int, int]:
@@ -208,8 +256,11 @@ class Keyspace:
     """Renders chunk keys for one namespace and shard: ``kv/<namespace digest>/<shard>/<chunk>``.
 
     Without a secret the chunk part is the chunk hash in hex. With one it is
-    ``HMAC-SHA256(K, fingerprint || shard || chunk hash)`` in hex, where ``K = SHA-256(domain || secret)``
-    (length-prefixed): every secret, whatever its length or trailing bytes, has a key of its own.
+    ``HMAC-SHA256(K, fingerprint || placement || chunk hash)`` in hex, where ``K = SHA-256(domain ||
+    secret)`` (length-prefixed): every secret, whatever its length or trailing bytes, has a key of its own.
+    The MAC covers the shard's ``placement`` (layers, CP rank, group), not its heads, which the key names
+    in the clear: a head's key then follows from any shard's (``head_keys``), and knowing one head's
+    key tells nothing of another chunk's.
     """
 
     namespace: Namespace = field(validator=instance_of(Namespace))
@@ -227,7 +278,7 @@ class Keyspace:
         if self.namespace.secret is not None:
             inner_pad, outer_pad = _hmac_pads(self.namespace.secret)
             inner = hashlib.sha256(inner_pad)
-            inner.update(self.namespace.fingerprint() + _length_prefixed([shard.encode()]))
+            inner.update(self.namespace.fingerprint() + _length_prefixed([self.shard.placement().encode()]))
             outer = hashlib.sha256(outer_pad)
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "_outer", outer)

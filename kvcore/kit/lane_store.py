@@ -1,7 +1,7 @@
 """``LaneStore``: what every ``ChunkStore`` that runs its jobs on one ``JobLane`` over one host buffer
 shares (the Mooncake store, the disk tier), so that they check, queue, clear and close alike.
 
-- **Checked first.** Every item must name a non-empty range of the host buffer; otherwise
+- **Checked first.** Every item must name non-empty ranges of the host buffer (``check_ranges``); otherwise
   ``InvalidSpecError`` names the item, and nothing is queued.
 - **Queued on a lane.** Gets are reads and run before queued puts (``kvcore.kit.lane``); a job of no items
   finishes at once. A store whose writes may wait on something its reads must never wait on (the disk
@@ -30,9 +30,10 @@ from functools import partial
 
 from attrs import frozen
 
-from kvcore.errors import InvalidSpecError, UsageError
+from kvcore.errors import UsageError
 from kvcore.ids import JobId
 from kvcore.jobs import JobBoard, JobResult
+from kvcore.kit.host_ranges import check_ranges
 from kvcore.kit.lane import JobLane, LaneClosed, Priority
 from kvcore.ports import StoreItem
 
@@ -119,11 +120,7 @@ class LaneStore(ABC):
 
     def _submit(self, put: bool, items: Sequence[StoreItem]) -> JobId:
         for i, item in enumerate(items):
-            if item.offset < 0 or item.length < 1 or item.offset + item.length > self._buffer_length:
-                raise InvalidSpecError(
-                    f"items[{i}] ({item.key!r}): bytes [{item.offset}, {item.offset + item.length}) are not "
-                    f"a non-empty range of the {self._buffer_length}-byte host buffer"
-                )
+            check_ranges(i, item, self._buffer_length)
         with self._state:
             if self._closed:
                 raise UsageError(f"the {self._name} is closed")

@@ -31,6 +31,7 @@ __all__ = [
     "fits_in_memory",
     "format_size",
     "host_and_port",
+    "keeps_heads",
     "non_empty",
     "one_of",
     "parse_size",
@@ -52,6 +53,11 @@ class BackendSettings(Protocol):
     ``NODE_FIELDS`` name the fields whose bytes one node holds (summed, they must fit in its memory, see
     ``fits_in_memory``); ``REMOTE`` says chunks also live outside the engine (a store, a server): saves
     are staged through the pool and published, and chunks come back without the local tier's digests.
+
+    One class variable is optional (``keeps_heads`` reads it): ``PER_HEAD = True`` says the backend's
+    ``ChunkStore`` gathers and scatters ``StoreItem.runs``, so that it keeps one value per KV head, which
+    engines at every tensor-parallel size share (``kvcore.keying.keys.head_keys``). Without it a store is
+    given one value per rank, shared only by engines of one TP size.
     """
 
     __attrs_attrs__: ClassVar[Any]
@@ -63,6 +69,11 @@ class BackendSettings(Protocol):
 
     @property
     def host_bytes(self) -> int: ...
+
+
+def keeps_heads(settings: object) -> bool:
+    """Whether a backend's settings declare values per KV head (``BackendSettings``, ``PER_HEAD``)."""
+    return getattr(type(settings), "PER_HEAD", False) is True
 
 
 ByteSize = NewType("ByteSize", int)

@@ -28,7 +28,9 @@ from kvcore.execution.remote import ManagedRemote, StoreRemote
 from kvcore.execution.worker import BlockWorker
 from kvcore.kit.closing import close_quietly
 from kvcore.kit.faults import FaultHooks
+from kvcore.kit.settings import keeps_heads
 from kvcore.model.engine import EngineSpec
+from kvcore.model.head_runs import HeadRuns, splits
 from kvcore.plugins import Backend, MoverWrap, RemoteOpener, RemotePort
 from kvcore.plugins.registry import backend, engine_memory
 from kvcore.plugins.sizing import pool_slots
@@ -65,7 +67,7 @@ def open_scheduler(
     of the config's is). Raises ``ConfigError`` as ``pool_slots`` does, and for a backend that is not
     installed; an index opened here is then closed again."""
     slots = pool_slots(config, engine, engine.tp_size)
-    opened = _cascade_index(config, engine) if index is FROM_CONFIG else index
+    opened, per_head = _cascade_index(config, engine) if index is FROM_CONFIG else (index, False)
     stack = config.backend
     try:
         return CacheScheduler(
@@ -75,6 +77,7 @@ def open_scheduler(
             world_size=engine.tp_size,
             hash_identity=hash_identity,
             remote=opened,
+            remote_per_head=per_head,
             write_back=(isinstance(stack, TierStack) and stack.writes_back)
             if write_back is FROM_CONFIG
             else write_back,
@@ -109,14 +112,20 @@ def open_worker(
     return memory.open_rank(config, engine, tensors, rank=rank, remote=opener, faults=faults, mover=mover)
 
 
-def as_remote_tier(port: RemotePort) -> RemoteTier:
-    """The worker's ``RemoteTier`` over a backend's port: a ``ChunkStore`` (``StoreRemote``), a
-    ``ManagedTier`` (``ManagedRemote``) or a ``RemoteTier`` as it is. Raises ``UsageError`` for anything
-    else."""
+def as_remote_tier(port: RemotePort, heads: HeadRuns | None = None) -> RemoteTier:
+    """The worker's ``RemoteTier`` over a backend's port: a ``ChunkStore`` (``StoreRemote``; ``heads``:
+    one value per KV head, the rank's runs), a ``ManagedTier`` (``ManagedRemote``) or a ``RemoteTier`` as
+    it is. Raises ``UsageError`` for anything else, and for ``heads`` given with a port that is not a
+    ``ChunkStore``."""
+    if heads is not None and not isinstance(port, ChunkStore):
+        raise UsageError(
+            f"a backend that keeps values per KV head (PER_HEAD) returned {type(port).__name__} from "
+            "open_remote: expected a ChunkStore, which gathers and scatters a head's runs"
+        )
     if isinstance(port, RemoteTier):
         return port
     if isinstance(port, ChunkStore):
-        return StoreRemote(port)
+        return StoreRemote(port, heads)
     if isinstance(port, ManagedTier):
         return ManagedRemote(port)
     raise UsageError(
@@ -128,8 +137,15 @@ def _remote_tiers(config: KVCoreConfig, engine: EngineSpec) -> RemoteOpener:
     """Opens a rank's remote tiers from the config: each backend's port as a ``RemoteTier``, several (or
     one written back) as their cascade."""
 
+    heads = HeadRuns.of(engine)
+
     def remote(memory: RankMemory) -> RemoteTier | None:
-        opened = _open_each(config, lambda tier, plugin: _remote_of(plugin.open_remote(tier, engine, memory)))
+        opened = _open_each(
+            config,
+            lambda tier, plugin: _remote_of(
+                plugin.open_remote(tier, engine, memory), heads if _keeps_heads(tier, engine) else None
+            ),
+        )
         stack = config.backend
         if not isinstance(stack, TierStack) or (len(opened) < 2 and not stack.writes_back):
             return opened[0] if opened else None
@@ -140,11 +156,11 @@ def _remote_tiers(config: KVCoreConfig, engine: EngineSpec) -> RemoteOpener:
     return remote
 
 
-def _remote_of(port: RemotePort | None) -> RemoteTier | None:
+def _remote_of(port: RemotePort | None, heads: HeadRuns | None) -> RemoteTier | None:
     if port is None:
         return None
     try:
-        return as_remote_tier(port)
+        return as_remote_tier(port, heads)
     except UsageError:
         close_quietly(port)
         raise
@@ -185,10 +201,26 @@ def _open_each(
     return opened
 
 
-def _cascade_index(config: KVCoreConfig, engine: EngineSpec) -> ChunkIndex | None:
+def _keeps_heads(tier: KVCoreConfig, engine: EngineSpec) -> bool:
+    """Whether ``tier`` keeps a value per KV head for ``engine``: its backend says so (``PER_HEAD``)
+    and the engine's heads can be cut apart (``kvcore.model.head_runs.splits``). Both sides ask this."""
+    return keeps_heads(tier.backend) and splits(engine.layout)
+
+
+def _cascade_index(config: KVCoreConfig, engine: EngineSpec) -> tuple[ChunkIndex | None, bool]:
     """The index of every remote tier, cascading when there are several; a lookup of the cascade
-    answers within three quarters of ``lookup_timeout_s``, what it found so far."""
-    opened = _open_each(config, lambda tier, plugin: plugin.open_index(tier, engine))
+    answers within three quarters of ``lookup_timeout_s``, what it found so far. Each tier is asked for
+    keys as it keeps values: by each rank's shard or by each KV head's (the cascade keys each tier; one
+    tier's flag comes back beside it, for the scheduler)."""
+    flags: list[bool] = []
+
+    def open_index(tier: KVCoreConfig, plugin: Backend) -> ChunkIndex | None:
+        index = plugin.open_index(tier, engine)
+        if index is not None:
+            flags.append(_keeps_heads(tier, engine))
+        return index
+
+    opened = _open_each(config, open_index)
     if len(opened) < 2:
-        return opened[0] if opened else None
-    return cascade_index(opened, 0.75 * config.lookup_timeout_s)
+        return (opened[0], flags[0]) if opened else (None, False)
+    return cascade_index(opened, 0.75 * config.lookup_timeout_s, flags), False

@@ -59,11 +59,22 @@ class BlockTransfer:
 
 @frozen
 class StoreItem:
-    """One value of a chunk store: a key and the host bytes ``[offset, offset + length)`` it maps to."""
+    """One value of a chunk store: a key and the host bytes ``[offset, offset + length)`` it maps to.
+
+    With ``runs``, the value is those host ranges ``(offset, length)`` one after another (a put gathers
+    them, a get scatters into them), ``length`` bytes in all, ``offset`` the first run's: one KV head's
+    value of a slot (``kvcore.model.head_runs``). Only a store whose backend keeps values per head
+    (``BackendSettings.PER_HEAD``) is given runs.
+    """
 
     key: ChunkKey
     offset: int
     length: int
+    runs: tuple[tuple[int, int], ...] = ()
+
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """The host ranges of the value, in order: ``runs``, or the one range."""
+        return self.runs or ((self.offset, self.length),)
 
 
 def _holders(_: object, attribute: Attribute[tuple[str, ...]], value: object) -> None:

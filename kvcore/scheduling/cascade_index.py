@@ -20,6 +20,7 @@ from attrs import define
 
 from kvcore.errors import BackendError, KVCoreError, UsageError
 from kvcore.ids import ChunkKey, LookupId
+from kvcore.keying.keys import lookup_keys
 from kvcore.kit.closing import close_quietly
 from kvcore.kit.health import CircuitBreaker
 from kvcore.ports import (
@@ -75,11 +76,18 @@ class CascadeIndex:
     BREAKER_BACKOFF_S = 5.0
 
     def __init__(
-        self, indexes: Sequence[ChunkIndex], budget_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        indexes: Sequence[ChunkIndex],
+        budget_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        per_head: Sequence[bool] = (),
     ) -> None:
         if len(indexes) < 2:
             raise UsageError(f"indexes: got {len(indexes)}, expected at least two tiers to cascade")
+        if per_head and len(per_head) != len(indexes):
+            raise UsageError(f"per_head: got {len(per_head)} flags for {len(indexes)} tiers")
         self._indexes = tuple(indexes)
+        self._per_head = tuple(per_head) or (False,) * len(indexes)
         self._budget = budget_s
         self._clock = clock
         self._breakers = [
@@ -183,7 +191,9 @@ class CascadeIndex:
             breaker = self._breakers[lookup.stage]
             if breaker.allow():
                 try:
-                    lookup.inner = self._indexes[lookup.stage].submit_lookup(rest, before)
+                    lookup.inner = self._indexes[lookup.stage].submit_lookup(
+                        self._keys(lookup.stage, rest), self._keys(lookup.stage, before)
+                    )
                     lookup.asked = self._clock()
                     lookup.deadline = lookup.asked + self._budget
                     return
@@ -191,6 +201,15 @@ class CascadeIndex:
                     log.warning("kvcore: tier %d refused a lookup (%s)", lookup.stage + 1, exc)
                     breaker.record_failure()
             lookup.stage += 1
+
+    @property
+    def per_head(self) -> tuple[bool, ...]:
+        """For each tier, whether it keeps a value per KV head (and is asked for each head's key)."""
+        return self._per_head
+
+    def _keys(self, tier: int, chunks: Sequence[Sequence[ChunkKey]]) -> list[tuple[ChunkKey, ...]]:
+        """``chunks`` as tier ``tier`` keys them: by each rank's shard, or by each KV head's."""
+        return [lookup_keys(chunk, per_head=self._per_head[tier]) for chunk in chunks]
 
 
 class ImmediateCascadeIndex(CascadeIndex):
@@ -202,8 +221,9 @@ class ImmediateCascadeIndex(CascadeIndex):
         indexes: Sequence[SupportsImmediateLookup],
         budget_s: float,
         clock: Callable[[], float] = time.monotonic,
+        per_head: Sequence[bool] = (),
     ) -> None:
-        super().__init__(cast(Sequence[ChunkIndex], indexes), budget_s, clock)
+        super().__init__(cast(Sequence[ChunkIndex], indexes), budget_s, clock, per_head)
         self._immediate = tuple(indexes)
 
     def lookup(self, chunks: Sequence[Sequence[ChunkKey]]) -> int:
@@ -214,7 +234,7 @@ class ImmediateCascadeIndex(CascadeIndex):
             if not breaker.allow():
                 continue
             try:
-                answer = index.lookup(chunks[found:])
+                answer = index.lookup(self._keys(tier, chunks[found:]))
             except BackendError as exc:
                 log.warning("kvcore: tier %d's lookup failed (%s): asking the next tier", tier + 1, exc)
                 breaker.record_failure()
@@ -226,9 +246,12 @@ class ImmediateCascadeIndex(CascadeIndex):
         return found
 
 
-def cascade_index(indexes: Sequence[ChunkIndex], budget_s: float) -> CascadeIndex:
-    """The cascade of ``indexes``: immediate when every one of them is."""
+def cascade_index(
+    indexes: Sequence[ChunkIndex], budget_s: float, per_head: Sequence[bool] = ()
+) -> CascadeIndex:
+    """The cascade of ``indexes``: immediate when every one of them is. ``per_head[i]``: tier ``i`` keeps
+    a value per KV head (``kvcore.keying.keys.lookup_keys``)."""
     immediate = [index for index in indexes if isinstance(index, SupportsImmediateLookup)]
     if len(immediate) == len(indexes):
-        return ImmediateCascadeIndex(immediate, budget_s)
-    return CascadeIndex(indexes, budget_s)
+        return ImmediateCascadeIndex(immediate, budget_s, per_head=per_head)
+    return CascadeIndex(indexes, budget_s, per_head=per_head)

@@ -65,6 +65,8 @@ def _finish_load(state: SchedulerState, entry: InFlightOp) -> None:
     state.pool.unpin([k for k in entry.keys if k not in entry.fetched])
     fetched = [k for k in entry.keys if k in entry.fetched]
     state.pool.complete_store([k for k in fetched if k not in failed], success=True)
+    if state.assembles:
+        state.counters["assembled_chunks"] += sum(1 for k in fetched if k not in failed)
     state.pool.complete_store([k for k in fetched if k in failed], success=False)
     if entry.suspect:  # a chunk whose bytes failed to load is suspect: never serve it again
         suspect = [k for k in failed if k not in entry.fetched]

@@ -12,6 +12,7 @@ from kvcore.checks import is_int_in
 from kvcore.errors import InvalidSpecError
 from kvcore.ids import RequestId
 from kvcore.keying.hashing import ExtraKeys
+from kvcore.keying.keys import lookup_keys
 from kvcore.ports import Direction
 from kvcore.scheduling.load_spec import LoadSpec, check_local_tokens, hit_tokens, plan_load
 from kvcore.scheduling.remote_lookup import PendingLookup
@@ -162,7 +163,8 @@ def _leading_held(state: SchedulerState, req: RequestState) -> int | None:
         req.remote_tail = tail
         held = state.remote.holds  # every rank's key: each rank that reads a chunk holds its lock
         ranked = [*req.chain.rank_keys, *((tail.rank_keys,) if tail is not None else ())]
-        chunks = ranked if held else [tuple(dict.fromkeys(shards)) for shards in ranked]
+        per_head = state.remote_per_head
+        chunks = ranked if held else [lookup_keys(shards, per_head=per_head) for shards in ranked]
         begun: int | PendingLookup | None = state.remote.begin(
             chunks[req.local_hits :], chunks[: req.local_hits], held=held
         )

@@ -16,6 +16,7 @@ from kvcore.pool.eviction import make_policy
 from kvcore.pool.pool_index import PoolIndex
 from kvcore.pool.write_back import WriteBack
 from kvcore.ports import ChunkIndex
+from kvcore.scheduling.cascade_index import CascadeIndex
 from kvcore.scheduling.ledger import OpLedger
 from kvcore.scheduling.lifecycle import RequestTable
 from kvcore.scheduling.remote_lookup import PrefixLookup
@@ -35,6 +36,7 @@ COUNTERS = (
     "save_retries",
     "written_back_chunks",
     "failed_write_back_chunks",
+    "assembled_chunks",
 )
 """The counters since start that ``SchedulerStats`` reports."""
 
@@ -70,6 +72,7 @@ class SchedulerState:
         hash_identity: str | None,
         remote: ChunkIndex | None,
         write_back: bool,
+        remote_per_head: bool = False,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -84,6 +87,9 @@ class SchedulerState:
         self.pool_index = PoolIndex(self.pool)
         self.remote = PrefixLookup(remote, config.lookup_timeout_s) if remote is not None else None
         self.remote_index = remote
+        self.remote_per_head = remote_per_head  # the remote index keeps a value per KV head (lookup_keys)
+        # every tier behind the pool keeps a value per KV head: a fetched chunk is assembled from them
+        self.assembles = remote_per_head or (isinstance(remote, CascadeIndex) and all(remote.per_head))
         # a sliding-window engine's pool alone looks up the hit's last window only; with a remote tier,
         # whose index answers leading chunks, the lookup is a prefix lookup (a hit as long or shorter)
         self.windowed = engine.window_tokens is not None and remote is None

@@ -33,6 +33,9 @@ class SchedulerStats:
     written_back_chunks: int = 0  # pool chunks written back to the tiers written back (``Tier.write``)
     failed_write_back_chunks: int = 0  # of those, chunks that no tier stored
     save_retries: int = 0  # saves of a request's chunk again after its save failed (each retry once)
+    # chunks loaded from tiers that keep a value per KV head: each rank assembled its shard from its
+    # heads' values, whatever TP size wrote them (a stack counts them where every tier keeps values so)
+    assembled_chunks: int = 0
 
 
 def stats(state: SchedulerState) -> SchedulerStats:

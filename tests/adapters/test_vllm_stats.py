@@ -49,7 +49,7 @@ def test_halted_ranks_reach_the_metrics_as_a_gauge() -> None:
     assert delta(_stats(lookups=1, requests=0), halted_ranks=1).data == {
         **dict.fromkeys(("lookups", "hit_tokens", "loaded_blocks", "async_loads"), 0),
         **dict.fromkeys(("saved_blocks", "failed_load_blocks", "failed_save_chunks", "save_retries"), 0),
-        **dict.fromkeys(("written_back_chunks", "failed_write_back_chunks"), 0),
+        **dict.fromkeys(("written_back_chunks", "failed_write_back_chunks", "assembled_chunks"), 0),
         "halted_ranks": 1,
     }
 

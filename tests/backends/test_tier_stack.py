@@ -17,6 +17,7 @@ from kvcore.config import load_config
 from kvcore.errors import ConfigError
 from kvcore.ids import RequestId
 from kvcore.keying.hashing import ExtraKeys
+from kvcore.keying.keys import head_keys
 from kvcore.plugins.compose import open_scheduler
 from kvcore.pool.block_pool import PoolEventKind
 from kvcore.testing.support import SETTLE_S
@@ -25,6 +26,7 @@ from tests.hand_engine import BLOCK, CHUNK_TOKENS, CHUNKS, PER_CHUNK, Engine, en
 
 CHUNK_BYTES = 32 * 1024  # per rank: 2 layers x K,V x 2 heads x 128 tokens x 16 x bf16
 POOL_CHUNKS = CHUNKS  # one prompt's chunks: a second prompt pushes the first out
+HEADS = 2  # KV heads per rank: a disk tier keeps a file per head of each chunk
 
 
 def stack(tmp_path: Path, tp: int, admit_after: int = 1) -> dict[str, Any]:
@@ -52,7 +54,10 @@ def load(engine: Engine, request: str, tokens: list[int], at: int) -> int:
 
 
 def files(root: Path) -> int:
-    return sum(1 for p in (root / "chunks").rglob("*") if p.is_file() and not p.name.startswith("."))
+    """Shards on the disk: a file per KV head, ``HEADS`` files per rank's shard of a chunk."""
+    count = sum(1 for p in (root / "chunks").rglob("*") if p.is_file() and not p.name.startswith("."))
+    assert count % HEADS == 0, f"{count} files: not whole shards of {HEADS} heads"
+    return count // HEADS
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -249,7 +254,7 @@ def test_a_damaged_chunk_file_costs_its_chunk_and_what_follows_never_what_came_b
         a.close()
     (key,) = chain.rank_keys[damaged]
     directory = ChunkDirectory.open(tmp_path / "kv", 64 * 2**20)
-    path = directory.path(key)
+    path = directory.path(head_keys(key)[-1])  # one head's file
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF  # one flipped byte of the value: its digest no longer matches
     path.write_bytes(bytes(data))

@@ -38,7 +38,7 @@ def poke_file(directory: ChunkDirectory, key: ChunkKey, value: bytes) -> None:
     path = directory.file(key)
     directory.remove([path])
     directory.commit(
-        write_temporary(path, key, memoryview(value), fsync=False), path, file_bytes(key, len(value))
+        write_temporary(path, key, [memoryview(value)], fsync=False), path, file_bytes(key, len(value))
     )
 
 

@@ -163,3 +163,20 @@ def config_for(master: str, segment_size: int = 0, setup_timeout_s: float = 5.0)
         setup_timeout_s=setup_timeout_s,
         rpc_timeout_s=2.0,
     )
+
+
+def segment_holder(master: str) -> subprocess.Popen[str]:
+    """A segment holder on ``master``: the store's memory lives there (an engine's workers are then pure
+    clients). The caller terminates it."""
+    proc: subprocess.Popen[str] = start_owned(
+        [sys.executable, "-m", "kvcore_mooncake.holder", "--master", master, "--segment-size", "64MiB"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("ready"):
+        proc.kill()
+        proc.wait(30)
+        pytest.fail(f"segment holder did not start: {line!r}")
+    return proc

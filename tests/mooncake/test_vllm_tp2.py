@@ -4,13 +4,12 @@ One engine per model, each on a master and a segment holder of its own (so every
 that engine's), running ``tests.integration.tp2.reuse_flow`` once. Each rank has a small local pool in
 front of the store: the prompt evicted from vLLM's cache has left both ranks' pools too (checked out of
 band), so it comes back from the store. With one KV head (replicated) rank 0 alone writes the shared key
-and both ranks read it; with four (two per rank) each rank writes and reads its own shard's keys.
+and both ranks read it; with four (two per rank) each rank writes and reads the keys of its two heads
+(the store keeps one value per KV head).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
@@ -18,7 +17,6 @@ from pathlib import Path
 import pytest
 from attrs import frozen
 
-from kvcore.testing.support import start_owned
 from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     BLOCK,
     VLLM_MARKS,
@@ -39,13 +37,12 @@ from tests.integration.tp2 import (
     check_reuse,
     host_digests_probe,
     kv_heads_model,
-    rank_heads,
     reuse_flow,
     slot_bytes,
     start_tp_engine,
     tier_config,
 )
-from tests.mooncake.conftest import Master, Masters
+from tests.mooncake.conftest import Master, Masters, segment_holder
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
 
@@ -58,22 +55,6 @@ POOL_SLOTS = 8  # chunks per rank in the local pool: fewer than the evicting pro
 class StoreRun:
     run: ReuseRun
     keys: tuple[str, ...]  # every key in the store (the master's list) after the flow
-
-
-def _holder(master: str) -> subprocess.Popen[str]:
-    """A segment holder: the pool lives there (the engine's workers are pure clients)."""
-    proc: subprocess.Popen[str] = start_owned(
-        [sys.executable, "-m", "kvcore_mooncake.holder", "--master", master, "--segment-size", "64MiB"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("ready"):
-        proc.kill()
-        proc.wait(30)
-        pytest.fail(f"segment holder did not start: {line!r}")
-    return proc
 
 
 def _stored_keys(master: Master) -> tuple[str, ...]:
@@ -89,7 +70,7 @@ def store_run(request: pytest.FixtureRequest, vllm_env: Path, _masters: Masters)
     master = _masters.new(())  # the engine's own: every key in it is this engine's
     master.start()
     try:
-        holder = _holder(master.address)
+        holder = segment_holder(master.address)
         try:
             backend = {
                 "kind": "mooncake_store",
@@ -125,7 +106,7 @@ def test_each_rank_loads_its_shard_from_the_store(store_run: StoreRun) -> None:
         assert load.host_blocks, "a load from the store stages through the pool"
 
 
-def test_shard_keys_are_one_per_writer(store_run: StoreRun) -> None:
+def test_keys_are_one_per_kv_head(store_run: StoreRun) -> None:
     run = store_run.run
     by_shard: dict[str, set[str]] = defaultdict(set)
     namespaces = set()
@@ -135,13 +116,12 @@ def test_shard_keys_are_one_per_writer(store_run: StoreRun) -> None:
         namespaces.add(namespace)
         by_shard[shard].add(chunk)
     assert len(namespaces) == 1, namespaces
-    # one shard per distinct head range: two when the heads are split, one (rank 0's) when replicated
-    ranges = sorted({(r.start, r.stop) for r in (rank_heads(run.kv_heads, TP, rank) for rank in range(TP))})
-    assert sorted(by_shard) == [f"l0-{LAYERS}.h{start}-{stop}.c0.g0" for start, stop in ranges]
+    # one value per KV head, whichever rank wrote it (with one head, rank 0 alone: its replica does not)
+    assert sorted(by_shard) == [f"l0-{LAYERS}.h{h}-{h + 1}.c0.g0" for h in range(run.kv_heads)]
     chunks = list(by_shard.values())
-    assert all(shard == chunks[0] for shard in chunks)  # every writer published every chunk
+    assert all(shard == chunks[0] for shard in chunks)  # every head of every chunk was published
     assert len(chunks[0]) == EXPECTED_SAVED_CHUNKS
-    assert len(store_run.keys) == len(ranges) * EXPECTED_SAVED_CHUNKS
+    assert len(store_run.keys) == run.kv_heads * EXPECTED_SAVED_CHUNKS
 
 
 def test_every_rank_reported_every_op(store_run: StoreRun) -> None:

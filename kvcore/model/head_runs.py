@@ -1,0 +1,92 @@
+"""Where each KV head of one rank lies in its host slots: the runs of bytes a value of one head is made of.
+
+A tier that keeps one value per KV head (``kvcore.keying.keys.head_keys``) serves engines at every
+tensor-parallel size: each rank reads exactly the heads it holds, whoever wrote them. A rank's host block
+is one engine block of every layer, layer after layer, each layer's segments (K then V, or one KV
+segment) one after another (``EngineSpec.host_block_bytes``); in a heads-major segment (HND, vLLM CPU)
+each head is one run, so a head's value is one run per segment, layer and block, taken in that order.
+The value of head ``h`` is then the same bytes in the same order whichever rank holds it, alone or
+beside others. Where tokens are the outer axis (NHD) a head is a run per token: such an engine keeps
+one value per rank (``splits`` is false) and shares with engines of its own TP size only.
+"""
+
+from __future__ import annotations
+
+from attrs import field, frozen
+
+from kvcore.checks import SIZE_LIMIT, is_int_in, positive_count
+from kvcore.errors import InvalidSpecError
+from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
+
+__all__ = ["HeadRuns", "Run", "splits"]
+
+Run = tuple[int, int]
+"""``(offset, length)`` in bytes."""
+
+
+def splits(layout: KVLayout) -> bool:
+    """Whether a rank's values can be one per KV head: it holds one head, or each head is one run of a
+    segment (heads-major)."""
+    return (
+        layout.num_kv_heads == 1 or layout.head_order is HeadOrder.HND or layout.kind is LayoutKind.VLLM_CPU
+    )
+
+
+@frozen
+class HeadRuns:
+    """The runs of each of a rank's ``heads`` inside one host block of ``block_bytes`` bytes."""
+
+    block_bytes: int = field(validator=positive_count)
+    runs: tuple[tuple[Run, ...], ...]
+
+    @classmethod
+    def of(cls, engine: EngineSpec) -> HeadRuns | None:
+        """The runs of ``engine``'s rank, or ``None`` where its values cannot be one per head
+        (``splits``)."""
+        layout = engine.layout
+        if not splits(layout):
+            return None
+        stride = layout.head_stride if layout.num_kv_heads > 1 else layout.segment_bytes
+        per_layer = [
+            [
+                (segment * layout.segment_bytes + head * stride, stride)
+                for segment in range(layout.segments_per_block)
+            ]
+            for head in range(layout.num_kv_heads)
+        ]
+        runs = tuple(
+            tuple(
+                (layer * layout.block_bytes + offset, length)
+                for layer in range(engine.num_layers)
+                for offset, length in per_layer[head]
+            )
+            for head in range(layout.num_kv_heads)
+        )
+        return cls(engine.host_block_bytes, runs)
+
+    @property
+    def heads(self) -> int:
+        """The heads the rank holds."""
+        return len(self.runs)
+
+    def value(self, head: int, offset: int, blocks: int) -> tuple[Run, ...]:
+        """The runs of local head ``head``'s value over ``blocks`` host blocks from byte ``offset`` (a
+        slot, or a tail's leading blocks of it), in value order, runs that touch merged."""
+        for name, value, low, high in (
+            ("head", head, 0, self.heads - 1),
+            ("offset", offset, 0, SIZE_LIMIT),
+            ("blocks", blocks, 1, SIZE_LIMIT),
+        ):
+            if not is_int_in(value, low, high):
+                raise InvalidSpecError(f"HeadRuns.value: {name} {value!r} is not an int in [{low}, {high}]")
+        merged: list[list[int]] = []
+        for block in range(blocks):
+            base = offset + block * self.block_bytes
+            for start, length in self.runs[head]:
+                start += base
+                if merged and merged[-1][0] + merged[-1][1] == start:
+                    merged[-1][1] += length
+                else:
+                    merged.append([start, length])
+        return tuple((start, length) for start, length in merged)

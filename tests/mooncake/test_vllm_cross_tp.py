@@ -1,0 +1,49 @@
+"""A Mooncake store shared by real vLLM engines of different tensor-parallel sizes (CPU build, a tiny
+model with four KV heads, a master and a segment holder of this module's own): a prompt computed at TP 1
+is served at TP 2 from the store, and one computed at TP 2 at TP 1, each head of each layer the writer's
+bytes (``tests.integration.cross_tp``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import VLLM_MARKS, tiny_model, vllm_env
+from tests.integration.cross_tp import both_engines, check_read, read_across
+from tests.mooncake.conftest import Masters, segment_holder
+
+__all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
+
+pytestmark = VLLM_MARKS
+
+
+@pytest.fixture(scope="module")
+def engines(vllm_env: Path, _masters: Masters) -> Iterator[dict[int, Any]]:
+    master = _masters.new(())
+    master.start()
+    try:
+        holder = segment_holder(master.address)
+        try:
+            backend = {
+                "kind": "mooncake_store",
+                "master": master.address,
+                "segment_size": 0,
+                "local_size": "32MiB",
+            }
+            with both_engines(vllm_env, backend) as started:
+                yield started
+        finally:
+            holder.terminate()
+            holder.wait(30)
+    finally:
+        master.stop()
+
+
+@pytest.mark.parametrize(("writer", "reader"), [(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])
+def test_a_prompt_computed_at_one_tp_size_is_served_at_the_other(
+    engines: dict[int, Any], writer: int, reader: int
+) -> None:
+    check_read(read_across(engines, writer, reader, seed=9400 + writer))
