@@ -159,6 +159,7 @@ def _fuzz(args: argparse.Namespace) -> int:
             engine_blocks=args.engine_blocks,
             pool_slots=args.pool_slots,
             window=args.window,
+            cross_tp=args.cross_tp,
             trace=args.trace,
         )
     except KVCoreError as exc:
@@ -241,6 +242,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     fuzz.add_argument(
         "--write-back", action="store_true", help="with --disk or --stack: the disk tier written back"
+    )
+    fuzz.add_argument(
+        "--cross-tp",
+        action="store_true",
+        help="with --disk or --stack: after the run, read what the disk tier holds at TP 2 and check it",
     )
     fuzz.add_argument("--no-preempt", action="store_true", help="no random preemptions")
     fuzz.add_argument("--no-reset", action="store_true", help="no resets")

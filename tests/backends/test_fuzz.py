@@ -21,14 +21,17 @@ STEPS = 200
         FuzzOptions(remote=True),
         FuzzOptions(disk=True),
         FuzzOptions(stack=True),
-        FuzzOptions(stack=True, write_back=True, pool_slots=8),
+        FuzzOptions(stack=True, write_back=True, pool_slots=8, cross_tp=True),
+        FuzzOptions(disk=True, cross_tp=True),
         FuzzOptions(window=3),
         FuzzOptions(remote=True, window=2),
     ],
     # disk: the disk tier's real store (files in a temporary directory); stack: it, then a memory store;
-    # write-back: the disk written back from a small pool (so chunks are written back and fetched again);
-    # window: a sliding-window model (blocks given back mid-request, loads of the hit's last window)
-    ids=["cpu", "remote", "disk", "stack", "write-back", "window", "window-remote"],
+    # write-back: the disk written back from a small pool (so chunks are written back and fetched again),
+    # and read after the run at TP 2 (what reached the disk was written back); cross-tp: the disk written
+    # through, read after the run at TP 2; window: a sliding-window model (blocks given back mid-request,
+    # loads of the hit's last window)
+    ids=["cpu", "remote", "disk", "stack", "write-back", "cross-tp", "window", "window-remote"],
 )
 def test_seeded_runs_hold_every_check_and_cover_the_lifecycle(options: FuzzOptions) -> None:
     runs = [run_fuzz(seed, STEPS, options) for seed in SEEDS]
@@ -54,6 +57,8 @@ def test_seeded_runs_hold_every_check_and_cover_the_lifecycle(options: FuzzOptio
         assert total("lookup_faults") > 0
         assert total("index_stalls") > 0
     assert (total("written_back") > 0) is options.write_back
+    # the prompts saved since the last reset, read at TP 2 from the disk: found, loaded and checked
+    assert (total("cross_tp_blocks") > total("cross_tp_loads") > 0) is options.cross_tp
     for windowed in ("given_back", "window_loads", "saves_fenced"):
         assert (total(windowed) > 0) is bool(options.window)
 
@@ -72,6 +77,11 @@ def test_a_seed_replays_exactly() -> None:
 def test_the_cli_refuses_write_back_without_a_disk(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fuzz", "--steps", "1", "--write-back"]) == 2
     assert "write_back: the disk tier is written back, give disk or stack too" in capsys.readouterr().err
+
+
+def test_the_cli_refuses_a_read_at_another_tp_size_without_a_disk(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fuzz", "--steps", "1", "--cross-tp", "--remote"]) == 2
+    assert "cross_tp: what the disk tier holds is read at another TP size" in capsys.readouterr().err
 
 
 def test_the_cli_prints_a_summary_and_replays_failures(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,6 +5,7 @@ of every answer against what the engine knows (the byte checks are ``KVChecks``)
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from kvcore.execution.worker import BlockWorker
 from kvcore.ids import RequestId
@@ -54,6 +55,7 @@ class Connector:
         self._recompute_late = recompute_late
         self._window = window
         memory.on_take = self._fence_readers
+        self.on_save: Callable[[Request], None] = lambda req: None  # called with each request saved
         self.ops: dict[int, BlockOp] = {}  # handed to the worker, not reported yet
         self._fenced: set[int] = set()  # ops of a preempted admission: their blocks are no longer its own
         self._ending: dict[RequestId, Request] = {}  # ended with "delay": may still have a save planned
@@ -155,6 +157,7 @@ class Connector:
         self._trace.note(f"save {req.rid} e{req.blocks} num_tokens={req.computed} final={final} -> {saved}")
         self._summary.saved_chunks += saved
         self._checks.handed_to_save(req)
+        self.on_save(req)
 
     def end(self, req: Request, *, finish: bool) -> None:
         """Finish or abort; "delay" keeps the blocks until ``take_finished`` names the request."""

@@ -23,7 +23,17 @@ from kvcore.execution.cascade_remote import CascadeRemote
 from kvcore.execution.remote import StoreRemote
 from kvcore.ids import ChunkKey, JobId, LookupId
 from kvcore.jobs import JobResult
-from kvcore.ports import BlockMover, BlockTransfer, Direction, HeldChunks, RankMemory, RemoteTier, StoreItem
+from kvcore.model.head_runs import HeadRuns
+from kvcore.ports import (
+    BlockMover,
+    BlockTransfer,
+    Direction,
+    HeldChunks,
+    RankMemory,
+    RemoteTier,
+    StoreItem,
+    SupportsWriteBack,
+)
 from kvcore.testing.faults import InjectedFaults
 from kvcore.testing.memory import InMemoryChunkIndex, InMemoryChunkStore
 from kvcore_cli.fuzz.options import FuzzOptions
@@ -58,6 +68,7 @@ class FaultyPorts:
         spoil: Spoil,
         slot_bytes: int,
         workdir: Path | None = None,
+        heads: HeadRuns | None = None,
     ) -> None:
         self._seed = seed
         self._options = options
@@ -65,6 +76,7 @@ class FaultyPorts:
         self._spoil = spoil
         self._slot_bytes = slot_bytes
         self._workdir = workdir
+        self._heads = heads  # the disk tier keeps a value per KV head, as it does in every engine
         self._faults = options.faults
         self._inner_mover: BlockMover | None = None
         self.mover: _FaultyMover | None = None
@@ -98,8 +110,10 @@ class FaultyPorts:
                 raise UsageError("workdir: a directory for the disk tier's files, with the disk option")
             hooks = InjectedFaults()
             # room for the same values as the in-memory store's, and their files' headers
-            directory = ChunkDirectory.open(self._workdir, capacity + 4 * options.pool_slots * 256)
-            disk = StoreRemote(DiskChunkStore(directory, memoryview(view), io_threads=1, faults=hooks))
+            directory = ChunkDirectory.open(self._workdir, self.disk_bytes)
+            disk = StoreRemote(
+                DiskChunkStore(directory, memoryview(view), io_threads=1, faults=hooks), self._heads
+            )
             fail_next = hooks.fail_next
             # a stack: the disk, then a smaller in-memory store behind it (its own evictions)
             behind = StoreRemote(InMemoryChunkStore(view, capacity=capacity // 2))
@@ -115,6 +129,12 @@ class FaultyPorts:
         self.remote = _FaultyRemote(remote, fail_next, index.inner, self._clock, rng, options.faults)
         self._inner = remote
         return self.remote
+
+    @property
+    def disk_bytes(self) -> int:
+        """The disk tier's size: room for the in-memory store's values, and their files' headers (one per
+        KV head of each chunk)."""
+        return 4 * self._options.pool_slots * (self._slot_bytes + 4 * 256)
 
     def close(self) -> None:
         """Close the remote tier (its stores' threads end) and the rank's own mover, which the worker's
@@ -237,6 +257,18 @@ class _FaultyRemote(Postponed):
         self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()
     ) -> JobId:
         return self._submit(self._remote.submit_publish, session, items, chain, publish=True)
+
+    @property
+    def writes_back(self) -> bool:
+        """Whether the tier beneath writes a tier back (``SupportsWriteBack``): the worker then tracks its
+        dirty slots and writes them back, through these fates too."""
+        return isinstance(self._remote, SupportsWriteBack) and self._remote.writes_back
+
+    def submit_write_back(self, session: str, items: Sequence[StoreItem]) -> JobId:
+        remote = self._remote
+        if not isinstance(remote, SupportsWriteBack):
+            raise UsageError(f"{type(remote).__name__} has no tier written back")
+        return self._submit(lambda s, i, _: remote.submit_write_back(s, i), session, items, (), publish=True)
 
     def adopt(self, session: str, holder: str, chain: Sequence[ChunkKey], start: int, end: int) -> None:
         self._remote.adopt(session, holder, chain, start, end)

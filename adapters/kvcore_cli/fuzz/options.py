@@ -22,7 +22,8 @@ class FuzzOptions:
     reach it when the pool is about to evict them, not at their save (with ``disk`` or ``stack``). ``window``
     makes the model's layers attend to a sliding window of that many blocks (0: full attention): the engine
     gives back the blocks that fall out of it while a request runs, and holds none before the window of a
-    load.
+    load. ``cross_tp`` (with ``disk`` or ``stack``) reads what the run wrote to its disk tier, after it, at
+    another tensor-parallel size (``kvcore_cli.fuzz.cross_tp``).
     """
 
     remote: bool = False
@@ -37,11 +38,16 @@ class FuzzOptions:
     engine_blocks: int = 40
     pool_slots: int = 16
     window: int = 0
+    cross_tp: bool = False
     trace: int = 40  # API calls shown with a failure
 
     def __attrs_post_init__(self) -> None:
         if self.write_back and not (self.disk or self.stack):
             raise UsageError("write_back: the disk tier is written back, give disk or stack too")
+        if self.cross_tp and not (self.disk or self.stack):
+            raise UsageError(
+                "cross_tp: what the disk tier holds is read at another TP size, give disk or stack"
+            )
         if self.window < 0:
             raise UsageError(f"window: got {self.window!r}, expected a number of blocks >= 0 (0: none)")
 
@@ -51,6 +57,7 @@ class FuzzOptions:
         tiers = [("stack", self.stack), ("disk", self.disk), ("remote", self.remote)]
         out = [next(f"--{name}" for name, on in tiers if on)] if any(on for _, on in tiers) else []
         out += ["--write-back"] if self.write_back else []
+        out += ["--cross-tp"] if self.cross_tp else []
         out += [f"--no-{name}" for name in ("preempt", "reset", "faults", "tails") if not getattr(self, name)]
         out += [] if self.recompute_late else ["--hold-late-loads"]
         out += [

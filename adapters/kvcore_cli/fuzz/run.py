@@ -14,11 +14,13 @@ import torch
 from kvcore.config import KVCoreConfig, load_config
 from kvcore.errors import UsageError
 from kvcore.model.engine import EngineSpec
+from kvcore.model.head_runs import HeadRuns
 from kvcore.model.layout import KVLayout, LayoutKind
 from kvcore.plugins.compose import open_scheduler, open_worker
 from kvcore.ports import Direction
 from kvcore_cli.fuzz.checks import KVChecks
 from kvcore_cli.fuzz.connector import Connector
+from kvcore_cli.fuzz.cross_tp import WrittenPrompts, read_at_another_tp, reader_settings
 from kvcore_cli.fuzz.engine import ModelEngine
 from kvcore_cli.fuzz.faulty_ports import FaultyPorts
 from kvcore_cli.fuzz.memory import EngineMemory
@@ -61,7 +63,8 @@ def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzS
         oracle.scribble(kv[:, block] if direction is Direction.LOAD else host[0][block], why)
 
     workdir = tempfile.TemporaryDirectory(prefix="kvcore-fuzz-") if options.disk or options.stack else None
-    ports = FaultyPorts(seed, options, clock, spoil, slot_bytes, Path(workdir.name) if workdir else None)
+    folder = Path(workdir.name) if workdir else None
+    ports = FaultyPorts(seed, options, clock, spoil, slot_bytes, folder, HeadRuns.of(spec))
     # kvcore composed as for any engine, over the fuzzer's ports instead of the config's backends
     sched = open_scheduler(
         config, spec, hash_identity=HASH_IDENTITY, index=ports.index, write_back=options.write_back
@@ -89,14 +92,24 @@ def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzS
         options.recompute_late,
         options.window,
     )
+    written = WrittenPrompts(lambda: sched.keyer.keyspace.namespace.epoch) if options.cross_tp else None
+    if written is not None:
+        connector.on_save = written.note
     engine = ModelEngine(rng, clock, options, memory, book, connector, ports, trace, summary)
     try:
-        engine.run(steps)
+        try:
+            engine.run(steps)
+        finally:
+            ports.resume()
+            sched.close()
+            worker.close()
+            ports.close()
+        if written is not None and folder is not None:  # kvcore closed: what it wrote back is on the disk
+            settings = reader_settings(
+                folder, ports.disk_bytes, CHUNK_TOKENS, options.tails, slot_bytes, written.key_epoch
+            )
+            read_at_another_tp(written, spec, settings, oracle, summary, trace, HASH_IDENTITY)
     finally:
-        ports.resume()
-        sched.close()
-        worker.close()
-        ports.close()
         if workdir is not None:
             workdir.cleanup()
     summary.steps = steps
