@@ -46,7 +46,7 @@ def test_what_vllm_is_given_is_checked_and_what_runs_is_said(
     assert "ok  chunks  tiers[1].path  a new tier: no chunks yet" in out
     assert "beside vLLM's KV cache of 128 MiB (--kv-cache-memory-bytes)" in out
     assert "runs: tiers: cpu (size 256 MiB) -> disk " in out
-    assert "(size 1GB = 953.67 MiB, written through)" in out
+    assert "(size 1GB = 953.67 MiB, a value per KV head (any TP size), written through)" in out
     assert out.rstrip().endswith("=> the engine would start")
 
 

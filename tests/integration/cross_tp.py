@@ -34,7 +34,7 @@ from tests.integration.tp2 import (
     tokens_of,
 )
 
-__all__ = ["KV_HEADS", "CrossRead", "both_engines", "check_read", "read_across"]
+__all__ = ["KV_HEADS", "CrossRead", "both_engines", "check_read", "read_across", "salted_generate"]
 
 KV_HEADS = 4
 PROMPT_TOKENS = PROMPT_CHUNKS * CHUNK + 60  # whole chunks and a partial block (never stored)
@@ -55,7 +55,9 @@ class CrossRead:
     own: list[int]  # ... with its own prefix hit of the prompt
 
 
-def _generate(llm: Any, tokens: list[int], salt: str | None = None, **extra: Any) -> Any:
+def salted_generate(llm: Any, tokens: list[int], salt: str | None = None, **extra: Any) -> Any:
+    """One greedy request of 8 tokens, under a cache salt if given (kvcore's keys and vLLM's block hashes
+    then differ from the unsalted prompt's); vLLM's ``RequestOutput``."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -99,14 +101,14 @@ def read_across(engines: dict[int, Any], writer: int, reader: int, seed: int) ->
     the tier. Then the reader computes it itself under a salt, and is served it again from its own
     prefix cache: the reference tokens."""
     tokens = prompt(seed, PROMPT_TOKENS)
-    _generate(engines[writer], tokens)
+    salted_generate(engines[writer], tokens)
     written = _heads(engines[writer], writer, list(range(ENGINE_BLOCKS)))
-    served = _generate(engines[reader], tokens, kv_transfer_params={"num_extra_cached_tokens": True})
+    served = salted_generate(engines[reader], tokens, kv_transfer_params={"num_extra_cached_tokens": True})
     loads = [answer[1] for answer in engines[reader].collective_rpc(rank_load_probe)]
     assert all(list(blocks) == list(loads[0]) for blocks in loads), f"the ranks loaded {loads}"
     loaded = _heads(engines[reader], reader, list(loads[0]))
-    _generate(engines[reader], tokens, salt="computed here")
-    own = _generate(engines[reader], tokens, salt="computed here")
+    salted_generate(engines[reader], tokens, salt="computed here")
+    own = salted_generate(engines[reader], tokens, salt="computed here")
     assert own.num_cached_tokens >= PROMPT_CHUNKS * CHUNK, "the reference is not vLLM's own prefix hit"
     return CrossRead(
         writer,

@@ -35,16 +35,30 @@ SLOW_COPIES = TransferDelays()
 ``kvcore_engine``); a function run through ``collective_rpc`` slows or restores its copies."""
 
 
-def disk_chunk_values(root: Path) -> dict[str, bytes]:
-    """In the test process: each chunk file's value (after its header) in a disk tier's folder, by file
-    name."""
+def disk_chunk_values(root: Path, runs: int) -> dict[str, bytes]:
+    """In the test process: each chunk's value in a disk tier's folder as a TP-1 engine's host slot holds
+    it, by its key less the heads. The tier keeps a file per KV head (its value: the head's run of each
+    layer of each block, ``runs`` of them, in that order); the slot interleaves them, every head's run of a
+    layer and block one after another."""
     from kvcore_disk.chunk_file import ChunkHeader, header_bytes
 
-    values = {}
+    heads: dict[str, dict[int, bytes]] = {}
     for path in (root / "chunks").rglob("*"):
         if path.is_file():
             data = path.read_bytes()
-            values[path.name] = data[header_bytes(ChunkHeader.unpack(data).key) :]
+            key = ChunkHeader.unpack(data).key
+            kind, namespace, shard, chunk = key.split("/")
+            layers, head, *rest = shard.split(".")
+            head_start = int(head[1:].split("-")[0])
+            value = data[header_bytes(key) :]
+            heads.setdefault("/".join([kind, namespace, ".".join([layers, *rest]), chunk]), {})[
+                head_start
+            ] = value
+    values = {}
+    for name, by_head in heads.items():
+        parts = [by_head[h] for h in sorted(by_head)]
+        run = len(parts[0]) // runs
+        values[name] = b"".join(part[i * run : (i + 1) * run] for i in range(runs) for part in parts)
     return values
 
 

@@ -25,6 +25,7 @@ from tests.integration.conftest import (
     stop_engine,
 )
 from tests.integration.probes import disk_chunk_values, external_hits, loaded_digests
+from tests.integration.tp2 import LAYERS  # a chunk is one block here: a value is a run per layer
 
 pytestmark = VLLM_MARKS
 
@@ -89,8 +90,8 @@ def test_a_new_engine_process_reuses_the_chunks_the_last_one_left_on_disk(
         assert _metric(first, "tier_stored_chunks", tier="1") == 4  # written through at the save
     finally:
         stop_engine(first)
-    files = disk_chunk_values(store)
-    assert len(files) == 4  # one file per whole chunk (TP 1: one shard)
+    files = disk_chunk_values(store, LAYERS)
+    assert len(files) == 4  # one value per whole chunk (a file per KV head of it)
     assert all(len(v) == BLOCK * 512 for v in files.values())  # 512 bytes of KV per token
     assert _reused_from_disk(tiny_model, config, files) == recomputed
 
@@ -104,7 +105,7 @@ def test_a_disk_written_back_gets_the_chunks_the_pool_evicts_and_a_new_engine_re
     first = start_engine(tiny_model, config)
     try:
         recomputed = list(generate(first, PROMPT).outputs[0].token_ids)
-        assert disk_chunk_values(store) == {}  # the pool has room: nothing is written back yet
+        assert disk_chunk_values(store, LAYERS) == {}  # the pool has room: nothing is written back yet
         for i in range(4):  # other prompts fill the pool: the prompt's chunks, least recently used, go
             generate(first, prompt(600 + i, 4 * BLOCK + 40))
         written = _metric(first, "written_back_chunks")
@@ -115,6 +116,6 @@ def test_a_disk_written_back_gets_the_chunks_the_pool_evicts_and_a_new_engine_re
         assert written < saved  # the last ones are still dirty in the pool
     finally:
         stop_engine(first)
-    files = disk_chunk_values(store)
+    files = disk_chunk_values(store, LAYERS)
     assert len(files) == saved  # the worker wrote the rest back as it shut down: no saved chunk lost
     assert _reused_from_disk(tiny_model, config, files) == recomputed

@@ -36,15 +36,16 @@ LATENT_BYTES = 576 * 4  # per token and layer, float32
 PROMPTS = {"short": prompt(31, 300), "long": prompt(32, 700)}
 
 
-def start_mla_engine(model: Path, kv_transfer_config: dict[str, Any]) -> Any:
+def start_mla_engine(model: Path, kv_transfer_config: dict[str, Any], **engine_args: Any) -> Any:
     """A vLLM engine on the MLA model, in float32: bf16 rounding of MLA's context attention would move
-    greedy tokens of a hit."""
+    greedy tokens of a hit. ``engine_args`` go to vLLM (``tensor_parallel_size``)."""
     return start_engine(
         model,
         kv_transfer_config,
         kv_cache_memory_bytes=96 * BLOCK * LATENT_BYTES * 2,
         max_model_len=1024,
         dtype="float32",
+        **engine_args,
     )
 
 

@@ -23,6 +23,7 @@ from tests.integration.conftest import (
     stop_engine,
 )
 from tests.integration.probes import disk_chunk_values, external_hits, loaded_digests
+from tests.integration.tp2 import LAYERS  # a chunk is one block here: a value is a run per layer
 
 pytestmark = VLLM_MARKS
 
@@ -62,12 +63,14 @@ def test_a_float16_cache_of_a_bf16_model_is_shared_only_with_float16_caches(
     store.mkdir()
     hits, _, _ = _run(tiny_model, store, "float16")
     assert hits == 0
-    fp16_files = disk_chunk_values(store)
+    fp16_files = disk_chunk_values(store, LAYERS)
     assert len(fp16_files) == 4
 
     hits, _, _ = _run(tiny_model, store, "auto")  # bfloat16 pages: A's float16 bytes are not its KV
     assert hits == 0
-    bf16_files = {name: data for name, data in disk_chunk_values(store).items() if name not in fp16_files}
+    bf16_files = {
+        name: data for name, data in disk_chunk_values(store, LAYERS).items() if name not in fp16_files
+    }
     assert len(bf16_files) == 4  # its own chunks, beside A's
 
     hits, _, loaded = _run(tiny_model, store, "float16")

@@ -148,6 +148,7 @@ def test_kvcore_series_on_metrics(reuse: Reuse) -> None:
         "save_retries": 0,  # no save failed: none tried again
         "written_back_chunks": 0,  # no tier written back
         "failed_write_back_chunks": 0,
+        "assembled_chunks": 0,  # from the host pool: no tier keeps values per KV head here
     }
     assert gauges == {
         "pool_capacity": POOL_BYTES // (BLOCK * KV_BYTES_PER_TOKEN),
