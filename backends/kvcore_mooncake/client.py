@@ -127,6 +127,11 @@ def _native() -> StoreBinding:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
         raise BackendUnavailable(f"mooncake.store does not import ({exc}): {INSTALL}") from None
+    if not hasattr(MooncakeDistributedStore, "batch_get_into_multi_buffers"):
+        raise BackendUnavailable(
+            "mooncake.store has no multi-buffer transfers (batch_put_from_multi_buffers, batch_get_into_"
+            f"multi_buffers), which a value per KV head needs: Mooncake 0.3.13 or later; {INSTALL}"
+        )
     return MooncakeDistributedStore()
 
 

@@ -1,7 +1,8 @@
 """``MooncakeChunkStore``: the ``ChunkStore`` port on a Mooncake distributed store.
 
 One host buffer is registered with the client once, at construction; every ``StoreItem`` names bytes of
-it, and puts and gets move those bytes zero-copy (``batch_put_from`` / ``batch_get_into``) on a
+it, and puts and gets move those bytes zero-copy (``batch_put_from`` / ``batch_get_into``; a batch with
+runs, one value per KV head, ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``) on a
 ``JobLane``, so ``submit_*`` return at once. Gets are reads and run before queued puts: a request waits
 on a get, while a put only has to finish before its host slot is reused. Fault hooks, if given, run
 before each batch (``kvcore.kit.faults``).

@@ -68,6 +68,7 @@ class StoreRemote(_Remote):
     each of the rank's values becomes one per head it holds (``kvcore.keying.keys.head_keys``, gathered
     from and scattered into the slot's runs), so engines at every tensor-parallel size share them; a
     chunk's fetch or publish fails where one of its heads' did (a fetch's slot is then freed, never read).
+    It owns its store: a split job's result is told in chunks only through its own ``poll``/``wait``.
     """
 
     def __init__(self, store: ChunkStore, heads: HeadRuns | None = None) -> None:
@@ -91,6 +92,11 @@ class StoreRemote(_Remote):
 
     def wait(self, job_ids: Collection[JobId], timeout: float) -> tuple[JobResult, ...]:
         return tuple(self._joined(result) for result in self.store.wait(job_ids, timeout))
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            self._owners.clear()  # results still to come are the tier's: nobody reads them as this one's
 
     def adopt(self, session: str, holder: str, chain: Sequence[ChunkKey], start: int, end: int) -> None:
         """A store takes no locks."""

@@ -7,14 +7,13 @@ keys (one of them writes, see ``is_shard_writer``). With a deployment secret the
 client without the secret can neither predict nor plant keys.
 
 The namespace holds no parallel split: an engine at any tensor-parallel size keys a chunk alike, and only
-the shard says which heads a value holds. A tier that keeps one value per KV head (``head_keys``) is so
-shared by engines at every TP size: the key of head ``h`` is the same whichever rank wrote it.
+the shard says which heads a value holds. A tier that keeps one value per KV head (``HeadKeyspaces``) is
+so shared by engines at every TP size: the key of head ``h`` is the same whichever rank wrote it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
 import struct
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -23,11 +22,20 @@ import attrs
 from attrs import field, frozen
 from attrs.validators import and_, ge, instance_of, matches_re, min_len, optional
 
-from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguration
+from kvcore.errors import ConfigError, UnsupportedConfiguration
 from kvcore.ids import ChunkKey
 from kvcore.keying.hashing import HashAlgorithm
 
-__all__ = ["Keyspace", "Namespace", "Shard", "head_keys", "is_shard_writer", "lookup_keys"]
+__all__ = [
+    "HEAD_SEPARATOR",
+    "HeadKeyspaces",
+    "Keyspace",
+    "Namespace",
+    "Shard",
+    "head_keys",
+    "is_shard_writer",
+    "lookup_keys",
+]
 
 _U32 = struct.Struct("<I")
 _NAMESPACE_DOMAIN = b"kvcore.namespace.v1"
@@ -142,14 +150,16 @@ class Shard:
 
     def render(self) -> str:
         """Canonical text, e.g. ``l0-32.h0-4.c0.g0``; distinct shards never render alike."""
-        return _render(
-            self.layer_start, self.layer_stop, self.head_start, self.head_stop, self.cp_rank, self.group
+        return (
+            f"l{self.layer_start}-{self.layer_stop}.h{self.head_start}-{self.head_stop}"
+            f".c{self.cp_rank}.g{self.group}"
         )
 
-    def placement(self) -> str:
-        """The shard less its heads, e.g. ``l0-32.c0.g0``: what a keyed chunk's MAC covers, so that the
-        key of one head (``head_keys``) follows from the key of any shard holding it."""
-        return f"l{self.layer_start}-{self.layer_stop}.c{self.cp_rank}.g{self.group}"
+    def heads(self) -> tuple[Shard, ...]:
+        """The shard cut into one shard per KV head it holds, in head order."""
+        return tuple(
+            attrs.evolve(self, head_start=h, head_stop=h + 1) for h in range(self.head_start, self.head_stop)
+        )
 
     @classmethod
     def for_tp_rank(
@@ -171,40 +181,21 @@ class Shard:
         return cls(layer_start, layer_start + num_layers, head_start, head_stop, cp_rank, group)
 
 
-def _render(layer_start: int, layer_stop: int, head_start: int, head_stop: int, cp: int, group: int) -> str:
-    return f"l{layer_start}-{layer_stop}.h{head_start}-{head_stop}.c{cp}.g{group}"
-
-
-_KEY = re.compile(r"kv/([0-9a-f]+)/l(\d+)-(\d+)\.h(\d+)-(\d+)\.c(\d+)\.g(\d+)/([0-9a-f]+)")
+HEAD_SEPARATOR = ","
+"""Between the keys of a rank's heads in its key for a tier that keeps values per head (never in a key)."""
 
 
 def head_keys(key: ChunkKey) -> tuple[ChunkKey, ...]:
-    """The keys of each KV head of the shard ``key`` names, in head order: ``kv/n/l0-2.h0-2.c0.g0/c`` gives
-    ``kv/n/l0-2.h0-1.c0.g0/c`` and ``kv/n/l0-2.h1-2.c0.g0/c``; a shard of one head, its own key.
-
-    A head's key is the same whichever shard it was derived from (a keyed chunk's MAC covers the shard's
-    ``placement`` only), so engines at different tensor-parallel sizes name each head alike. Raises
-    ``InvalidSpecError`` for a key ``Keyspace`` did not render.
-    """
-    parsed = _KEY.fullmatch(key)
-    if parsed is None:
-        raise InvalidSpecError(f"head_keys: {key!r} is not a key kvcore's Keyspace rendered")
-    namespace, ls, le, hs, he, cp, group, chunk = parsed.groups()
-    first, stop = int(hs), int(he)
-    if stop <= first:
-        raise InvalidSpecError(f"head_keys: {key!r} names an empty head range")
-    if stop - first == 1:
-        return (key,)
-    layers, tail = (int(ls), int(le)), (int(cp), int(group))
-    return tuple(
-        ChunkKey(f"kv/{namespace}/{_render(*layers, h, h + 1, *tail)}/{chunk}") for h in range(first, stop)
-    )
+    """The keys of each KV head in a rank's key that ``HeadKeyspaces`` rendered, in head order (a rank of
+    one head: its own key)."""
+    return cast(tuple[ChunkKey, ...], tuple(key.split(HEAD_SEPARATOR)))
 
 
 def lookup_keys(shards: Sequence[ChunkKey], *, per_head: bool) -> tuple[ChunkKey, ...]:
     """What a lookup asks a tier for one chunk, given every rank's key of it (replicas repeat theirs):
-    each key once, or, for a tier that keeps values per KV head, each head's key once (``head_keys``):
-    the chunk counts only where every head is present, whoever wrote it."""
+    each key once, or, for a tier that keeps values per KV head (the ranks' keys rendered by
+    ``HeadKeyspaces``), each head's key once: the chunk counts only where every head is present, whoever
+    wrote it."""
     if not per_head:
         return tuple(dict.fromkeys(shards))
     return tuple(dict.fromkeys(head for key in shards for head in head_keys(key)))
@@ -256,11 +247,8 @@ class Keyspace:
     """Renders chunk keys for one namespace and shard: ``kv/<namespace digest>/<shard>/<chunk>``.
 
     Without a secret the chunk part is the chunk hash in hex. With one it is
-    ``HMAC-SHA256(K, fingerprint || placement || chunk hash)`` in hex, where ``K = SHA-256(domain ||
-    secret)`` (length-prefixed): every secret, whatever its length or trailing bytes, has a key of its own.
-    The MAC covers the shard's ``placement`` (layers, CP rank, group), not its heads, which the key names
-    in the clear: a head's key then follows from any shard's (``head_keys``), and knowing one head's
-    key tells nothing of another chunk's.
+    ``HMAC-SHA256(K, fingerprint || shard || chunk hash)`` in hex, where ``K = SHA-256(domain || secret)``
+    (length-prefixed): every secret, whatever its length or trailing bytes, has a key of its own.
     """
 
     namespace: Namespace = field(validator=instance_of(Namespace))
@@ -278,7 +266,7 @@ class Keyspace:
         if self.namespace.secret is not None:
             inner_pad, outer_pad = _hmac_pads(self.namespace.secret)
             inner = hashlib.sha256(inner_pad)
-            inner.update(self.namespace.fingerprint() + _length_prefixed([self.shard.placement().encode()]))
+            inner.update(self.namespace.fingerprint() + _length_prefixed([shard.encode()]))
             outer = hashlib.sha256(outer_pad)
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "_outer", outer)
@@ -295,6 +283,31 @@ class Keyspace:
         else:
             rendered = tuple([prefix + _mac(inner, outer, h) for h in chunk_hashes])
         return cast(tuple[ChunkKey, ...], rendered)
+
+
+@frozen
+class HeadKeyspaces:
+    """Renders a rank's key of a chunk for a tier that keeps a value per KV head: the keys of its heads,
+    each its one-head shard's ``Keyspace`` key, joined by ``HEAD_SEPARATOR`` (``head_keys`` splits it).
+
+    A head's key is the same whichever TP size holds it (its shard renders alike), so engines of every TP
+    size share the values; with a secret each head's key is a MAC of its own, so a key seen tells
+    nothing of its sibling heads' (the scheduler renders them all: a worker only splits).
+    """
+
+    keyspaces: tuple[Keyspace, ...]
+
+    @classmethod
+    def for_shard(cls, namespace: Namespace, shard: Shard) -> HeadKeyspaces:
+        """The keyspaces of each head of ``shard``."""
+        return cls(tuple(Keyspace(namespace, head) for head in shard.heads()))
+
+    def keys(self, chunk_hashes: Sequence[bytes]) -> tuple[ChunkKey, ...]:
+        """Each chunk's joined key, in order."""
+        per_head = [keyspace.keys(chunk_hashes) for keyspace in self.keyspaces]
+        return cast(
+            tuple[ChunkKey, ...], tuple(HEAD_SEPARATOR.join(keys) for keys in zip(*per_head, strict=True))
+        )
 
 
 def _mac(inner: hashlib._Hash, outer: hashlib._Hash, message_tail: bytes) -> str:

@@ -56,7 +56,7 @@ class BackendSettings(Protocol):
 
     One class variable is optional (``keeps_heads`` reads it): ``PER_HEAD = True`` says the backend's
     ``ChunkStore`` gathers and scatters ``StoreItem.runs``, so that it keeps one value per KV head, which
-    engines at every tensor-parallel size share (``kvcore.keying.keys.head_keys``). Without it a store is
+    engines at every tensor-parallel size share (``kvcore.keying.keys.HeadKeyspaces``). Without it a store is
     given one value per rank, shared only by engines of one TP size.
     """
 

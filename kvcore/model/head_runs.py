@@ -1,13 +1,13 @@
 """Where each KV head of one rank lies in its host slots: the runs of bytes a value of one head is made of.
 
-A tier that keeps one value per KV head (``kvcore.keying.keys.head_keys``) serves engines at every
+A tier that keeps one value per KV head (``kvcore.keying.keys.HeadKeyspaces``) serves engines at every
 tensor-parallel size: each rank reads exactly the heads it holds, whoever wrote them. A rank's host block
 is one engine block of every layer, layer after layer, each layer's segments (K then V, or one KV
 segment) one after another (``EngineSpec.host_block_bytes``); in a heads-major segment (HND, vLLM CPU)
 each head is one run, so a head's value is one run per segment, layer and block, taken in that order.
 The value of head ``h`` is then the same bytes in the same order whichever rank holds it, alone or
-beside others. Where tokens are the outer axis (NHD) a head is a run per token: such an engine keeps
-one value per rank (``splits`` is false) and shares with engines of its own TP size only.
+beside others. Where tokens are the outer axis (NHD) a head is a run per token: a rank of several heads
+then keeps one value per rank (``splits`` is false) and shares with engines of its own TP size only.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from attrs import field, frozen
 from kvcore.checks import SIZE_LIMIT, is_int_in, positive_count
 from kvcore.errors import InvalidSpecError
 from kvcore.model.engine import EngineSpec
-from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.layout import HeadOrder, KVLayout
 
 __all__ = ["HeadRuns", "Run", "splits"]
 
@@ -27,10 +27,8 @@ Run = tuple[int, int]
 
 def splits(layout: KVLayout) -> bool:
     """Whether a rank's values can be one per KV head: it holds one head, or each head is one run of a
-    segment (heads-major)."""
-    return (
-        layout.num_kv_heads == 1 or layout.head_order is HeadOrder.HND or layout.kind is LayoutKind.VLLM_CPU
-    )
+    segment (heads-major; the vLLM CPU layout always is)."""
+    return layout.num_kv_heads == 1 or layout.head_order is HeadOrder.HND
 
 
 @frozen
@@ -39,6 +37,7 @@ class HeadRuns:
 
     block_bytes: int = field(validator=positive_count)
     runs: tuple[tuple[Run, ...], ...]
+    _values: dict[tuple[int, int], tuple[Run, ...]] = field(init=False, factory=dict, eq=False, repr=False)
 
     @classmethod
     def of(cls, engine: EngineSpec) -> HeadRuns | None:
@@ -80,13 +79,15 @@ class HeadRuns:
         ):
             if not is_int_in(value, low, high):
                 raise InvalidSpecError(f"HeadRuns.value: {name} {value!r} is not an int in [{low}, {high}]")
-        merged: list[list[int]] = []
-        for block in range(blocks):
-            base = offset + block * self.block_bytes
-            for start, length in self.runs[head]:
-                start += base
-                if merged and merged[-1][0] + merged[-1][1] == start:
-                    merged[-1][1] += length
-                else:
-                    merged.append([start, length])
-        return tuple((start, length) for start, length in merged)
+        relative = self._values.get((head, blocks))
+        if relative is None:  # a head's value over so many blocks, from byte 0: worked out once
+            merged: list[list[int]] = []
+            for block in range(blocks):
+                for start, length in self.runs[head]:
+                    start += block * self.block_bytes
+                    if merged and merged[-1][0] + merged[-1][1] == start:
+                        merged[-1][1] += length
+                    else:
+                        merged.append([start, length])
+            relative = self._values[(head, blocks)] = tuple((start, length) for start, length in merged)
+        return tuple((start + offset, length) for start, length in relative)

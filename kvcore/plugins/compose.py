@@ -34,7 +34,7 @@ from kvcore.model.head_runs import HeadRuns, splits
 from kvcore.plugins import Backend, MoverWrap, RemoteOpener, RemotePort
 from kvcore.plugins.registry import backend, engine_memory
 from kvcore.plugins.sizing import pool_slots
-from kvcore.ports import ChunkIndex, ChunkStore, ManagedTier, RankMemory, RemoteTier
+from kvcore.ports import ChunkIndex, ChunkStore, ManagedTier, RankMemory, RemoteTier, SupportsHeldLookups
 from kvcore.scheduling.cascade_index import cascade_index
 from kvcore.scheduling.scheduler import CacheScheduler
 
@@ -59,15 +59,20 @@ def open_scheduler(
     hash_identity: str | None = None,
     index: ChunkIndex | Literal[FromConfig.FROM_CONFIG] | None = FROM_CONFIG,
     write_back: bool | Literal[FromConfig.FROM_CONFIG] = FROM_CONFIG,
+    per_head: Sequence[bool] | Literal[FromConfig.FROM_CONFIG] = FROM_CONFIG,
 ) -> CacheScheduler:
     """The scheduler side for ``engine``: the index of its host slots (``pool_slots`` per rank) and of the
     tiers beyond them. ``hash_identity`` names the engine's own block hashing when lookups pass its block
     hashes (see ``CacheScheduler``). ``index`` replaces the index of the tiers the config names (``None``:
     no tier beyond the pool), ``write_back`` whether one of them is written back (by default, whether one
-    of the config's is). Raises ``ConfigError`` as ``pool_slots`` does, and for a backend that is not
+    of the config's is), ``per_head`` which of them keep a value per KV head (by default, those of the
+    config that do: the keys the workers write under follow the config, so an index given in its place
+    must answer for them). Raises ``ConfigError`` as ``pool_slots`` does, and for a backend that is not
     installed; an index opened here is then closed again."""
     slots = pool_slots(config, engine, engine.tp_size)
-    opened, per_head = _cascade_index(config, engine) if index is FROM_CONFIG else (index, False)
+    opened, flags = (
+        _cascade_index(config, engine) if index is FROM_CONFIG else (index, _flags(config, engine))
+    )
     stack = config.backend
     try:
         return CacheScheduler(
@@ -77,7 +82,7 @@ def open_scheduler(
             world_size=engine.tp_size,
             hash_identity=hash_identity,
             remote=opened,
-            remote_per_head=per_head,
+            per_head=flags if per_head is FROM_CONFIG else tuple(per_head),
             write_back=(isinstance(stack, TierStack) and stack.writes_back)
             if write_back is FROM_CONFIG
             else write_back,
@@ -207,20 +212,35 @@ def _keeps_heads(tier: KVCoreConfig, engine: EngineSpec) -> bool:
     return keeps_heads(tier.backend) and splits(engine.layout)
 
 
-def _cascade_index(config: KVCoreConfig, engine: EngineSpec) -> tuple[ChunkIndex | None, bool]:
+def _flags(config: KVCoreConfig, engine: EngineSpec) -> tuple[bool, ...]:
+    """Whether each remote tier of the config keeps a value per KV head (none without remote tiers)."""
+    stack = config.backend
+    if isinstance(stack, TierStack) or stack.REMOTE:
+        return tuple(_keeps_heads(tier, engine) for tier in _tiers(config))
+    return ()
+
+
+def _cascade_index(config: KVCoreConfig, engine: EngineSpec) -> tuple[ChunkIndex | None, tuple[bool, ...]]:
     """The index of every remote tier, cascading when there are several; a lookup of the cascade
     answers within three quarters of ``lookup_timeout_s``, what it found so far. Each tier is asked for
-    keys as it keeps values: by each rank's shard or by each KV head's (the cascade keys each tier; one
-    tier's flag comes back beside it, for the scheduler)."""
+    keys as it keeps values: by each rank's shard or by each KV head's (the cascade keys each tier);
+    beside it, each tier's flag, for the scheduler's keys."""
     flags: list[bool] = []
 
     def open_index(tier: KVCoreConfig, plugin: Backend) -> ChunkIndex | None:
         index = plugin.open_index(tier, engine)
         if index is not None:
-            flags.append(_keeps_heads(tier, engine))
+            per_head = _keeps_heads(tier, engine)
+            if per_head and isinstance(index, SupportsHeldLookups):
+                close_quietly(index)
+                raise UsageError(
+                    f"{tier.backend.KIND}: a backend that keeps values per KV head (PER_HEAD) opened an "
+                    "index that holds its lookups' locks, which name every rank's key: not both"
+                )
+            flags.append(per_head)
         return index
 
     opened = _open_each(config, open_index)
     if len(opened) < 2:
-        return (opened[0], flags[0]) if opened else (None, False)
-    return cascade_index(opened, 0.75 * config.lookup_timeout_s, flags), False
+        return (opened[0] if opened else None), tuple(flags)
+    return cascade_index(opened, 0.75 * config.lookup_timeout_s, flags), tuple(flags)

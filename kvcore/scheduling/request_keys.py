@@ -22,7 +22,7 @@ from kvcore.config.model import KVCoreConfig
 from kvcore.errors import InvalidSpecError
 from kvcore.ids import ChunkKey
 from kvcore.keying.hashing import ChunkHasher, ExtraKeys, PartialChunkPolicy, regroup_block_hashes
-from kvcore.keying.keys import Keyspace, Namespace, Shard, is_shard_writer
+from kvcore.keying.keys import HeadKeyspaces, Keyspace, Namespace, Shard, is_shard_writer
 from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import LayoutKind
 
@@ -65,7 +65,9 @@ class ChunkChain:
 
 class Keyer:
     """Keys requests for one engine. ``shard_keys``: render each rank's shard key too (a shared tier
-    keys each rank's shard; the local pool keys the whole engine's, one pool serving every rank)."""
+    keys each rank's shard; the local pool keys the whole engine's, one pool serving every rank);
+    ``head_keys``: each rank's key is its heads' keys joined (``HeadKeyspaces``: a tier behind keeps a
+    value per KV head, and splits them)."""
 
     def __init__(
         self,
@@ -74,6 +76,7 @@ class Keyer:
         *,
         hash_identity: str | None,
         shard_keys: bool,
+        head_keys: bool = False,
     ) -> None:
         self.chunk_tokens = config.chunk_tokens
         self._block_tokens = engine.layout.block_tokens
@@ -85,6 +88,7 @@ class Keyer:
         self._epoch = config.epoch
         self._engine = engine
         self._shard_keys = shard_keys
+        self._head_keys = head_keys
         self._mla = engine.layout.kind is LayoutKind.MLA
         self.hasher = ChunkHasher(
             algorithm=config.hash_algorithm,
@@ -237,9 +241,10 @@ class Keyer:
         engine = self._engine
         layers, heads, world = engine.num_layers, engine.total_kv_heads, engine.tp_size
         self.keyspace = Keyspace(namespace, Shard(0, layers, 0, heads))
-        self._rank_keyspaces = tuple(
-            Keyspace(namespace, Shard.for_tp_rank(layers, heads, world, r, mla=self._mla))
-            for r in range(world)
+        shards = [Shard.for_tp_rank(layers, heads, world, r, mla=self._mla) for r in range(world)]
+        self._rank_keyspaces: tuple[Keyspace | HeadKeyspaces, ...] = tuple(
+            HeadKeyspaces.for_shard(namespace, shard) if self._head_keys else Keyspace(namespace, shard)
+            for shard in shards
         )
 
     def _ranked(self, hashes: Sequence[bytes]) -> tuple[tuple[ChunkKey, ...], ...]:

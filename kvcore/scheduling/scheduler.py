@@ -71,13 +71,14 @@ class CacheScheduler:
         hash_identity: str | None = None,
         remote: ChunkIndex | None = None,
         write_back: bool = False,
-        remote_per_head: bool = False,
+        per_head: Sequence[bool] = (),
     ) -> None:
         """``hash_identity`` names the chain of engine-provided block hashes (e.g. vLLM's algorithm and
         seed) when lookups pass ``block_hashes``; it replaces kvcore's own seed digest in the namespace,
         so that engines whose chains differ can never share keys. ``remote`` is a shared tier's index,
-        keyed by each rank's shard, or by each KV head's (``remote_per_head``: a backend that keeps values
-        per head, ``kvcore.keying.keys.lookup_keys``); ``write_back``: a tier behind the pool is written back
+        keyed by each rank's shard; ``per_head[i]``: remote tier ``i`` keeps a value per KV head (a rank's
+        key is then its heads' keys joined, ``kvcore.keying.keys.HeadKeyspaces``, and the lookups of that
+        tier ask each head's, ``lookup_keys``); ``write_back``: a tier behind the pool is written back
         (``kvcore.pool.write_back``), which ``kvcore.plugins.compose`` reads from the config's stack.
         ``world_size`` (the ranks whose reports complete an op) is the engine's ``tp_size``; giving
         another value is refused."""
@@ -100,7 +101,7 @@ class CacheScheduler:
                 "configure a backend without remote tiers"
             )
         self._state = SchedulerState(
-            config, engine, num_slots, world_size, hash_identity, remote, write_back, remote_per_head
+            config, engine, num_slots, world_size, hash_identity, remote, write_back, per_head
         )
 
     @property

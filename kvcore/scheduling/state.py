@@ -5,6 +5,8 @@ of them keeps state of its own."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvcore.config.model import KVCoreConfig
 from kvcore.ids import ChunkKey, RequestId
 from kvcore.model.engine import EngineSpec
@@ -16,7 +18,6 @@ from kvcore.pool.eviction import make_policy
 from kvcore.pool.pool_index import PoolIndex
 from kvcore.pool.write_back import WriteBack
 from kvcore.ports import ChunkIndex
-from kvcore.scheduling.cascade_index import CascadeIndex
 from kvcore.scheduling.ledger import OpLedger
 from kvcore.scheduling.lifecycle import RequestTable
 from kvcore.scheduling.remote_lookup import PrefixLookup
@@ -72,7 +73,7 @@ class SchedulerState:
         hash_identity: str | None,
         remote: ChunkIndex | None,
         write_back: bool,
-        remote_per_head: bool = False,
+        per_head: Sequence[bool] = (),
     ) -> None:
         self.config = config
         self.engine = engine
@@ -80,16 +81,24 @@ class SchedulerState:
         self.block_tokens = engine.layout.block_tokens
         self.blocks_per_chunk = engine.blocks_per_chunk(config.chunk_tokens)
         self.states = engine.layout.kind is LayoutKind.STATE
-        self.keyer = Keyer(config, engine, hash_identity=hash_identity, shard_keys=remote is not None)
+        self.keyer = Keyer(
+            config,
+            engine,
+            hash_identity=hash_identity,
+            shard_keys=remote is not None,
+            head_keys=any(per_head),
+        )
         self.no_pool = num_slots == 0  # no local tier: the remote tier moves every block itself
         # a policy of one slot for a pool of none: it never sees a key, and ARC wants a capacity
         self.pool = BlockPool(num_slots, make_policy(config.eviction, max(num_slots, 1)))
         self.pool_index = PoolIndex(self.pool)
         self.remote = PrefixLookup(remote, config.lookup_timeout_s) if remote is not None else None
         self.remote_index = remote
-        self.remote_per_head = remote_per_head  # the remote index keeps a value per KV head (lookup_keys)
+        # one tier behind the pool, which keeps a value per KV head: lookups ask each head's key (a
+        # stack's ``CascadeIndex`` asks each of its tiers as it keeps values)
+        self.remote_per_head = tuple(per_head) == (True,)
         # every tier behind the pool keeps a value per KV head: a fetched chunk is assembled from them
-        self.assembles = remote_per_head or (isinstance(remote, CascadeIndex) and all(remote.per_head))
+        self.assembles = bool(per_head) and all(per_head)
         # a sliding-window engine's pool alone looks up the hit's last window only; with a remote tier,
         # whose index answers leading chunks, the lookup is a prefix lookup (a hit as long or shorter)
         self.windowed = engine.window_tokens is not None and remote is None

@@ -16,11 +16,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore.errors import InvalidSpecError, UsageError
+from kvcore.errors import UsageError
 from kvcore.execution.remote import StoreRemote
 from kvcore.ids import ChunkKey
 from kvcore.keying.hashing import HashAlgorithm
-from kvcore.keying.keys import Keyspace, Namespace, Shard, head_keys, is_shard_writer, lookup_keys
+from kvcore.keying.keys import (
+    HEAD_SEPARATOR,
+    HeadKeyspaces,
+    Keyspace,
+    Namespace,
+    Shard,
+    head_keys,
+    is_shard_writer,
+    lookup_keys,
+)
 from kvcore.model.engine import EngineSpec
 from kvcore.model.head_runs import HeadRuns, splits
 from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
@@ -61,9 +70,11 @@ def tp_sizes(heads: int) -> list[int]:
     return [tp for tp in range(1, 17) if heads % tp == 0 or tp % heads == 0]
 
 
-def rank_keys(heads: int, tp: int, secret: bytes | None = None, mla: bool = False) -> list[ChunkKey]:
+def rank_keys(heads: int, tp: int, secret: bytes | None = None) -> list[ChunkKey]:
+    """Each rank's key of one chunk for a tier that keeps values per KV head."""
     ns = namespace(heads, secret)
-    return [Keyspace(ns, Shard.for_tp_rank(4, heads, tp, r, mla=mla)).key(CHUNK_HASH) for r in range(tp)]
+    shards = [Shard.for_tp_rank(4, heads, tp, r) for r in range(tp)]
+    return [HeadKeyspaces.for_shard(ns, shard).keys((CHUNK_HASH,))[0] for shard in shards]
 
 
 @given(heads=st.integers(1, 16), secret=st.sampled_from([None, b"a deployment secret"]), data=st.data())
@@ -73,17 +84,21 @@ def test_every_tp_size_names_each_head_alike(heads: int, secret: bytes | None, d
     by_head = [lookup_keys(rank_keys(heads, tp, secret), per_head=True) for tp in (a, b)]
     assert by_head[0] == by_head[1]
     assert len(by_head[0]) == heads
-    assert [head_keys(key)[0] for key in by_head[0]] == list(by_head[0])  # a head's key is its own
+    assert all(head_keys(key) == (key,) for key in by_head[0])  # a head's key is one key
+    if secret is not None:  # each head's key is a MAC of its own: one seen tells nothing of another's
+        assert len({key.rsplit("/", 1)[1] for key in by_head[0]}) == heads
 
 
-def test_head_keys_cut_a_shard_into_its_heads() -> None:
-    ns = "0123456789abcdef0123456789abcdef"
-    key = ChunkKey(f"kv/{ns}/l0-2.h2-5.c0.g1/abcd")
-    assert head_keys(key) == tuple(f"kv/{ns}/l0-2.h{h}-{h + 1}.c0.g1/abcd" for h in (2, 3, 4))
-    assert lookup_keys([key, key], per_head=False) == (key,)
-    for bad in ("kv/xyz/l0-2.h0-2.c0.g0/ab", f"kv/{ns}/l0-2.h2-2.c0.g0/ab", "garbage", f"kv/{ns}/l0-2/ab"):
-        with pytest.raises(InvalidSpecError, match="head_keys"):
-            head_keys(ChunkKey(bad))
+def test_a_ranks_key_is_its_heads_keys_joined() -> None:
+    ns = namespace(8, b"a deployment secret")
+    shard = Shard(0, 4, 2, 5)
+    joined = HeadKeyspaces.for_shard(ns, shard).keys((CHUNK_HASH, bytes(32)))
+    for chunk, key in zip((CHUNK_HASH, bytes(32)), joined, strict=True):
+        alone = tuple(Keyspace(ns, Shard(0, 4, h, h + 1)).key(chunk) for h in (2, 3, 4))
+        assert head_keys(key) == alone
+        assert all(HEAD_SEPARATOR not in k for k in alone)
+    assert lookup_keys([joined[0], joined[0]], per_head=False) == (joined[0],)
+    assert lookup_keys([joined[0], joined[0]], per_head=True) == head_keys(joined[0])
 
 
 # -- the bytes ------------------------------------------------------------------------------------------
@@ -174,7 +189,7 @@ def test_a_reader_at_any_tp_fetches_exactly_the_heads_a_writer_at_another_saved(
         return [Shard.for_tp_rank(layers, model.heads, tp, r, mla=mla) for r in range(tp)]
 
     def item(tp: int, rank: int, region: int) -> StoreItem:
-        key = Keyspace(ns, shards(tp)[rank]).key(CHUNK_HASH)
+        key = HeadKeyspaces.for_shard(ns, shards(tp)[rank]).keys((CHUNK_HASH,))[0]
         return StoreItem(key, region * slot_bytes, blocks * specs[tp].host_block_bytes)
 
     writer = StoreRemote(store, HeadRuns.of(specs[writer_tp]))
@@ -204,7 +219,7 @@ def test_a_chunk_fails_where_one_of_its_heads_is_missing_and_only_that_chunk() -
     store = InMemoryChunkStore(host)
     remote = StoreRemote(store, heads)
     ns = namespace(4, None)
-    keys = [Keyspace(ns, Shard(0, 2, 0, 4)).key(bytes([n]) * 32) for n in (1, 2)]
+    keys = list(HeadKeyspaces.for_shard(ns, Shard(0, 2, 0, 4)).keys([bytes([n]) * 32 for n in (1, 2)]))
     items = [StoreItem(keys[n], n * size, size) for n in (0, 1)]
     host[: 2 * size] = model.slot(Shard(0, 2, 0, 4), 2) * 2
     assert [r.ok for r in remote.wait([remote.submit_publish("s", items)], WAIT_S)] == [True]

@@ -128,7 +128,7 @@ def test_keyed_keys_are_hmac_sha256_and_differ_from_unkeyed_and_between_secrets(
     for a, b, c, d in zip(plain, keyed, other, long, strict=True):
         assert len({a, b, c, d}) == 4
     ns = namespace(secret=SECRET)
-    shard = SHARD.placement().encode()  # the heads are named in the clear, outside the MAC
+    shard = SHARD.render().encode()
     message = ns.fingerprint() + struct.pack("<I", len(shard)) + shard + HASHES[1]
     expected = hmac.new(_derived(SECRET), message, hashlib.sha256).hexdigest()
     assert keyed[1] == f"kv/{ns.digest()}/{SHARD.render()}/{expected}"

@@ -23,6 +23,7 @@ from kvcore.execution.cascade_remote import CascadeRemote
 from kvcore.execution.remote import StoreRemote
 from kvcore.ids import ChunkKey, JobId, LookupId
 from kvcore.jobs import JobResult
+from kvcore.keying.keys import head_keys
 from kvcore.model.head_runs import HeadRuns
 from kvcore.ports import (
     BlockMover,
@@ -126,9 +127,20 @@ class FaultyPorts:
             store = InMemoryChunkStore(view, capacity=capacity)
             remote, fail_next = StoreRemote(store), store.fail_next
         rng = random.Random(f"kvcore-fuzz:{self._seed}:remote")
-        self.remote = _FaultyRemote(remote, fail_next, index.inner, self._clock, rng, options.faults)
+        split = self.per_head == (True,)  # the scheduler asks the index for each head's key
+        self.remote = _FaultyRemote(remote, fail_next, index.inner, self._clock, rng, options.faults, split)
         self._inner = remote
         return self.remote
+
+    @property
+    def per_head(self) -> tuple[bool, ...]:
+        """Which remote tiers keep a value per KV head, as the scheduler is told (``open_scheduler``): the
+        disk tier does, as in every engine; the in-memory store keeps a value per rank."""
+        if self._heads is None or not (self._options.remote or self._options.disk or self._options.stack):
+            return ()
+        if self._options.stack:
+            return (True, False)
+        return (self._options.disk,)
 
     @property
     def disk_bytes(self) -> int:
@@ -244,11 +256,13 @@ class _FaultyRemote(Postponed):
         clock: Clock,
         rng: random.Random,
         chaos: bool,
+        split: bool,
     ) -> None:
         super().__init__(clock, rng, chaos)
         self._fail_next = fail_next
         self._index = index
         self._remote = remote
+        self._split = split  # register each head's key of a published chunk, as the index is asked
 
     def submit_fetch(self, session: str, items: Sequence[StoreItem], chain: Sequence[ChunkKey] = ()) -> JobId:
         return self._submit(self._remote.submit_fetch, session, items, chain, publish=False)
@@ -303,7 +317,8 @@ class _FaultyRemote(Postponed):
             self._fail_next(fate.failing)
         (result,) = self._remote.wait([submit(session, items, chain)], INNER_WAIT_S)
         if publish:
-            self._index.add(item.key for i, item in enumerate(items) if i not in result.failed)
+            stored = [item.key for i, item in enumerate(items) if i not in result.failed]
+            self._index.add([head for key in stored for head in head_keys(key)] if self._split else stored)
         return JobResult(job, result.failed, result.error)
 
 

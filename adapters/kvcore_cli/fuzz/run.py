@@ -67,7 +67,12 @@ def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzS
     ports = FaultyPorts(seed, options, clock, spoil, slot_bytes, folder, HeadRuns.of(spec))
     # kvcore composed as for any engine, over the fuzzer's ports instead of the config's backends
     sched = open_scheduler(
-        config, spec, hash_identity=HASH_IDENTITY, index=ports.index, write_back=options.write_back
+        config,
+        spec,
+        hash_identity=HASH_IDENTITY,
+        index=ports.index,
+        write_back=options.write_back,
+        per_head=ports.per_head,
     )
     worker = open_worker(
         config, spec, list(storage.unbind(0)), remote=ports.open_remote, mover=ports.wrap_mover
