@@ -19,16 +19,13 @@ tokens, one repeat); or ``kvcore bench cross-tp-ttft``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_ttft import ttft
 from benchmarks.engine_env import vllm_scratch
 
 BLOCK = 128
@@ -37,43 +34,12 @@ ENGINE_BLOCKS = 64  # 8k tokens of vLLM cache: a filler of 8k tokens evicts the 
 TP = 2
 
 
-def _ttft(llm: Any, tokens: list[int]) -> tuple[float, int]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    time.sleep(1.5)  # let idle workers stop busy-polling
-    start = time.perf_counter()
-    (out,) = llm.generate(
-        [TokensPrompt(prompt_token_ids=tokens)], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False
-    )
-    return time.perf_counter() - start, int(out.num_cached_tokens)
-
-
-@contextlib.contextmanager
-def _bound(tp: int) -> Iterator[None]:
-    """The CPU binding a TP-``tp`` engine needs on a two-core machine while it starts (its processes
-    inherit it): every rank on a core of its own, none reserved."""
-    if tp == 1:
-        yield
-        return
-    names = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ.update(VLLM_CPU_OMP_THREADS_BIND="|".join(str(core) for core in range(tp)))
-    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def _engine(model: Path, tp: int, files: Path, pool_bytes: int, kv_bytes_per_token: int) -> Any:
     from vllm import LLM
 
-    with _bound(tp):
+    from tests.integration.tp2 import engine_env  # every TP-2 rank on a core of its own, as the tests
+
+    with engine_env(tp):
         return LLM(
             model=str(model),
             max_model_len=8192,
@@ -125,16 +91,16 @@ def main(argv: list[str] | None = None) -> int:
             cached: dict[str, list[int]] = {"same": [], "cross": []}
             for r in range(repeats):
                 fresh, own, other = (prompt(100_000 * k + 1000 * length + r, length) for k in (1, 2, 3))
-                _ttft(writer, other)  # the TP-1 engine computes it: kvcore writes it to the disk
-                _ttft(reader, own)  # the TP-2 engine computes it
-                _ttft(reader, prompt(7 + r, ENGINE_BLOCKS * BLOCK - BLOCK))  # ... and forgets it
+                ttft(writer, other)  # the TP-1 engine computes it: kvcore writes it to the disk
+                ttft(reader, own)  # the TP-2 engine computes it
+                ttft(reader, prompt(7 + r, ENGINE_BLOCKS * BLOCK - BLOCK))  # ... and forgets it
                 order = [("cross", other), ("same", own)]
                 for kind, tokens in order if r % 2 == 0 else order[::-1]:
                     drop_from_page_cache(files)
-                    seconds, hit = _ttft(reader, tokens)
+                    seconds, hit = ttft(reader, tokens)
                     times[kind].append(seconds)
                     cached[kind].append(hit)
-                seconds, _ = _ttft(reader, fresh)
+                seconds, _ = ttft(reader, fresh)
                 times["recompute"].append(seconds)
             rows.append((length, {k: statistics.median(v) for k, v in times.items()}, cached))
     finally:

@@ -58,7 +58,9 @@ BLOCK = 128
 ENGINE_BLOCKS = 64  # 8k tokens of vLLM cache: a filler of 8k tokens evicts the prompt
 
 
-def _ttft(llm: Any, tokens: list[int]) -> tuple[float, int]:
+def ttft(llm: Any, tokens: list[int]) -> tuple[float, int]:
+    """The wall time of a one-token generate of ``tokens``, after idle workers stopped busy-polling, and
+    the tokens it found cached."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -181,11 +183,11 @@ def _measure(
             for r in range(repeats):
                 tokens = prompt(1000 * length + r, length)
                 for kind in ("recompute", "local"):
-                    seconds, _ = _ttft(llm, tokens)
+                    seconds, _ = ttft(llm, tokens)
                     times[kind].append(seconds)
-                _ttft(llm, prompt(7 + r, ENGINE_BLOCKS * BLOCK - BLOCK))  # evict the prompt from vLLM
+                ttft(llm, prompt(7 + r, ENGINE_BLOCKS * BLOCK - BLOCK))  # evict the prompt from vLLM
                 before_reuse()
-                seconds, cached = _ttft(llm, tokens)
+                seconds, cached = ttft(llm, tokens)
                 if cached < length - 2 * 256:
                     print(f"warning: reuse of {length} tokens found only {cached} cached", file=sys.stderr)
                 times["reuse"].append(seconds)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import pytest
 from hypothesis import strategies as st
@@ -50,7 +50,11 @@ StoreT = TypeVar("StoreT", bound=ChunkStore)
 
 
 class ChunkStoreTests(HarnessFixture[StoreHarness[StoreT]], Generic[StoreT]):
-    """The ``ChunkStore`` contract. Define ``make_harness``: a fresh ``StoreHarness`` per test."""
+    """The ``ChunkStore`` contract. Define ``make_harness``: a fresh ``StoreHarness`` per test. A store of
+    a backend that keeps values per KV head (``BackendSettings.PER_HEAD``) sets ``GATHERS_RUNS``: its
+    ``StoreItem.runs`` are then tested too."""
+
+    GATHERS_RUNS: ClassVar[bool] = False
 
     @staticmethod
     def _put(harness: StoreHarness[StoreT], values: Mapping[ChunkKey, bytes], base: int = 0) -> JobResult:
@@ -91,6 +95,34 @@ class ChunkStoreTests(HarnessFixture[StoreHarness[StoreT]], Generic[StoreT]):
         (key,) = fresh_keys(1)
         harness.poke(key, payload(64, key))
         assert self._get(harness, [StoreItem(key, 0, 32)]).failed == (0,)
+
+    def test_a_value_of_runs_is_gathered_by_a_put_and_scattered_by_a_get(
+        self, harness: StoreHarness[StoreT]
+    ) -> None:
+        if not self.GATHERS_RUNS:
+            pytest.skip("the store does not declare GATHERS_RUNS (its backend keeps a value per rank)")
+        key, other = fresh_keys(2)
+        value = payload(700, key)
+        wrote = ((0, 100), (1000, 300), (4000, 300))
+        done = 0
+        for offset, length in wrote:
+            harness.write_host(offset, value[done : done + length])
+            done += length
+        put = harness.backend.submit_put([StoreItem(key, 0, len(value), wrote)])
+        assert wait_one(harness.backend, put).ok
+        assert harness.peek(key) == value  # one value: the runs one after another
+        read = ((9000, 650), (8000, 50))  # another split, out of the host buffer's order
+        got = wait_one(harness.backend, harness.backend.submit_get([StoreItem(key, 9000, len(value), read)]))
+        assert got.ok
+        assert harness.read_host(9000, 650) + harness.read_host(8000, 50) == value
+        harness.poke(other, value)  # a value stored whole reads into runs alike
+        got = wait_one(
+            harness.backend, harness.backend.submit_get([StoreItem(other, 9000, len(value), read)])
+        )
+        assert got.ok
+        assert harness.read_host(9000, 650) + harness.read_host(8000, 50) == value
+        with pytest.raises(InvalidSpecError):  # runs that do not add up to the length: refused
+            harness.backend.submit_get([StoreItem(key, 9000, len(value) + 1, read)])
 
     def test_put_is_idempotent(self, harness: StoreHarness[StoreT]) -> None:
         (key,) = fresh_keys(1)

@@ -97,6 +97,8 @@ def disk_index_harness() -> Iterator[DiskIndexHarness]:
 
 
 class TestDiskChunkStore(ChunkStoreTests[DiskChunkStore]):
+    GATHERS_RUNS = True
+
     def make_harness(self) -> contextlib.AbstractContextManager[DiskStoreHarness]:
         return disk_store_harness()
 

@@ -229,6 +229,8 @@ class TestInMemoryBlockMover(BlockMoverTests[InMemoryBlockMover], OrderedMoverTe
 
 
 class TestInMemoryChunkStore(ChunkStoreTests[InMemoryChunkStore]):
+    GATHERS_RUNS = True
+
     def make_harness(self) -> contextlib.AbstractContextManager[MemoryStoreHarness]:
         return memory_store_harness()
 

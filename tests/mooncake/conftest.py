@@ -8,12 +8,14 @@ process even when that is SIGKILLed (``start_owned``), and has stopped by the se
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -165,9 +167,31 @@ def config_for(master: str, segment_size: int = 0, setup_timeout_s: float = 5.0)
     )
 
 
-def segment_holder(master: str) -> subprocess.Popen[str]:
-    """A segment holder on ``master``: the store's memory lives there (an engine's workers are then pure
-    clients). The caller terminates it."""
+@contextlib.contextmanager
+def own_store(masters: Masters) -> Iterator[Master]:
+    """A master of the caller's own (every key in it is the caller's) and a segment holder on it, where
+    the store's memory lives (an engine's workers are then pure clients); both stopped after."""
+    master = masters.new(())
+    master.start()
+    try:
+        holder = _segment_holder(master.address)
+        try:
+            yield master
+        finally:
+            holder.terminate()
+            holder.wait(30)
+    finally:
+        master.stop()
+
+
+def stored_keys(master: Master) -> tuple[str, ...]:
+    """Every key the master knows (its HTTP metrics server lists them)."""
+    url = f"http://127.0.0.1:{master.metrics_port}/get_all_keys"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return tuple(answer.read().decode().split())
+
+
+def _segment_holder(master: str) -> subprocess.Popen[str]:
     proc: subprocess.Popen[str] = start_owned(
         [sys.executable, "-m", "kvcore_mooncake.holder", "--master", master, "--segment-size", "64MiB"],
         stdout=subprocess.PIPE,

@@ -116,6 +116,8 @@ class MooncakeStoreHarness:
 
 
 class _StoreSuite(ChunkStoreTests[MooncakeChunkStore]):
+    GATHERS_RUNS = True
+
     own_segment: ClassVar[bool]
 
     @pytest.fixture(scope="class")

@@ -4,14 +4,12 @@ writer's bytes, and the store holds one value per KV head of each chunk, whoever
 
 from __future__ import annotations
 
-import urllib.request
-
 import pytest
 
 from kvcore.config import load_config
 from tests.cross_tp import KV_HEADS, cross_tp
 from tests.hand_engine import CHUNK_TOKENS, CHUNKS
-from tests.mooncake.conftest import MasterFactory
+from tests.mooncake.conftest import MasterFactory, stored_keys
 
 
 @pytest.mark.parametrize(("writer_tp", "reader_tp"), [(1, 2), (2, 1), (4, 2)])
@@ -32,9 +30,7 @@ def test_a_chunk_written_at_one_tp_size_is_read_at_another(
     )
     writer, reader = cross_tp(config, writer_tp, reader_tp, seed=300 + writer_tp * 10 + reader_tp)
     try:
-        url = f"http://127.0.0.1:{master.metrics_port}/get_all_keys"
-        with urllib.request.urlopen(url, timeout=10) as answer:
-            keys = answer.read().decode().split()
+        keys = stored_keys(master)
         assert len(keys) == CHUNKS * KV_HEADS  # one value per head of each chunk
         assert {key.split("/")[2].split(".")[1] for key in keys} == {f"h{h}-{h + 1}" for h in range(KV_HEADS)}
         assert reader.sched.stats().tier_found == (CHUNKS,)

@@ -13,7 +13,7 @@ import pytest
 
 from tests.integration.conftest import VLLM_MARKS, tiny_model, vllm_env
 from tests.integration.cross_tp import both_engines, check_read, read_across
-from tests.mooncake.conftest import Masters, segment_holder
+from tests.mooncake.conftest import Masters, own_store
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
 
@@ -22,24 +22,15 @@ pytestmark = VLLM_MARKS
 
 @pytest.fixture(scope="module")
 def engines(vllm_env: Path, _masters: Masters) -> Iterator[dict[int, Any]]:
-    master = _masters.new(())
-    master.start()
-    try:
-        holder = segment_holder(master.address)
-        try:
-            backend = {
-                "kind": "mooncake_store",
-                "master": master.address,
-                "segment_size": 0,
-                "local_size": "32MiB",
-            }
-            with both_engines(vllm_env, backend) as started:
-                yield started
-        finally:
-            holder.terminate()
-            holder.wait(30)
-    finally:
-        master.stop()
+    with own_store(_masters) as master:
+        backend = {
+            "kind": "mooncake_store",
+            "master": master.address,
+            "segment_size": 0,
+            "local_size": "32MiB",
+        }
+        with both_engines(vllm_env, backend) as started:
+            yield started
 
 
 @pytest.mark.parametrize(("writer", "reader"), [(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])

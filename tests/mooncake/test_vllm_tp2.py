@@ -10,7 +10,6 @@ and both ranks read it; with four (two per rank) each rank writes and reads the 
 
 from __future__ import annotations
 
-import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
@@ -42,7 +41,7 @@ from tests.integration.tp2 import (
     start_tp_engine,
     tier_config,
 )
-from tests.mooncake.conftest import Master, Masters, segment_holder
+from tests.mooncake.conftest import Masters, own_store, stored_keys
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
 
@@ -57,38 +56,22 @@ class StoreRun:
     keys: tuple[str, ...]  # every key in the store (the master's list) after the flow
 
 
-def _stored_keys(master: Master) -> tuple[str, ...]:
-    """Every key the master knows (its HTTP metrics server lists them)."""
-    url = f"http://127.0.0.1:{master.metrics_port}/get_all_keys"
-    with urllib.request.urlopen(url, timeout=10) as answer:
-        return tuple(answer.read().decode().split())
-
-
 @pytest.fixture(scope="module", params=HEAD_COUNTS, ids=lambda heads: f"kv_heads={heads}")
 def store_run(request: pytest.FixtureRequest, vllm_env: Path, _masters: Masters) -> StoreRun:
     heads: int = request.param
-    master = _masters.new(())  # the engine's own: every key in it is this engine's
-    master.start()
-    try:
-        holder = segment_holder(master.address)
+    with own_store(_masters) as master:  # the engine's own: every key in it is this engine's
+        backend = {
+            "kind": "mooncake_store",
+            "master": master.address,
+            "segment_size": 0,
+            "local_size": POOL_SLOTS * TP * slot_bytes(heads),  # the total over both ranks
+        }
+        llm = start_tp_engine(kv_heads_model(vllm_env, heads), heads, tier_config(backend))
         try:
-            backend = {
-                "kind": "mooncake_store",
-                "master": master.address,
-                "segment_size": 0,
-                "local_size": POOL_SLOTS * TP * slot_bytes(heads),  # the total over both ranks
-            }
-            llm = start_tp_engine(kv_heads_model(vllm_env, heads), heads, tier_config(backend))
-            try:
-                run = reuse_flow(llm, heads, host_digests_probe, seed=8900 + heads)
-            finally:
-                stop_engine(llm)
-            return StoreRun(run, _stored_keys(master))
+            run = reuse_flow(llm, heads, host_digests_probe, seed=8900 + heads)
         finally:
-            holder.terminate()
-            holder.wait(30)
-    finally:
-        master.stop()
+            stop_engine(llm)
+        return StoreRun(run, stored_keys(master))
 
 
 def test_evicted_prompt_is_served_from_the_store_with_the_tokens_of_vllms_own_hit(
