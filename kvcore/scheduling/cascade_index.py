@@ -202,11 +202,6 @@ class CascadeIndex:
                     breaker.record_failure()
             lookup.stage += 1
 
-    @property
-    def per_head(self) -> tuple[bool, ...]:
-        """For each tier, whether it keeps a value per KV head (and is asked for each head's key)."""
-        return self._per_head
-
     def _keys(self, tier: int, chunks: Sequence[Sequence[ChunkKey]]) -> list[tuple[ChunkKey, ...]]:
         """``chunks`` as tier ``tier`` keys them: by each rank's shard, or by each KV head's."""
         return [lookup_keys(chunk, per_head=self._per_head[tier]) for chunk in chunks]

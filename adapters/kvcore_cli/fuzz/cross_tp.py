@@ -134,13 +134,9 @@ def _read_one(
     blocks = list(range(-(-num_tokens // BLOCK_TOKENS)))
     if hits:
         sched.start_load(req.rid, blocks)
-        plan = sched.take_plan()
-        for worker in workers:
-            worker.execute(plan)
-        for worker in workers:
-            sched.complete(worker.wait(plan.op_ids(), WAIT_S))
+        _step(sched, workers)
         failed = set(sched.take_load_errors().get(req.rid, ()))
-        for j in range((hits or 0) // BLOCK_TOKENS):
+        for j in range(hits // BLOCK_TOKENS):
             if blocks[j] in failed:
                 continue
             want = oracle.slots(req, j, (j + 1) * BLOCK_TOKENS)  # [layer, head, slot, bytes]
@@ -155,11 +151,17 @@ def _read_one(
             summary.cross_tp_blocks += 1
         summary.cross_tp_loads += 1
     sched.finish(req.rid)
+    _step(sched, workers)
+    summary.cross_tp_prompts += 1
+
+
+def _step(sched: CacheScheduler, workers: list[CPUWorker]) -> None:
+    """One engine step's plan, executed by every rank and reported back."""
     plan = sched.take_plan()
     for worker in workers:
         worker.execute(plan)
+    for worker in workers:
         sched.complete(worker.wait(plan.op_ids(), WAIT_S))
-    summary.cross_tp_prompts += 1
 
 
 def reader_settings(
