@@ -65,6 +65,14 @@ def engine_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Engi
     return groups[0].engine
 
 
+_REFUSED_SPLITS = {
+    "pipeline_parallel_size": "a stored chunk holds every layer of a rank, and a stage holds some",
+    "decode_context_parallel_size": "a rank would hold some of a block's tokens",
+    "prefill_context_parallel_size": "a rank would hold some of a block's tokens",
+}
+"""The parallel splits kvcore refuses, and why."""
+
+
 def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[KVGroup, ...]:
     """The model's KV-cache groups as kvcore sees them; raises ``UnsupportedConfiguration`` for what
     kvcore cannot key: local or sparse attention kinds, a hybrid SSM model whose groups have different
@@ -72,10 +80,13 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
     parallel = vllm_config.parallel_config
-    for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+    for name, why in _REFUSED_SPLITS.items():
         size = getattr(parallel, name, 1)
         if size != 1:
-            raise UnsupportedConfiguration(f"kvcore does not support {name}={size} yet (only 1)")
+            raise UnsupportedConfiguration(
+                f'kvcore does not support {name}={size} yet (only 1): {why} (docs/vllm.md, "Changing the '
+                'parallel layout")'
+            )
     cache = vllm_config.cache_config
     if cache.kv_cache_dtype_skip_layers:
         raise UnsupportedConfiguration(

@@ -40,34 +40,40 @@ that starts late (its core busy with the engine) takes fewer pieces instead of h
 
 
 class BlockCopier:
-    """Executes block copies for one engine and one host memory on the calling thread plus helpers."""
+    """Executes block copies for one engine and one host memory on the calling thread plus helpers.
 
-    def __init__(self, routes: Sequence[Route], host: HostMemory, threads: int) -> None:
-        self._routes = [
-            (route, _numpy(route.engine), _numpy(route.host_view(host.blocks))) for route in routes
+    ``route_sets``: the routes of each kind of copy a job may name (``which``): one set for whole
+    blocks, or one per KV head for head blocks."""
+
+    def __init__(self, route_sets: Sequence[Sequence[Route]], host: HostMemory, threads: int) -> None:
+        self._route_sets = [
+            [(route, _numpy(route.engine), _numpy(route.host_view(host.blocks))) for route in routes]
+            for routes in route_sets
         ]
-        self._row_bytes = int(routes[0].engine.shape[1])
+        self._row_bytes = [int(routes[0].engine.shape[1]) for routes in route_sets]
         self._threads = threads
         self._helpers = (
             ThreadPoolExecutor(threads - 1, thread_name_prefix="kvcore-copy") if threads > 1 else None
         )
 
-    def copy(self, direction: Direction, engine_ids: IntArray, host_ids: IntArray) -> None:
-        """Copy every plane of the given block pairs; returns when all bytes are in place."""
+    def copy(self, direction: Direction, engine_ids: IntArray, host_ids: IntArray, which: int = 0) -> None:
+        """Copy every plane of the given block pairs by route set ``which``; returns when all bytes are
+        in place."""
         tasks = []
-        for route, engine, host in self._routes:
+        for route, engine, host in self._route_sets[which]:
             engine_rows, host_rows = route.engine_rows(engine_ids), route.host_rows(host_ids)
             if direction is Direction.SAVE:
                 tasks.append((engine, host, engine_rows, host_rows))
             else:
                 tasks.append((host, engine, host_rows, engine_rows))
         count = sum(len(s) for _, _, s, _ in tasks)
-        nbytes = count * self._row_bytes
+        row_bytes = self._row_bytes[which]
+        nbytes = count * row_bytes
         stream = nbytes >= _STREAM_BYTES
         helpers = self._helpers if nbytes >= _SPLIT_BYTES else None
         rows = max(1, count)
         if helpers is not None:
-            rows = max(1, min(_PIECE_BYTES, nbytes // (4 * self._threads)) // self._row_bytes)
+            rows = max(1, min(_PIECE_BYTES, nbytes // (4 * self._threads)) // row_bytes)
         pieces = iter(
             [
                 (src, dst, s[lo : lo + rows], d[lo : lo + rows])

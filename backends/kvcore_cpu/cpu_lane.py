@@ -33,6 +33,7 @@ class _Job:
     direction: Direction
     engine_ids: IntArray
     host_ids: IntArray
+    which: int
 
 
 class CpuLane:
@@ -50,12 +51,19 @@ class CpuLane:
         self._loads: dict[JobId, threading.Event] = {}
 
     def start(
-        self, job_id: JobId, direction: Direction, engine_ids: IntArray, host_ids: IntArray, after: object
+        self,
+        job_id: JobId,
+        direction: Direction,
+        engine_ids: IntArray,
+        host_ids: IntArray,
+        after: object,
+        which: int = 0,
     ) -> None:
-        """Queue a job; ``after`` is ignored: a CPU engine's work is done when it calls kvcore.
+        """Queue a job, copied by the copier's route set ``which``; ``after`` is ignored: a CPU engine's
+        work is done when it calls kvcore.
 
         Raises ``LaneClosed`` (nothing queued) once the lane is closed."""
-        job = _Job(job_id, direction, engine_ids, host_ids)
+        job = _Job(job_id, direction, engine_ids, host_ids, which)
         if direction is Direction.LOAD:
             self._loads[job_id] = threading.Event()
         try:
@@ -83,7 +91,7 @@ class CpuLane:
         count = len(job.engine_ids)
         failed = leading_failures(self._faults, job.direction, count)
         if failed < count:
-            self._copier.copy(job.direction, job.engine_ids[failed:], job.host_ids[failed:])
+            self._copier.copy(job.direction, job.engine_ids[failed:], job.host_ids[failed:], job.which)
         error = "some blocks failed to copy" if failed else None
         self._report(job, JobResult(job.job_id, tuple(range(failed)), error))
 

@@ -85,9 +85,9 @@ class CudaLane:
     """Runs jobs on per-direction copy streams and reports them to ``board``."""
 
     def __init__(
-        self, routes: Sequence[Route], host: HostMemory, board: JobBoard, device: torch.device
+        self, route_sets: Sequence[Sequence[Route]], host: HostMemory, board: JobBoard, device: torch.device
     ) -> None:
-        self._routes = routes
+        self._route_sets = route_sets
         self._host = host.blocks
         self._board = board
         self._device = device
@@ -108,10 +108,16 @@ class CudaLane:
         return stream_mark(self._device)
 
     def start(
-        self, job_id: JobId, direction: Direction, engine_ids: IntArray, host_ids: IntArray, after: object
+        self,
+        job_id: JobId,
+        direction: Direction,
+        engine_ids: IntArray,
+        host_ids: IntArray,
+        after: object,
+        which: int = 0,
     ) -> None:
-        """Queue the job's copies behind ``after`` (a ``stream_mark``; anything else fails the job, since
-        nothing would order it after the engine's work); never raises."""
+        """Queue the job's copies, by route set ``which``, behind ``after`` (a ``stream_mark``; anything
+        else fails the job, since nothing would order it after the engine's work); never raises."""
         if not isinstance(after, torch.cuda.Event):
             unordered = f"a CUDA copy is ordered after a CUDA event, not {after!r}"
             self._board.finish(JobResult(job_id, tuple(range(len(engine_ids))), unordered))
@@ -121,7 +127,7 @@ class CudaLane:
         try:
             with torch.cuda.stream(stream):
                 stream.wait_event(after)
-                self._enqueue(direction, engine_ids, host_ids)
+                self._enqueue(direction, engine_ids, host_ids, self._route_sets[which])
         # Any failure to queue fails the job; what was queued still runs, so the job is reported only
         # once the stream has passed it.
         except Exception as exc:
@@ -165,21 +171,27 @@ class CudaLane:
             self._board.finish(JobResult(job.job_id, failed, error))
             self._loads.pop(job.job_id, None)
 
-    def _enqueue(self, direction: Direction, engine_ids: IntArray, host_ids: IntArray) -> None:
+    def _enqueue(
+        self, direction: Direction, engine_ids: IntArray, host_ids: IntArray, routes: Sequence[Route]
+    ) -> None:
         count = len(engine_ids)
-        if len(self._routes) == 1 and self._routes[0].whole_blocks:
+        if len(routes) == 1 and routes[0].whole_blocks:
             runs = _runs(engine_ids, host_ids)
             if len(runs) * _DIRECT_RUN <= count:
-                self._copy_runs(direction, engine_ids, host_ids, runs)
+                self._copy_runs(direction, engine_ids, host_ids, runs, routes[0])
                 return
         batch = max(1, _STAGING_BYTES // self._block_bytes)
         for a in range(0, count, batch):
-            self._staged(direction, engine_ids[a : a + batch], host_ids[a : a + batch])
+            self._staged(direction, engine_ids[a : a + batch], host_ids[a : a + batch], routes)
 
     def _copy_runs(
-        self, direction: Direction, engine_ids: IntArray, host_ids: IntArray, runs: list[tuple[int, int]]
+        self,
+        direction: Direction,
+        engine_ids: IntArray,
+        host_ids: IntArray,
+        runs: list[tuple[int, int]],
+        route: Route,
     ) -> None:
-        route = self._routes[0]
         engine, host = route.engine, route.host_view(self._host)
         first_row, width = int(route.engine_base[0]), len(route.engine_base)
         for a, b in runs:
@@ -189,12 +201,14 @@ class CudaLane:
             else:
                 engine[e : e + n].copy_(host[h : h + n], non_blocking=True)
 
-    def _staged(self, direction: Direction, engine_ids: IntArray, host_ids: IntArray) -> None:
+    def _staged(
+        self, direction: Direction, engine_ids: IntArray, host_ids: IntArray, routes: Sequence[Route]
+    ) -> None:
         count = len(engine_ids)
         staging = torch.empty((count, self._block_bytes), dtype=torch.uint8, device=self._device)
         if direction is Direction.LOAD:
             self._host_runs(direction, staging, host_ids)
-        for route in self._routes:
+        for route in routes:
             index = self._to_device(route.engine_rows(engine_ids))
             engine, rows = _wide(route.engine), _wide(route.host_view(staging))
             if direction is Direction.SAVE:

@@ -21,13 +21,14 @@ from kvcore.errors import ConfigError, InvalidSpecError, UnsupportedConfiguratio
 from kvcore.ids import JobId
 from kvcore.jobs import JobBoard, JobResult
 from kvcore.kit.faults import FaultHooks
+from kvcore.model.head_runs import HeadRuns
 from kvcore.ports import BlockTransfer, Direction
 from kvcore_cpu.cpu_copy import BlockCopier
 from kvcore_cpu.cpu_lane import CpuLane
 from kvcore_cpu.cuda_lane import CudaLane
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_cpu.host_memory import HostMemory
-from kvcore_cpu.rows import IntArray, routes
+from kvcore_cpu.rows import IntArray, head_routes, routes
 
 __all__ = ["MAX_COPY_THREADS", "TorchBlockMover"]
 
@@ -37,7 +38,13 @@ MAX_COPY_THREADS = 64
 
 class _Lane(Protocol):
     def start(
-        self, job_id: JobId, direction: Direction, engine_ids: IntArray, host_ids: IntArray, after: object
+        self,
+        job_id: JobId,
+        direction: Direction,
+        engine_ids: IntArray,
+        host_ids: IntArray,
+        after: object,
+        which: int = 0,
     ) -> None: ...
 
     def mark(self) -> object: ...
@@ -56,10 +63,18 @@ class TorchBlockMover:
     """
 
     def __init__(
-        self, engine: EngineKV, host: HostMemory, *, copy_threads: int = 2, faults: FaultHooks | None = None
+        self,
+        engine: EngineKV,
+        host: HostMemory,
+        *,
+        copy_threads: int = 2,
+        faults: FaultHooks | None = None,
+        per_head: bool = False,
     ) -> None:
         """``faults`` (``kvcore.kit.faults``): ``before_queue`` runs in ``submit``, ``before_transfer`` on the
-        worker thread before each copy, of a CPU engine.
+        worker thread before each copy, of a CPU engine. ``per_head``: host blocks are head blocks (one
+        local KV head's runs of a host block, ``kvcore.model.head_runs``) and every transfer names its
+        head (``BlockTransfer.head``); ``InvalidSpecError`` where the engine's heads are not runs.
 
         Raises ``InvalidSpecError`` for an ``engine`` or ``host`` of the wrong type or host blocks of
         the wrong size, ``UsageError`` for closed host memory, ``ConfigError`` for ``copy_threads``
@@ -71,10 +86,18 @@ class TorchBlockMover:
             raise InvalidSpecError(f"host: got {type(host).__name__}, expected a HostMemory")
         if host.closed:
             raise UsageError("host: the host memory is closed")
-        if host.block_bytes != engine.host_block_bytes:
+        heads = HeadRuns.of_layout(engine.layout, engine.num_layers) if per_head else None
+        if per_head and heads is None:
             raise InvalidSpecError(
-                f"host memory: block_bytes: got {host.block_bytes}, expected {engine.host_block_bytes} "
-                f"(one block of each of the engine's {engine.num_layers} layers)"
+                f"per_head: the engine's {engine.layout.num_kv_heads} KV heads are not runs of a block "
+                f"({engine.layout.head_order.value.upper()})"
+            )
+        block_bytes = engine.host_block_bytes if heads is None else heads.head_bytes
+        if host.block_bytes != block_bytes:
+            whose = "one block" if heads is None else "one KV head's bytes of one block"
+            raise InvalidSpecError(
+                f"host memory: block_bytes: got {host.block_bytes}, expected {block_bytes} "
+                f"({whose} of each of the engine's {engine.num_layers} layers)"
             )
         if not is_int_in(copy_threads, 1, MAX_COPY_THREADS):
             raise ConfigError("copy_threads", copy_threads, f"an int in [1, {MAX_COPY_THREADS}]")
@@ -91,15 +114,18 @@ class TorchBlockMover:
         if device.type == "cuda" and faults is not None:
             raise UnsupportedConfiguration(f"faults: got {faults!r}, expected None on a CUDA engine")
         self._device = device
-        self._routes = routes(engine)
+        self._heads = 0 if heads is None else heads.heads
+        self._route_sets = (
+            (routes(engine),) if heads is None else tuple(head_routes(engine, runs) for runs in heads.runs)
+        )
         self._host = host
         self._copy_threads = copy_threads
         self._lane = self._open_lane()
 
     def _open_lane(self) -> _Lane:
         if self._device.type == "cuda":
-            return CudaLane(self._routes, self._host, self._board, self._device)
-        self._copier = BlockCopier(self._routes, self._host, self._copy_threads)
+            return CudaLane(self._route_sets, self._host, self._board, self._device)
+        self._copier = BlockCopier(self._route_sets, self._host, self._copy_threads)
         return CpuLane(self._board, self._copier, self._faults)
 
     def submit(self, transfer: BlockTransfer) -> JobId:
@@ -125,6 +151,7 @@ class TorchBlockMover:
         direction: object = transfer.direction
         if not isinstance(direction, Direction):
             raise InvalidSpecError(f"direction: got {direction!r}, expected a Direction")
+        which = self._which(transfer.head)
         engine_ids = _ids("engine_blocks", transfer.engine_blocks, self._engine_blocks)
         host_ids = _ids("host_blocks", transfer.host_blocks, self._host_blocks)
         if len(engine_ids) != len(host_ids):
@@ -145,7 +172,7 @@ class TorchBlockMover:
             try:
                 if self._faults is not None:
                     self._faults.before_queue(direction, len(engine_ids))
-                self._lane.start(job_id, direction, engine_ids, host_ids, mark)
+                self._lane.start(job_id, direction, engine_ids, host_ids, mark, which)
             # A lane that refuses the job (closed) queued nothing, and an interrupt leaves no one to
             # report: the id is withdrawn, so that no wait on it hangs and no poll hands it out.
             except UsageError:
@@ -158,6 +185,17 @@ class TorchBlockMover:
                 self._withdraw(job_id)
                 raise
         return job_id
+
+    def _which(self, head: object) -> int:
+        """The route set of a transfer's ``head``: a head mover's transfers name one of its heads, a
+        whole-block mover's none."""
+        if not self._heads:
+            if head is not None:
+                raise InvalidSpecError(f"head: got {head!r}, expected None (this mover moves whole blocks)")
+            return 0
+        if not is_int_in(head, 0, self._heads - 1):
+            raise InvalidSpecError(f"head: got {head!r}, expected a local KV head in [0, {self._heads})")
+        return head
 
     def poll(self) -> tuple[JobResult, ...]:
         # Under the lock that submit holds while it may withdraw a job: no poll sees a withdrawn result.

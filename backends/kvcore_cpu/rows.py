@@ -7,14 +7,18 @@ storage (so one indexed copy moves a block of every layer), otherwise there is o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 import torch
 from attrs import frozen
 
+from kvcore.errors import InvalidSpecError
+from kvcore.model.head_runs import Run
 from kvcore_cpu.engine_kv import EngineKV
 
-__all__ = ["IntArray", "Route", "routes"]
+__all__ = ["IntArray", "Route", "head_routes", "routes"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -69,3 +73,25 @@ def routes(engine: EngineKV) -> tuple[Route, ...]:
         return (Route(engine.shared.rows, base, None, len(planes), engine.shared.block_step),)
     zero = np.zeros(1, dtype=np.int64)
     return tuple(Route(plane, zero, q, len(planes)) for q, plane in enumerate(planes))
+
+
+def head_routes(engine: EngineKV, runs: Sequence[Run]) -> tuple[Route, ...]:
+    """One route per run of a KV head in a host block (``kvcore.model.head_runs``): the run's bytes of
+    every engine block, paired with row ``j`` of a head block, whose rows are the head's runs in order.
+
+    Raises ``InvalidSpecError`` for runs of different lengths or a run that crosses a plane."""
+    if not runs or len({length for _, length in runs}) != 1:
+        raise InvalidSpecError(f"runs: got {list(runs)!r}, expected runs of one length")
+    out = []
+    for j, (offset, length) in enumerate(runs):
+        plane_index, start = divmod(offset, engine.plane_bytes)
+        if plane_index >= len(engine.planes) or start + length > engine.plane_bytes:
+            raise InvalidSpecError(
+                f"runs[{j}]: ({offset}, {length}) crosses a plane of {engine.plane_bytes} bytes"
+            )
+        plane = engine.planes[plane_index]
+        view = torch.as_strided(
+            plane, (int(plane.shape[0]), length), (plane.stride(0), 1), plane.storage_offset() + start
+        )
+        out.append(Route(view, np.zeros(1, dtype=np.int64), j, len(runs)))
+    return tuple(out)

@@ -21,6 +21,7 @@ from kvcore.execution.worker import FLUSH_TIMEOUT_S, BlockWorker
 from kvcore.kit.closing import close_quietly
 from kvcore.kit.faults import FaultHooks
 from kvcore.model.engine import EngineSpec
+from kvcore.model.head_runs import HeadRuns
 from kvcore.plugins import MoverWrap, RemoteOpener
 from kvcore.plugins.sizing import check_world, host_field, pool_slots, slot_bytes
 from kvcore.ports import BlockMover, RemoteTier
@@ -43,23 +44,34 @@ class MappedMover(TorchBlockMover):
     """
 
     def __init__(
-        self, engine: EngineKV, buffer: mmap.mmap | bytearray, *, faults: FaultHooks | None = None
+        self,
+        engine: EngineKV,
+        buffer: mmap.mmap | bytearray,
+        *,
+        faults: FaultHooks | None = None,
+        per_head: bool = False,
     ) -> None:
         """Raises ``ConfigError`` for a buffer that holds not one host block (as ``HostMemory.wrap``),
-        and whatever ``TorchBlockMover`` raises (``faults`` as there); the mapping is then left as it
-        was."""
+        and whatever ``TorchBlockMover`` raises (``faults`` and ``per_head`` as there); the mapping is
+        then left as it was."""
+        heads = HeadRuns.of_layout(engine.layout, engine.num_layers) if per_head else None
+        if per_head and heads is None:
+            raise InvalidSpecError(
+                f"per_head: the engine's {engine.layout.num_kv_heads} KV heads are not runs of a block"
+            )
+        block_bytes = engine.host_block_bytes if heads is None else heads.head_bytes
         self._export = memoryview(buffer)
         # torch cannot view an empty buffer; an empty tensor is refused by wrap like any short one
         view = (
             torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
         )
         try:
-            self.host = HostMemory.wrap(view, engine.host_block_bytes, engine.device)
+            self.host = HostMemory.wrap(view, block_bytes, engine.device)
         except BaseException:
             self._export.release()
             raise
         try:
-            super().__init__(engine, self.host, faults=faults)
+            super().__init__(engine, self.host, faults=faults, per_head=per_head)
         except BaseException:
             self.host.close()
             self._export.release()
@@ -85,8 +97,8 @@ class MappedMovers:
         device = self._engine.device
         return stream_mark(device) if device.type == "cuda" else None
 
-    def over(self, pool: mmap.mmap) -> MappedMover:
-        return MappedMover(self._engine, pool, faults=self._faults)
+    def over(self, pool: mmap.mmap, *, per_head: bool = False) -> MappedMover:
+        return MappedMover(self._engine, pool, faults=self._faults, per_head=per_head)
 
 
 @frozen

@@ -31,6 +31,7 @@ class LMCacheMPConfig:
     HOST_FIELD: ClassVar[str] = "local_size"
     MOVES_BLOCKS: ClassVar[bool] = True
     REMOTE: ClassVar[bool] = True
+    PER_HEAD: ClassVar[bool] = True
     NODE_FIELDS: ClassVar[tuple[str, ...]] = ("local_size",)
     url: str = field(
         default="tcp://localhost:5555",

@@ -13,6 +13,11 @@ answer (the server's read locks lapse: ``--l1-read-ttl-seconds``, 300 by default
 lock what they read themselves, and a lock that lapsed all the same is a miss at the retrieve. Locks
 too old to trust are never released, only left to lapse (``ServerLink.release``).
 
+Where the server keeps a value per KV head, a shard's key is its heads' keys joined
+(``kvcore.keying.keys.head_keys``): each head is looked up in a chain of its own (``kvcore_lmcache.heads``),
+a chunk counts where every head's does, and a held lookup names each rank's heads' server sessions joined
+as the rank's holder.
+
 A lookup never blocks: submit, then poll; an absent server raises ``BackendUnavailable`` at once and a silent
 one ``TransferTimeout`` at the request timeout, which ``kvcore.scheduling.remote_lookup.PrefixLookup`` turns
 into a miss and its circuit breaker.
@@ -31,8 +36,10 @@ from lmcache.v1.multiprocess.futures import MessagingFuture
 
 from kvcore.errors import BackendError, BackendUnavailable, UsageError
 from kvcore.ids import ChunkKey, LookupId, RequestId
+from kvcore.keying.keys import head_keys
 from kvcore.ports import HeldChunks
 from kvcore_lmcache.config import LMCacheMPConfig
+from kvcore_lmcache.heads import HOLDER_SEPARATOR
 from kvcore_lmcache.link import ServerLink, SlotLayout
 from kvcore_lmcache.lookups import LookupBook, LookupState
 
@@ -45,10 +52,15 @@ class _Held:
     """A held lookup's kept locks: answered, then (once the locks it does not keep are released)
     taken by the scheduler, then handed over or released."""
 
-    __slots__ = ("at", "chains", "held", "releases")
+    __slots__ = ("at", "chains", "held", "releases", "servers")
 
-    def __init__(self, state: LookupState, answer: int, releases: list[MessagingFuture[Any]]) -> None:
-        self.held = HeldChunks(state.servers, state.first, state.first + answer)
+    def __init__(
+        self, state: LookupState, answer: int, releases: list[MessagingFuture[Any]], groups: tuple[int, ...]
+    ) -> None:
+        servers = iter(state.servers)
+        holders = tuple(HOLDER_SEPARATOR.join(itertools.islice(servers, count)) for count in groups)
+        self.held = HeldChunks(holders, state.first, state.first + answer)
+        self.servers = state.servers
         self.chains = state.chains
         self.releases = releases
         self.at = time.monotonic()  # the locks are as old as this, or a little older
@@ -80,7 +92,8 @@ class LMCacheChunkIndex:
         self._lookups = LookupBook(self.link)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._asked: dict[LookupId, int] = {}  # chunks asked (after the preceding ones)
+        # chunks asked (after the preceding ones), and the chains of each shard (its KV heads)
+        self._asked: dict[LookupId, tuple[int, tuple[int, ...]]] = {}
         self._holding: set[LookupId] = set()  # held lookups not answered yet
         self._settling: dict[LookupId, _Held] = {}  # answered; releasing the locks they do not keep
         self._answered: dict[LookupId, _Held] = {}  # answered, for ``take_held``
@@ -97,8 +110,9 @@ class LMCacheChunkIndex:
     def submit_held_lookup(
         self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]] = ()
     ) -> LookupId:
-        """One server lookup per rank (each rank's prepare consumes one lock); the answered chunks stay
-        locked for ``take_held``. With ``lock_handover_s`` 0, a plain lookup (one per shard)."""
+        """One server lookup per rank (each rank's prepare consumes one lock), or per KV head of each
+        rank; the answered chunks stay locked for ``take_held``. With ``lock_handover_s`` 0, a plain
+        lookup (one per shard)."""
         if self.link.config.lock_handover_s <= 0:
             return self._submit(
                 [tuple(dict.fromkeys(chunk)) for chunk in chunks],
@@ -113,25 +127,33 @@ class LMCacheChunkIndex:
         self, chunks: Sequence[Sequence[ChunkKey]], preceding: Sequence[Sequence[ChunkKey]]
     ) -> LookupId:
         self._check_open()
-        shards = {len(chunk) for chunk in (*preceding, *chunks)}
-        if len(shards) > 1 or 0 in shards:
-            raise UsageError(f"every chunk needs the same, non-zero number of shard keys, got {shards}")
-        width = shards.pop() if shards else 1
-        whole = (*preceding, *chunks)
-        chains = [[chunk[shard] for chunk in whole] for shard in range(width)]
+        whole = [[head_keys(key) for key in chunk] for chunk in (*preceding, *chunks)]
+        shapes = {tuple(len(keys) for keys in chunk) for chunk in whole}
+        if len(shapes) > 1 or () in shapes:
+            raise UsageError(
+                f"every chunk needs the same, non-zero number of shard keys, each of as many KV heads; got "
+                f"{sorted(shapes)} (KV heads per shard)"
+            )
+        groups = shapes.pop() if shapes else (1,)
+        chains = [
+            [chunk[shard][head] for chunk in whole]
+            for shard, count in enumerate(groups)
+            for head in range(count)
+        ]
         session = RequestId(f"index-{next(self._ids)}")
         lookup_id = self._lookups.submit(session, chains, len(preceding))
         with self._lock:
-            self._asked[lookup_id] = len(chunks)
+            self._asked[lookup_id] = (len(chunks), groups)
         return lookup_id
 
     def poll_lookup(self, lookup_id: LookupId) -> int | None:
         self._check_open()
         with self._lock:
-            asked = self._asked.get(lookup_id)
+            shape = self._asked.get(lookup_id)
             settling = self._settling.get(lookup_id)
-        if asked is None:
+        if shape is None:
             raise UsageError(f"lookup {lookup_id} is unknown, cancelled or already answered")
+        asked, groups = shape
         if settling is not None:
             return self._settle(lookup_id, settling)
         try:
@@ -161,7 +183,7 @@ class LMCacheChunkIndex:
             for start, stop in ((0, state.first), (end, hit))
             if start < stop
         ]
-        record = _Held(state, answered, releases)
+        record = _Held(state, answered, releases, groups)
         with self._lock:
             self._settling[lookup_id] = record
         return self._settle(lookup_id, record)
@@ -246,7 +268,7 @@ class LMCacheChunkIndex:
         released before it answered (or are being: this waits for them), and the server's counts are
         anonymous (releasing a chunk twice would take another reader's lock)."""
         held = record.held
-        for server, chain in zip(held.holders, record.chains, strict=True):
+        for server, chain in zip(record.servers, record.chains, strict=True):
             ranges = ((held.start, held.end),)
             self.link.release(server, chain, ranges, taken_at=record.at, after=record.releases)
 

@@ -81,14 +81,16 @@ class SlotIO:
         return JobResult(job_id, tuple(range(len(values.keys))), why)
 
     def store(
-        self, job_id: JobId, session: RequestId, values: Values, chain: tuple[ChunkKey, ...]
+        self, job_id: JobId, session: RequestId, values: Values, chain: tuple[ChunkKey, ...], part: int = 0
     ) -> JobResult:
+        """Store a job's values (part ``part`` of it: each part of a job is a server session of its own,
+        since the server keeps a session's chain)."""
         pool = self._pool(values)
         if pool is None:
             return self._refused(job_id, values)
         at, failed = self._placed(values.keys, chain)
         codec, client, iid = self._link.codec, self._link.client, self._link.instance_id
-        server = self._link.server_session(session, f"s{job_id}")
+        server = self._link.server_session(session, f"s{job_id}.{part}")
         spans = runs(at)
         keys = [codec.ipc_key(server, chain, start, end, 0) for start, end in spans]
         prepared = [client.prepare_store(key, iid) for key in keys]
@@ -133,16 +135,18 @@ class SlotIO:
         values: Values,
         chain: tuple[ChunkKey, ...],
         done: Callable[[JobResult], object],
+        part: int = 0,
     ) -> None:
-        """Run a retrieve; ``done`` gets its result once, as soon as the copies are in (or the job found
-        nothing to read), before this waits for the commits' replies and releases the locks. A job that
-        raises before that never calls ``done``: its caller fails it."""
+        """Run a retrieve (part ``part`` of a job, as ``store``); ``done`` gets its result once, as soon
+        as the copies are in (or the job found nothing to read), before this waits for the commits'
+        replies and releases the locks. A job that raises before that never calls ``done``: its caller
+        fails it."""
         at, failed = self._placed(values.keys, chain)
         # the session's locks on what this job reads are the job's alone from now on: it releases what
         # it did not read (or could not) once its commits are answered, whatever becomes of it
         holds = self._locks.take(session, chain, at)
         try:
-            self._retrieve(job_id, session, values, chain, at, failed, holds, done)
+            self._retrieve(job_id, session, values, chain, at, failed, holds, done, part)
         finally:
             for hold in {id(hold): hold for hold in holds.values()}.values():
                 hold.release(self._link)
@@ -157,6 +161,7 @@ class SlotIO:
         failed: list[int],
         holds: dict[int, Hold],
         done: Callable[[JobResult], object],
+        part: int,
     ) -> None:
         pool = self._pool(values)
         if pool is None:
@@ -177,7 +182,7 @@ class SlotIO:
         # server session, which then ends once, with the hold's release; otherwise a session of its own.
         sessions = {holds[pos].server if pos in holds else None for pos in wanted}
         shared = sessions.pop() if len(sessions) == 1 else None
-        server = shared if shared is not None else self._link.server_session(session, f"r{job_id}")
+        server = shared if shared is not None else self._link.server_session(session, f"r{job_id}.{part}")
         spans = runs(wanted)
         keys = [codec.ipc_key(server, chain, start, end, 0) for start, end in spans]
         prepared = [client.prepare_retrieve(key, iid) for key in keys]

@@ -71,7 +71,7 @@ class Values(abc.ABC):
 
 
 class HostValues(Values):
-    """Values in the worker's host buffer (``StoreItem`` offsets)."""
+    """Values in the worker's host buffer (``StoreItem`` offsets, or runs: a KV head's value)."""
 
     def __init__(
         self, host: memoryview, items: Sequence[StoreItem], layout: SlotLayout, lock: threading.Lock
@@ -93,21 +93,24 @@ class HostValues(Values):
         with self._lock:
             for i, slot in pairs:
                 item, at = self._items[i], self._layout.value_offset(slot)
-                host = slice(item.offset, item.offset + item.length)
                 if pool.closed or at + item.length > pool.size:
                     failed.add(i)
-                elif into_pool:
-                    pool.view[at : at + item.length] = self._host[host]
-                else:
-                    self._host[host] = pool.view[at : at + item.length]
+                    continue
+                for offset, length in item.ranges():
+                    if into_pool:
+                        pool.view[at : at + length] = self._host[offset : offset + length]
+                    else:
+                        self._host[offset : offset + length] = pool.view[at : at + length]
+                    at += length
         return failed
 
 
 class BlockValues(Values):
-    """Values in the engine's KV blocks; a value is whole host blocks of the pool. ``mark`` orders the
-    copies after the engine work queued when the job was submitted; ``mover_over`` gives the mover over a
-    pool (``None``: none can be had). A copy is waited out, however long it takes (``patience`` between
-    warnings): a job may not end while a copy of it can still touch an engine block."""
+    """Values in the engine's KV blocks; a value is whole host blocks of the pool (with ``head``: that
+    local KV head's head blocks, ``BlockTransfer.head``). ``mark`` orders the copies after the engine
+    work queued when the job was submitted; ``mover_over`` gives the mover over a pool (``None``: none
+    can be had). A copy is waited out, however long it takes (``patience`` between warnings): a job may
+    not end while a copy of it can still touch an engine block."""
 
     def __init__(
         self,
@@ -116,6 +119,7 @@ class BlockValues(Values):
         layout: SlotLayout,
         mover_over: Callable[[Segment], OrderedMover | None],
         patience: float,
+        head: int | None = None,
     ) -> None:
         whole = layout.value_bytes
         super().__init__(
@@ -127,6 +131,7 @@ class BlockValues(Values):
         self._layout = layout
         self._mover_over = mover_over
         self._patience = patience
+        self._head = head
 
     def ready(self, pool: Segment) -> bool:
         return self._mover_over(pool) is not None
@@ -157,7 +162,7 @@ class BlockValues(Values):
         if into_engine and not self._start_copy_in():
             return everything  # given up: the engine's blocks may hold other KV now
         try:
-            result = self._move(mover, BlockTransfer(direction, engine, host))
+            result = self._move(mover, BlockTransfer(direction, engine, host, self._head))
         finally:
             if into_engine:
                 self._end_copy_in()

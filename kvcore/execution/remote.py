@@ -120,7 +120,7 @@ class StoreRemote(_Remote):
                 )
             for head, key in enumerate(keys):
                 runs = heads.value(head, item.offset, blocks)
-                parts.append(StoreItem(key, runs[0][0], item.length // heads.heads, runs))
+                parts.append(StoreItem(key, runs[0][0], blocks * heads.head_bytes, runs))
                 owners.append(i)
         with self._lock:
             job_id = submit(parts)

@@ -43,7 +43,12 @@ class HeadRuns:
     def of(cls, engine: EngineSpec) -> HeadRuns | None:
         """The runs of ``engine``'s rank, or ``None`` where its values cannot be one per head
         (``splits``)."""
-        layout = engine.layout
+        return cls.of_layout(engine.layout, engine.num_layers)
+
+    @classmethod
+    def of_layout(cls, layout: KVLayout, num_layers: int) -> HeadRuns | None:
+        """The runs of a rank of ``num_layers`` layers of ``layout`` (``of``), for a block mover that
+        knows the layout but not the engine's spec."""
         if not splits(layout):
             return None
         stride = layout.head_stride if layout.num_kv_heads > 1 else layout.segment_bytes
@@ -57,17 +62,22 @@ class HeadRuns:
         runs = tuple(
             tuple(
                 (layer * layout.block_bytes + offset, length)
-                for layer in range(engine.num_layers)
+                for layer in range(num_layers)
                 for offset, length in per_layer[head]
             )
             for head in range(layout.num_kv_heads)
         )
-        return cls(engine.host_block_bytes, runs)
+        return cls(num_layers * layout.block_bytes, runs)
 
     @property
     def heads(self) -> int:
         """The heads the rank holds."""
         return len(self.runs)
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head in one host block: a head's value over ``n`` blocks is ``n`` times it."""
+        return sum(length for _, length in self.runs[0])
 
     def value(self, head: int, offset: int, blocks: int) -> tuple[Run, ...]:
         """The runs of local head ``head``'s value over ``blocks`` host blocks from byte ``offset`` (a

@@ -28,13 +28,12 @@ from kvcore.execution.remote import ManagedRemote, StoreRemote
 from kvcore.execution.worker import BlockWorker
 from kvcore.kit.closing import close_quietly
 from kvcore.kit.faults import FaultHooks
-from kvcore.kit.settings import keeps_heads
 from kvcore.model.engine import EngineSpec
-from kvcore.model.head_runs import HeadRuns, splits
+from kvcore.model.head_runs import HeadRuns
 from kvcore.plugins import Backend, MoverWrap, RemoteOpener, RemotePort
 from kvcore.plugins.registry import backend, engine_memory
-from kvcore.plugins.sizing import pool_slots
-from kvcore.ports import ChunkIndex, ChunkStore, ManagedTier, RankMemory, RemoteTier, SupportsHeldLookups
+from kvcore.plugins.sizing import keeps_head_values, pool_slots
+from kvcore.ports import ChunkIndex, ChunkStore, ManagedTier, RankMemory, RemoteTier
 from kvcore.scheduling.cascade_index import cascade_index
 from kvcore.scheduling.scheduler import CacheScheduler
 
@@ -120,13 +119,8 @@ def open_worker(
 def as_remote_tier(port: RemotePort, heads: HeadRuns | None = None) -> RemoteTier:
     """The worker's ``RemoteTier`` over a backend's port: a ``ChunkStore`` (``StoreRemote``; ``heads``:
     one value per KV head, the rank's runs), a ``ManagedTier`` (``ManagedRemote``) or a ``RemoteTier`` as
-    it is. Raises ``UsageError`` for anything else, and for ``heads`` given with a port that is not a
-    ``ChunkStore``."""
-    if heads is not None and not isinstance(port, ChunkStore):
-        raise UsageError(
-            f"a backend that keeps values per KV head (PER_HEAD) returned {type(port).__name__} from "
-            "open_remote: expected a ChunkStore, which gathers and scatters a head's runs"
-        )
+    it is. (A managed or remote tier of a backend that keeps values per KV head splits them itself: its
+    calls name chains, which only it can split.) Raises ``UsageError`` for anything else."""
     if isinstance(port, RemoteTier):
         return port
     if isinstance(port, ChunkStore):
@@ -148,7 +142,7 @@ def _remote_tiers(config: KVCoreConfig, engine: EngineSpec) -> RemoteOpener:
         opened = _open_each(
             config,
             lambda tier, plugin: _remote_of(
-                plugin.open_remote(tier, engine, memory), heads if _keeps_heads(tier, engine) else None
+                plugin.open_remote(tier, engine, memory), heads if keeps_head_values(tier, engine) else None
             ),
         )
         stack = config.backend
@@ -206,17 +200,11 @@ def _open_each(
     return opened
 
 
-def _keeps_heads(tier: KVCoreConfig, engine: EngineSpec) -> bool:
-    """Whether ``tier`` keeps a value per KV head for ``engine``: its backend says so (``PER_HEAD``)
-    and the engine's heads can be cut apart (``kvcore.model.head_runs.splits``). Both sides ask this."""
-    return keeps_heads(tier.backend) and splits(engine.layout)
-
-
 def _flags(config: KVCoreConfig, engine: EngineSpec) -> tuple[bool, ...]:
     """Whether each remote tier of the config keeps a value per KV head (none without remote tiers)."""
     stack = config.backend
     if isinstance(stack, TierStack) or stack.REMOTE:
-        return tuple(_keeps_heads(tier, engine) for tier in _tiers(config))
+        return tuple(keeps_head_values(tier, engine) for tier in _tiers(config))
     return ()
 
 
@@ -230,14 +218,7 @@ def _cascade_index(config: KVCoreConfig, engine: EngineSpec) -> tuple[ChunkIndex
     def open_index(tier: KVCoreConfig, plugin: Backend) -> ChunkIndex | None:
         index = plugin.open_index(tier, engine)
         if index is not None:
-            per_head = _keeps_heads(tier, engine)
-            if per_head and isinstance(index, SupportsHeldLookups):
-                close_quietly(index)
-                raise UsageError(
-                    f"{tier.backend.KIND}: a backend that keeps values per KV head (PER_HEAD) opened an "
-                    "index that holds its lookups' locks, which name every rank's key: not both"
-                )
-            flags.append(per_head)
+            flags.append(keeps_head_values(tier, engine))
         return index
 
     opened = _open_each(config, open_index)

@@ -11,15 +11,25 @@ from kvcore.checks import SIZE_LIMIT, is_int_in
 from kvcore.config.model import KVCoreConfig
 from kvcore.config.tiers import TierStack
 from kvcore.errors import ConfigError
+from kvcore.kit.settings import keeps_heads
 from kvcore.model.engine import EngineSpec
+from kvcore.model.head_runs import splits
 
-__all__ = ["check_world", "host_field", "pool_slots", "slot_bytes", "staging_shortfall"]
+__all__ = ["check_world", "host_field", "keeps_head_values", "pool_slots", "slot_bytes", "staging_shortfall"]
 
 
 def slot_bytes(config: KVCoreConfig, engine: EngineSpec) -> int:
     """Bytes of one host slot: one chunk of one rank's shard, every layer. Raises ``ConfigError`` when
     ``chunk_tokens`` is not a multiple of the engine's block size."""
     return engine.blocks_per_chunk(config.chunk_tokens) * engine.host_block_bytes
+
+
+def keeps_head_values(tier: KVCoreConfig, engine: EngineSpec) -> bool:
+    """Whether the remote tier ``tier`` (a config whose ``backend`` is one tier's settings) keeps a value
+    per KV head for ``engine``: its backend says so (``PER_HEAD``) and the engine's heads can be cut
+    apart (``kvcore.model.head_runs.splits``). Both sides, and the backend itself, ask this: a value is
+    then one head's part of a slot."""
+    return keeps_heads(tier.backend) and splits(engine.layout)
 
 
 def _group_slots_bytes(config: KVCoreConfig, engine: EngineSpec) -> int:

@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 from attrs import Attribute, field, frozen
 from attrs.validators import ge, optional
 
-from kvcore.checks import instance, int_ids, int_tuple
+from kvcore.checks import instance, int_ids, int_in, int_tuple
 from kvcore.errors import InvalidSpecError
 from kvcore.ids import ChunkKey, JobId
 from kvcore.jobs import JobResult
@@ -49,12 +49,15 @@ class BlockTransfer:
     """Copy whole blocks: ``engine_blocks[i]`` <-> ``host_blocks[i]``, for every layer of the shard.
 
     A host block holds one engine block of every layer, layer after layer; a host slot (one chunk) is
-    ``blocks_per_chunk`` consecutive host blocks.
+    ``blocks_per_chunk`` consecutive host blocks. With ``head`` (a mover of head blocks, ``BlockMovers.over``
+    with ``per_head``), only that local KV head moves: a host block is then a *head block*, the head's runs
+    of a host block one after another (``kvcore.model.head_runs``).
     """
 
     direction: Direction = field(validator=instance(Direction))
     engine_blocks: tuple[int, ...] = field(converter=int_tuple, validator=int_ids)
     host_blocks: tuple[int, ...] = field(converter=int_tuple, validator=[int_ids, _same_length])
+    head: int | None = field(default=None, validator=optional(int_in(0)))
 
 
 @frozen

@@ -101,7 +101,9 @@ class SupportsHeldLookups(ChunkIndex, Protocol):
     ) -> LookupId:
         """As ``ChunkIndex.submit_lookup``, except that each chunk names every rank's key in rank order
         (ranks that share a shard repeat its key: each of them reads it, and each takes a lock), and
-        that the chunks the answer counts stay locked for ``take_held``."""
+        that the chunks the answer counts stay locked for ``take_held``. For a tier that keeps a value
+        per KV head (``BackendSettings.PER_HEAD``) a rank's key is its heads' keys joined
+        (``kvcore.keying.keys.head_keys`` splits it): the index locks each head's value for the rank."""
         ...
 
     def take_held(self, lookup_id: LookupId) -> HeldChunks | None:

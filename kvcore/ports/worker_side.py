@@ -237,9 +237,12 @@ class BlockMovers(Protocol):
         """The engine's work queued so far, taken on the engine's thread (see ``OrderedMover``)."""
         ...
 
-    def over(self, pool: mmap.mmap) -> OrderedMover:
+    def over(self, pool: mmap.mmap, *, per_head: bool = False) -> OrderedMover:
         """A mover between the engine's blocks and ``pool``, as host blocks of the engine's host block
-        size. Raises ``BackendError`` when the pool cannot be used (page-locking)."""
+        size; with ``per_head``, as head blocks (a host block's bytes of one local KV head, its runs one
+        after another: ``kvcore.model.head_runs``), and each transfer names its head
+        (``BlockTransfer.head``). Raises ``BackendError`` when the pool cannot be used (page-locking),
+        ``InvalidSpecError`` for ``per_head`` where the engine's heads are not runs of a block."""
         ...
 
 

@@ -36,7 +36,12 @@ STATE_BYTES = 3 * 64 * 2 + 2 * 16 * 16 * 4
 
 
 def _configs(
-    *, tp: int = 1, speculative: object = None, replay: bool = False, hash_block: int | None = None
+    *,
+    tp: int = 1,
+    speculative: object = None,
+    replay: bool = False,
+    hash_block: int | None = None,
+    split: dict[str, int] | None = None,
 ) -> tuple[Any, Any]:
     layers = [["model.layers.0.linear_attn"], ["model.layers.1.linear_attn"]]
     groups = [
@@ -50,9 +55,12 @@ def _configs(
     vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(
             tensor_parallel_size=tp,
-            pipeline_parallel_size=1,
-            decode_context_parallel_size=1,
-            prefill_context_parallel_size=1,
+            **{
+                "pipeline_parallel_size": 1,
+                "decode_context_parallel_size": 1,
+                "prefill_context_parallel_size": 1,
+                **(split or {}),
+            },
         ),
         cache_config=SimpleNamespace(
             kv_cache_dtype_skip_layers=[],
@@ -104,3 +112,16 @@ def test_what_would_put_another_state_in_a_block_is_refused_by_name(
 ) -> None:
     with pytest.raises(UnsupportedConfiguration, match=message):
         kv_groups(*_configs(**change))
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("pipeline_parallel_size", "every layer of a rank"),
+        ("decode_context_parallel_size", "some of a block's tokens"),
+        ("prefill_context_parallel_size", "some of a block's tokens"),
+    ],
+)
+def test_a_parallel_split_kvcore_cannot_key_is_refused_by_name_and_why(name: str, why: str) -> None:
+    with pytest.raises(UnsupportedConfiguration, match=f"{name}=2 yet \\(only 1\\): .*{why}"):
+        kv_groups(*_configs(split={name: 2}))

@@ -21,6 +21,7 @@ from kvcore.ids import JobId
 from kvcore.jobs import JobBoard, JobResult
 from kvcore.kit.faults import FaultHooks
 from kvcore.model.engine import EngineSpec
+from kvcore.model.head_runs import HeadRuns
 from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.plugins.sizing import pool_slots
 from kvcore.ports import BlockTransfer, Direction, SupportsReopen
@@ -277,7 +278,7 @@ def test_copier_pieces_cover_every_pair_once(threads: int, blocks: int, shared: 
     rng = np.random.default_rng(blocks)
     with HostMemory.allocate(2 * blocks, engine.host_block_bytes, torch.device("cpu")) as host:
         host.buffer.fill_(7)
-        copier = BlockCopier(routes(engine), host, threads)
+        copier = BlockCopier([routes(engine)], host, threads)
         engine_ids = rng.choice(2 * blocks, blocks, replace=False).astype(np.int64)
         host_ids = rng.choice(2 * blocks, blocks, replace=False).astype(np.int64)
         copier.copy(Direction.SAVE, engine_ids, host_ids)
@@ -730,7 +731,7 @@ def test_the_copy_threads_end_with_close_and_the_worker_is_a_daemon() -> None:
 def test_a_closed_lane_refuses_jobs_instead_of_queueing_them_for_no_one() -> None:
     rig = make_rig()
     board = JobBoard()
-    lane = CpuLane(board, BlockCopier(routes(rig.engine), rig.host, 1))
+    lane = CpuLane(board, BlockCopier([routes(rig.engine)], rig.host, 1))
     lane.close(SETTLE)
     lane.close(SETTLE)  # idempotent
     job = board.new()
@@ -752,3 +753,61 @@ def test_a_mapped_mover_refused_leaves_the_mapping_free_to_close(size: int) -> N
         MappedMover(engine, buffer)
     if isinstance(buffer, mmap.mmap):
         buffer.close()
+
+
+# -- head blocks (a remote tier that keeps a value per KV head) ----------------------------------------
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-storage", "tensor-per-layer"])
+@pytest.mark.parametrize("heads", [2, 4])
+@pytest.mark.parametrize(
+    "kind", [LayoutKind.VLLM_CPU, LayoutKind.PAGED, LayoutKind.FLASH_ATTN, LayoutKind.FLASH_INFER]
+)
+def test_a_head_mover_moves_exactly_one_heads_runs(kind: LayoutKind, heads: int, shared: bool) -> None:
+    layout = KVLayout(kind, ENGINE_BLOCKS, 4, heads, head_size=16, dtype_size=2, head_order=HeadOrder.HND)
+    engine = EngineKV.register(random_kv(layout, shared=shared, seed=heads), layout)
+    runs = HeadRuns.of_layout(layout, LAYERS)
+    assert runs is not None
+    size = runs.head_bytes
+    assert size * heads == engine.host_block_bytes
+    pool = mmap.mmap(-1, 4 * size)
+    mover = MappedMover(engine, pool, per_head=True)
+    try:
+
+        def whole(block: int) -> bytes:
+            return b"".join(plane[block].numpy().tobytes() for plane in engine.planes)
+
+        def head_of(data: bytes, head: int) -> bytes:
+            return b"".join(data[start : start + length] for start, length in runs.runs[head])
+
+        for head in range(heads):
+            job = mover.submit_after(BlockTransfer(Direction.SAVE, [5, 9], [1, 0], head=head), mover.mark())
+            assert mover.wait([job], SETTLE)[0].ok
+            assert pool[size : 2 * size] == head_of(whole(5), head)
+            assert pool[0:size] == head_of(whole(9), head)
+            before = whole(3)
+            job = mover.submit_after(BlockTransfer(Direction.LOAD, [3], [1], head=head), mover.mark())
+            assert mover.wait([job], SETTLE)[0].ok
+            after = whole(3)
+            assert head_of(after, head) == head_of(whole(5), head)
+            for other in set(range(heads)) - {head}:
+                assert head_of(after, other) == head_of(before, other), f"head {other} was touched"
+        for bad in (None, heads, -1):
+            with pytest.raises(InvalidSpecError, match="head: got"):
+                mover.submit_after(BlockTransfer(Direction.SAVE, [1], [0], head=bad), mover.mark())
+    finally:
+        mover.close()
+    whole_mover = MappedMover(engine, mmap.mmap(-1, engine.host_block_bytes))
+    try:
+        with pytest.raises(InvalidSpecError, match="head: got 0, expected None"):
+            whole_mover.submit(BlockTransfer(Direction.SAVE, [1], [0], head=0))
+    finally:
+        whole_mover.close()
+
+
+def test_a_head_mover_refuses_heads_that_are_not_runs() -> None:
+    layout = make_layout(LayoutKind.FLASH_ATTN)
+    assert layout.head_order is HeadOrder.NHD
+    engine = EngineKV.register(random_kv(layout, shared=False), layout)
+    with pytest.raises(InvalidSpecError, match="per_head: the engine's 2 KV heads are not runs"):
+        MappedMover(engine, mmap.mmap(-1, engine.host_block_bytes), per_head=True)

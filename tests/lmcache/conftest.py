@@ -196,6 +196,10 @@ class LMCacheServer:
         """How many of the server's cached chunks are read-locked now."""
         return int(self.status()["storage_manager"]["l1_manager"]["read_locked_count"])
 
+    def objects(self) -> int:
+        """How many chunks (values) the server holds now."""
+        return int(self.status()["storage_manager"]["l1_manager"]["total_object_count"])
+
     def status(self) -> dict[str, Any]:
         """The server's HTTP status (which may come up shortly after the server answers requests)."""
         deadline = time.monotonic() + READY_S

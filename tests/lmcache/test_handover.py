@@ -1,6 +1,7 @@
 """The scheduler's read locks handed to the workers (``SupportsHeldLookups``), against a real server.
 
-A held lookup keeps the chunks it answered read-locked, one lookup per rank; the load carries the locks
+A held lookup keeps the chunks it answered read-locked, one lookup per rank (per KV head of each rank:
+the server keeps a value per head); the load carries the locks
 to the workers, whose retrieve prepares those chunks under them with no lookup of its own and releases
 what it does not read. Every path must leave the server with no lock of the request's: a finished,
 aborted or preempted request, a load that reads less than the lookup found, and a lock too old to hand
@@ -19,6 +20,7 @@ import pytest
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
 from kvcore.ids import ChunkKey, RequestId
+from kvcore.keying.keys import head_keys
 from kvcore.testing.counting import CallCounter
 from kvcore.testing.slow_link import SlowLink
 from kvcore.testing.support import SETTLE_S, settle
@@ -72,12 +74,17 @@ def _tier(engine: Engine) -> LMCacheManagedTier:
 
 @contextlib.contextmanager
 def _other_reader(server: LMCacheServer, engine: Engine) -> Iterator[int]:
-    """Another client's read lock on every chunk of each rank that ``engine``'s last save stored, as a
+    """Another client's read lock on every chunk of each KV head that ``engine``'s last save stored, as a
     third engine's lookup would hold it, kept until the block ends; yields how many chunks that is.
     The server counts locked chunks, not locks: a release of ours that took one of these shows as a
     chunk no longer locked, and a lock of ours left behind as one still locked after the block."""
     (op,) = engine.plans[-1].ops
-    chains = {tuple(keys[rank] for keys in op.chain) for rank in range(len(op.chain[0]))}
+    heads = [[head_keys(key) for key in keys] for keys in op.chain]  # chunk, rank, head
+    chains = {
+        tuple(chunk[rank][head] for chunk in heads)
+        for rank, per_rank in enumerate(heads[0])
+        for head in range(len(per_rank))
+    }
     codec = _tier(engine).link.codec
     client = RequestClientFactory.create(server.url)
     sessions: list[tuple[str, tuple[ChunkKey, ...]]] = []
@@ -124,7 +131,7 @@ def test_a_load_reads_under_the_schedulers_locks_and_releases_them_all(
     assert server.read_locked() == 0
     counted = _count_worker_calls(b)
     with _other_reader(server, a) as locked:
-        assert locked == CHUNKS * (2 if tp == 2 and kv_heads is None else 1)
+        assert locked == CHUNKS * (2 * tp if kv_heads is None else kv_heads)
         assert b.lookup("b", tokens) == CHUNKS * CHUNK_TOKENS
         b.sched.start_load(RequestId("b"), list(INTO))
         b.step()
@@ -135,7 +142,8 @@ def test_a_load_reads_under_the_schedulers_locks_and_releases_them_all(
         for rank in range(tp):  # a shared shard is written by rank 0 alone, and read by every rank
             assert b.blocks(rank, INTO) == a.blocks(rank if kv_heads is None else 0, range(BLOCKS))
         assert [c.calls["lookup"] for c in counted] == [0] * tp  # no lookup of the workers' own
-        assert [c.calls["prepare_retrieve"] for c in counted] == [1] * tp
+        local = spec.layout.num_kv_heads
+        assert [c.calls["prepare_retrieve"] for c in counted] == [local] * tp  # one per head
         b.sched.finish(RequestId("b"))
         b.step()
         assert _still_locked(server, locked)
@@ -168,7 +176,8 @@ def test_a_prompts_tail_travels_through_the_server_under_the_handed_over_locks(
         assert b.blocks(rank, range(20, 20 + loaded)) == a.blocks(
             rank if kv_heads is None else 0, range(loaded)
         )
-    assert [(c.calls["lookup"], c.calls["prepare_retrieve"]) for c in counted] == [(0, 1)] * tp
+    local = spec.layout.num_kv_heads  # a prepare per KV head
+    assert [(c.calls["lookup"], c.calls["prepare_retrieve"]) for c in counted] == [(0, local)] * tp
     assert _unlocked(server)
     # a prompt that ends one block earlier has another tail: the chunks are found, its tail is not
     assert b.lookup("c", tokens[:-BLOCK]) == CHUNKS * CHUNK_TOKENS
@@ -192,7 +201,7 @@ def test_without_the_hand_over_each_worker_locks_with_a_lookup_of_its_own(
     b.step()
     assert b.sched.take_load_errors() == {}
     assert b.blocks(0, INTO) == a.blocks(0, range(BLOCKS))
-    assert counted.calls["lookup"] == 1
+    assert counted.calls["lookup"] == spec.layout.num_kv_heads  # one per KV head
     assert _unlocked(server)
 
 
@@ -260,7 +269,7 @@ def test_a_request_that_never_loads_releases_what_its_lookup_locked(
         assert _unlocked(server)
         return
     assert b.lookup("b", tokens) == CHUNKS * CHUNK_TOKENS
-    assert server.read_locked() == 2 * CHUNKS  # two ranks, a shard each
+    assert server.read_locked() == 4 * CHUNKS  # two ranks, two KV heads each
     with _other_reader(server, a) as locked:
         ending: Callable[[RequestId], object] = {
             "finish": b.sched.finish,
@@ -289,7 +298,7 @@ def test_a_lock_too_old_to_hand_over_is_released_and_the_worker_locks_afresh(
     assert op.held is None
     assert b.sched.take_load_errors() == {}
     assert b.blocks(0, INTO) == a.blocks(0, range(BLOCKS))
-    assert counted.calls["lookup"] == 1  # a fresh lookup of the worker's own
+    assert counted.calls["lookup"] == spec.layout.num_kv_heads  # a fresh lookup of the worker's own, per head
     assert _unlocked(server)
 
 

@@ -5,7 +5,8 @@ One engine per model, each on a server of its own (so every object in it is that
 the server's shared-memory slots (no ``local_size``, the default): the prompt evicted from vLLM's cache
 comes back from the server. Each rank registers with the server as a worker of its own. With one KV
 head (replicated) rank 0 alone stores the shared chunks and both ranks retrieve them; with four (two
-per rank) each rank stores and retrieves its own shard's chunks, so the server holds twice as many.
+per rank) each rank stores and retrieves a value per KV head of its own, so the server holds four
+times as many.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from tests.integration.tp2 import (
     check_reuse,
     engine_digests_probe,
     kv_heads_model,
-    rank_heads,
     reuse_flow,
     start_tp_engine,
     tier_config,
@@ -105,10 +105,9 @@ def test_each_rank_is_a_worker_of_its_own(server_run: ServerRun) -> None:
     assert len(set(server_run.registered)) == TP, server_run.registered
 
 
-def test_server_holds_one_copy_per_shard(server_run: ServerRun) -> None:
-    run = server_run.run
-    shards = len({(r.start, r.stop) for r in (rank_heads(run.kv_heads, TP, rank) for rank in range(TP))})
-    assert server_run.objects == shards * EXPECTED_SAVED_CHUNKS
+def test_server_holds_one_value_per_kv_head(server_run: ServerRun) -> None:
+    run = server_run.run  # a replicated head is stored once, by rank 0
+    assert server_run.objects == run.kv_heads * EXPECTED_SAVED_CHUNKS
 
 
 def test_every_rank_reported_every_op(server_run: ServerRun) -> None:
