@@ -208,8 +208,12 @@ class CudaLane:
         staging = torch.empty((count, self._block_bytes), dtype=torch.uint8, device=self._device)
         if direction is Direction.LOAD:
             self._host_runs(direction, staging, host_ids)
+        uploaded: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # routes of the same rows share
         for route in routes:
-            index = self._to_device(route.engine_rows(engine_ids))
+            rows_of = (route.engine_step, tuple(route.engine_base.tolist()))
+            index = uploaded.get(rows_of)
+            if index is None:
+                index = uploaded[rows_of] = self._to_device(route.engine_rows(engine_ids))
             engine, rows = _wide(route.engine), _wide(route.host_view(staging))
             if direction is Direction.SAVE:
                 torch.index_select(engine, 0, index, out=rows)

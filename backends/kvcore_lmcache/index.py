@@ -2,7 +2,8 @@
 
 It runs in the scheduler process (vLLM's engine core), apart from the workers, and asks which leading
 chunks the server holds. A plain lookup's read locks are released as soon as it is answered. A *held*
-lookup (``SupportsHeldLookups``) keeps the locks of the chunks it answered, one lookup per rank, and the
+lookup (``SupportsHeldLookups``) keeps the locks of the chunks it answered, one lookup per rank (per KV
+head of each rank, below), and the
 scheduler hands them to the workers with the load (each rank's ``LMCacheManagedTier`` prepares those
 chunks under them with no lookup of its own, and releases what it does not read) or releases them.
 The locks a held lookup does not keep (chunks before the asked ones, a rank's hits past the answer)

@@ -1,4 +1,5 @@
-"""Store and retrieve jobs against an LMCache server's shared-memory slots, on the tier's job thread.
+"""Store and retrieve jobs against an LMCache server's shared-memory slots, each part of a job on the
+thread that runs it (the tier's job thread, or a part's own).
 
 A job's items are cut into runs of consecutive chunks of the request's chain, and each run is one server
 request; the runs of a job are pipelined. A store reserves a run's slots (``prepare_store``), copies the
@@ -43,7 +44,7 @@ def _positions(chain: Sequence[ChunkKey]) -> dict[ChunkKey, int]:
 
 
 class SlotIO:
-    """Runs store and retrieve jobs of one link's tier, each on the calling (job) thread."""
+    """Runs store and retrieve jobs of one link's tier, each part on the calling thread."""
 
     def __init__(self, link: ServerLink, lookups: LookupBook, locks: SessionLocks) -> None:
         self._link = link

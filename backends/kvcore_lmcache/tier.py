@@ -23,7 +23,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from kvcore.errors import BackendError, BackendUnavailable, InvalidSpecError
@@ -68,9 +67,10 @@ class _Joined:
         self._failed: set[int] = set()
         self._errors: list[str] = []
 
-    def tell(self, result: JobResult) -> None:
+    def tell(self, result: JobResult, items: int) -> None:
+        """A part of ``items`` items told ``result``."""
         with self._lock:
-            self._failed.update(result.failed)
+            self._failed.update(result.failed_items(items))
             if result.error is not None:
                 self._errors.append(result.error)
             self._left -= 1
@@ -116,8 +116,9 @@ class LMCacheManagedTier:
         self.value_bytes = value_bytes
         self.blocks_per_value = value_bytes // block_bytes
         self._movers = block_movers
-        # on the job thread: the block mover over the pool it was built for (None: none could be)
+        # the block mover over the pool it was built for (None: none could be), under ``_mover_lock``
         self._mapped: tuple[Segment, OrderedMover | None] | None = None
+        self._mover_lock = threading.Lock()
         self.link = ServerLink(config, chunk_tokens, model_name, SlotLayout(value_bytes, block_bytes))
         self._lookups = LookupBook(self.link)
         self._locks = SessionLocks(self.link)
@@ -127,11 +128,6 @@ class LMCacheManagedTier:
         self._jobs: dict[JobId, tuple[Values, ...]] = {}  # jobs not finished, for ``abandon``
         self._closing = False
         self._lane = JobLane("kvcore-lmcache-jobs")
-        # a job's parts after its first (one per KV head): each waits on the server most of its time
-        self._helpers = ThreadPoolExecutor(
-            max(1, (self._split.heads if self._split is not None else 1) - 1),
-            thread_name_prefix="kvcore-lmcache-heads",
-        )
 
     # -- lookups -----------------------------------------------------------------------------------
 
@@ -167,11 +163,15 @@ class LMCacheManagedTier:
         # taken by the scheduler's lookup up to ``lock_handover_s`` before its hand-over: as old as that
         at = time.monotonic() - self.link.config.lock_handover_s
         holders = holder.split(HOLDER_SEPARATOR) if self._split is not None else [holder]
-        chains = self._chains(chain[:end])
+        try:
+            chains = self._chains(chain[:end])
+        except InvalidSpecError as exc:
+            chains = []
+            log.warning("kvcore: %s", exc)
         if len(holders) != len(chains):
-            log.warning(
-                "kvcore: locks of %d holders for %d KV heads left to lapse", len(holders), len(chains)
-            )
+            log.warning("kvcore: locks of %d holders for %d KV heads released", len(holders), len(chains))
+            for one in holders:  # ending a server session releases what it holds
+                self.link.release(one, (), ())
             return
         for one, head_chain in zip(holders, chains, strict=True):
             self._locks.adopt(session, one, head_chain, range(start, end), at)
@@ -230,7 +230,6 @@ class LMCacheManagedTier:
         with self._lock:
             self._closing = True
         self._lane.close(2 * self.link.config.request_timeout_s + 1.0, why="the LMCache tier closed")
-        self._helpers.shutdown(wait=False)
         if self._mapped is not None:
             close_quietly(self._mapped[1])
             self._mapped = None
@@ -302,20 +301,22 @@ class LMCacheManagedTier:
         ]
 
     def _mover_over(self, pool: Segment) -> OrderedMover | None:
-        """On the job thread: the block mover over ``pool``, built the first time it is asked for (the
-        mover of a pool the heartbeat replaced is closed then)."""
-        mapped = self._mapped
-        if mapped is not None and mapped[0] is pool:
-            return mapped[1]
-        mover: OrderedMover | None = None
-        with self.link.segment_lock:  # the heartbeat does not unmap the pool while the mover takes it
-            if self._movers is None or pool.closed or self._closing:  # no new mover once closing
-                return None
-            try:
-                mover = self._movers.over(pool.buffer, per_head=self._split is not None)
-            except BackendError as exc:
-                log.warning("kvcore: no block mover over the LMCache pool: %s", exc)
-        self._mapped = (pool, mover)
+        """The block mover over ``pool``, built the first time a job asks for it (the mover of a pool the
+        heartbeat replaced is closed then); one, whichever of a job's parts asks first (a second mover
+        would page-lock the pool twice)."""
+        with self._mover_lock:
+            mapped = self._mapped
+            if mapped is not None and mapped[0] is pool:
+                return mapped[1]
+            mover: OrderedMover | None = None
+            with self.link.segment_lock:  # the heartbeat does not unmap the pool while the mover takes it
+                if self._movers is None or pool.closed or self._closing:  # no new mover once closing
+                    return None
+                try:
+                    mover = self._movers.over(pool.buffer, per_head=self._split is not None)
+                except BackendError as exc:
+                    log.warning("kvcore: no block mover over the LMCache pool: %s", exc)
+            self._mapped = (pool, mover)
         if mapped is not None and mapped[1] is not None:
             close_quietly(mapped[1])
         return mover
@@ -341,12 +342,14 @@ class LMCacheManagedTier:
         done(self._slots.store(job_id, session, values, chain, part))
 
     def _run(self, job: _Job, job_id: JobId, session: RequestId, parts: _Parts) -> None:
-        """On the lane: run a job's parts side by side (the first on this thread), so that a load of
-        several KV heads costs the round trips of one; its result is handed over once every part told
-        its own (an item failed where a part failed it), and the lane moves on once every part ended. A
-        ``BackendError`` before a part's result fails that part's items (after: logged; anything else,
-        a bug, the lane's)."""
+        """On the lane: run a job's parts side by side (the first on this thread, the others on threads
+        of their own, which wait on the server most of their time), so that a load of several KV heads
+        costs the round trips of one; its result is handed over once every part told its own (an item
+        failed where a part failed it), and the lane moves on once every part ended: no copy of the job
+        can touch an engine block after. A ``BackendError`` before a part's result fails that part's
+        items (after: logged; anything else, a bug, the lane's)."""
         joined = _Joined(job_id, len(parts), self._finish)
+        bugs: list[BaseException] = []
 
         def run(part: int) -> None:
             values, chain = parts[part]
@@ -354,7 +357,7 @@ class LMCacheManagedTier:
 
             def done(result: JobResult) -> None:
                 told.set()
-                joined.tell(result)
+                joined.tell(result, len(values.keys))
 
             try:
                 job(job_id, session, values, chain, done, part)
@@ -363,13 +366,24 @@ class LMCacheManagedTier:
                     log.warning("kvcore: LMCache job %s, after its result: %s", job_id, exc)
                 else:
                     done(JobResult(job_id, tuple(range(len(values.keys))), str(exc)))
+            except BaseException as exc:  # handed to the lane's thread, whose failure it is
+                bugs.append(exc)
 
-        others = [self._helpers.submit(run, part) for part in range(1, len(parts))]
+        # daemon threads, as the lane's: a copy waited out however long never holds the process's exit
+        others = [
+            threading.Thread(target=run, args=(part,), name=f"kvcore-lmcache-part-{part}", daemon=True)
+            for part in range(1, len(parts))
+        ]
         try:
+            for other in others:
+                other.start()
             run(0)
         finally:
             for other in others:
-                other.result()
+                if other.ident is not None:  # started
+                    other.join()
+        if bugs:
+            raise bugs[0]
 
     def _fail(self, job_id: JobId, why: str) -> None:
         self._finish(JobResult(job_id, error=why))

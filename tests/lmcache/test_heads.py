@@ -21,7 +21,8 @@ def _joined(chunk: int, heads: int) -> ChunkKey:
 @pytest.fixture
 def split() -> HeadSplit:
     runs = HeadRuns.of(engine_spec(1, kv_heads=2))
-    assert runs is not None and runs.heads == 2
+    assert runs is not None
+    assert runs.heads == 2
     return HeadSplit(runs)
 
 
