@@ -28,6 +28,7 @@ from kvcore.config import KVCoreConfig
 from kvcore.config.describe import describe
 from kvcore.errors import InvalidSpecError, UnsupportedConfiguration
 from kvcore.kit.settings import format_size
+from kvcore.model.head_runs import splits
 from kvcore.plugins.sizing import pool_slots, slot_bytes, staging_shortfall
 from kvcore_vllm.compat import check_vllm
 from kvcore_vllm.engine_spec import KVGroup, hash_identity, kv_groups
@@ -145,7 +146,9 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
                 "kvcore %s scheduler side: %s; %s; store policy %s, load mode %s; model %s",
                 kvcore.__version__,
                 describe(
-                    config, core_mapping(extra_mapping(self._kv_transfer_config.kv_connector_extra_config))
+                    config,
+                    core_mapping(extra_mapping(self._kv_transfer_config.kv_connector_extra_config)),
+                    heads_split=all(splits(group.engine.layout) for group in groups),
                 ),
                 _pool(config, groups),
                 settings.store_policy.value,

@@ -24,20 +24,24 @@ _SIZES: tuple[object, ...] = (ByteSize, ByteCount, "ByteSize", "ByteCount")
 """A size field's type: the class, or its name before attrs resolved it."""
 
 
-def describe(config: KVCoreConfig, given: Mapping[str, object] | None = None) -> str:
+def describe(
+    config: KVCoreConfig, given: Mapping[str, object] | None = None, *, heads_split: bool = True
+) -> str:
     """``config`` in one line; ``given`` is the mapping it was read from, whose size spellings are shown
-    beside the sizes they resolved to."""
+    beside the sizes they resolved to. ``heads_split``: whether the engine's KV heads can be cut apart
+    (``kvcore.model.head_runs.splits``; unknown before an engine runs): where not, a tier that keeps
+    a value per KV head keeps one per rank, shared by engines of the same TP size."""
     raw = given or {}
     stack = config.backend
     if isinstance(stack, TierStack):
         spelled = raw.get("tiers")
         raws = list(spelled) if isinstance(spelled, Sequence) and not isinstance(spelled, str) else []
-        tiers = [_tier(stack.local, _at(raws, 0))] + [
-            _tier(t.settings, _at(raws, n), t) for n, t in enumerate(stack.remote, 1)
+        tiers = [_tier(stack.local, _at(raws, 0), heads_split)] + [
+            _tier(t.settings, _at(raws, n), heads_split, t) for n, t in enumerate(stack.remote, 1)
         ]
     else:
         backend = raw.get("backend")
-        tiers = [_tier(stack, backend if isinstance(backend, Mapping) else {})]
+        tiers = [_tier(stack, backend if isinstance(backend, Mapping) else {}, heads_split)]
     partial = "kept" if config.partial_chunks.value == "keep" else "dropped"
     secret = ", keys keyed by a secret" if config.secret else ""
     return (
@@ -51,7 +55,9 @@ def _at(raws: list[object], n: int) -> Mapping[str, object]:
     return value if isinstance(value, Mapping) else {}
 
 
-def _tier(settings: BackendSettings, raw: Mapping[str, object], tier: Tier | None = None) -> str:
+def _tier(
+    settings: BackendSettings, raw: Mapping[str, object], heads_split: bool, tier: Tier | None = None
+) -> str:
     fields = attrs.fields(type(settings))
     where = [str(getattr(settings, f.name)) for f in fields if f.name in _WHERE]
     sizes = [
@@ -61,7 +67,11 @@ def _tier(settings: BackendSettings, raw: Mapping[str, object], tier: Tier | Non
         and (getattr(settings, f.name) or f.name in raw)
         and (tier is None or f.name != settings.HOST_FIELD)  # a stacked tier stages through the first's pool
     ]
-    rule = ", a value per KV head (any TP size)" if keeps_heads(settings) else ""
+    rule = ""
+    if keeps_heads(settings):
+        rule = ", a value per KV head (any TP size)"
+        if not heads_split:
+            rule = ", a value per rank (heads not cut apart)"
     if tier is not None:
         rule += f", written {tier.write}" + (
             f", admitted after {tier.admit_after} saves" if tier.admit_after > 1 else ""

@@ -202,6 +202,8 @@ def test_what_runs_is_one_line_with_sizes_as_given_and_as_resolved(tmp_path: obj
         "saves); chunks of 512 tokens (partial chunks kept), eviction lru, epoch '0'"
     )
     assert describe(load_config(data)).startswith("tiers: cpu (size 9.31 GiB) -> disk /nvme/kv (size 1 TiB")
+    unsplit = describe(load_config(data), heads_split=False)  # an engine whose heads are runs per token
+    assert "disk /nvme/kv (size 1 TiB, a value per rank (heads not cut apart), written back" in unsplit
 
 
 @pytest.mark.parametrize(
