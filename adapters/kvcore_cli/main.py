@@ -246,7 +246,8 @@ def _parser() -> argparse.ArgumentParser:
     fuzz.add_argument(
         "--cross-tp",
         action="store_true",
-        help="with --disk or --stack: after the run, read what the disk tier holds at TP 2 and check it",
+        help="with --disk or --stack: after the run, read what the disk tier holds at TP 2 or 4 (seeds in "
+        "turn) and check it",
     )
     fuzz.add_argument("--no-preempt", action="store_true", help="no random preemptions")
     fuzz.add_argument("--no-reset", action="store_true", help="no resets")

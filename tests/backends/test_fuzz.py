@@ -28,9 +28,9 @@ STEPS = 200
     ],
     # disk: the disk tier's real store (files in a temporary directory); stack: it, then a memory store;
     # write-back: the disk written back from a small pool (so chunks are written back and fetched again),
-    # and read after the run at TP 2 (what reached the disk was written back); cross-tp: the disk written
-    # through, read after the run at TP 2; window: a sliding-window model (blocks given back mid-request,
-    # loads of the hit's last window)
+    # and read after the run at TP 2 or 4 (what reached the disk was written back); cross-tp: the disk
+    # written through, read after the run at TP 2 or 4; window: a sliding-window model (blocks given back
+    # mid-request, loads of the hit's last window)
     ids=["cpu", "remote", "disk", "stack", "write-back", "cross-tp", "window", "window-remote"],
 )
 def test_seeded_runs_hold_every_check_and_cover_the_lifecycle(options: FuzzOptions) -> None:
@@ -57,8 +57,10 @@ def test_seeded_runs_hold_every_check_and_cover_the_lifecycle(options: FuzzOptio
         assert total("lookup_faults") > 0
         assert total("index_stalls") > 0
     assert (total("written_back") > 0) is options.write_back
-    # the prompts saved since the last reset, read at TP 2 from the disk: found, loaded and checked
+    # the prompts saved since the last reset, read at TP 2 or 4 (seeds in turn) from the disk: found,
+    # loaded and checked on every rank
     assert (total("cross_tp_blocks") > total("cross_tp_loads") > 0) is options.cross_tp
+    assert {run.cross_tp_size for run in runs} == ({2, 4} if options.cross_tp else {0})
     for windowed in ("given_back", "window_loads", "saves_fenced"):
         assert (total(windowed) > 0) is bool(options.window)
 

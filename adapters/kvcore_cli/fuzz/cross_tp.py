@@ -1,13 +1,14 @@
-"""``--cross-tp``: what a fuzz run's TP-1 engine wrote to its disk tier, read by an engine at TP 2.
+"""``--cross-tp``: what a fuzz run's TP-1 engine wrote to its disk tier, read by an engine at another TP size.
 
 The disk tier keeps a value per KV head, so a chunk written at one TP size serves any other. During the
 run, the prompts saved since the last reset are noted as they stood (their tokens, block hashes, salt and
 KV epoch: the oracle's KV is a function of them). After the run (kvcore closed: a disk written back
 holds the pool's chunks too), kvcore is composed again over the same directory for the same model at
-TP 2 and the writer's last key epoch, one worker per rank over engine blocks of one head each, and each
-noted prompt is looked up and loaded. Whatever it finds (the disk evicts, faults failed saves), every
-block a rank loaded must hold the oracle's KV of that rank's head; a block whose load is reported failed
-is not checked.
+TP 2 or 4 (``reader_tp``: the run's two KV heads split, or each replicated on two ranks) and the
+writer's last key epoch, one worker per rank over engine blocks of one head each, and each noted prompt
+is looked up and loaded. Whatever it finds (the disk evicts, faults failed saves), every block a rank
+loaded must hold the oracle's KV of that rank's head; a block whose load is reported failed is not
+checked.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ from kvcore_cli.fuzz.results import FuzzSummary
 from kvcore_cli.fuzz.trace import Trace
 from kvcore_cpu.tier import CPUWorker
 
-__all__ = ["READER_TP", "WrittenPrompts", "read_at_another_tp", "reader_settings"]
+__all__ = ["WrittenPrompts", "read_at_another_tp", "reader_settings", "reader_tp"]
 
-READER_TP = 2
 MAX_PROMPTS = 64  # prompts noted (the first ones saved): each is a lookup and a load of the reader
 WAIT_S = 10.0
 CHUNK_SLOTS = 8  # the reader's pool, in chunks per rank: every load stages through it
@@ -70,6 +70,12 @@ class WrittenPrompts:
         )
 
 
+def reader_tp(seed: int) -> int:
+    """The reader's TP size for the run of ``seed``: 2 and 4 in turn (the writer's heads split, or
+    replicated)."""
+    return 2 << seed % 2
+
+
 def read_at_another_tp(
     written: WrittenPrompts,
     spec: EngineSpec,
@@ -78,25 +84,27 @@ def read_at_another_tp(
     summary: FuzzSummary,
     trace: Trace,
     hash_identity: str,
+    tp: int,
 ) -> None:
-    """Load every noted prompt at ``READER_TP`` through the disk tier ``settings`` (with the writer's key
+    """Load every noted prompt at TP ``tp`` through the disk tier ``settings`` (with the writer's key
     epoch), checking each loaded block of each rank against the oracle; counts into ``summary``."""
-    heads = spec.total_kv_heads // READER_TP
+    total = spec.total_kv_heads
+    heads = max(total // tp, 1)
     layout = attrs.evolve(spec.layout, num_kv_heads=heads)
-    reader = attrs.evolve(spec, layout=layout, tp_size=READER_TP)
+    reader = attrs.evolve(spec, layout=layout, tp_size=tp)
+    # vLLM's head ownership: each rank its run of heads, or (more ranks than heads) a replica of one
+    firsts = [rank * heads if tp <= total else rank // (tp // total) for rank in range(tp)]
     config = load_config(settings)
     sched = open_scheduler(config, reader, hash_identity=hash_identity)
-    storage = [
-        torch.zeros((reader.num_layers, *layout.shape), dtype=torch.bfloat16) for _ in range(READER_TP)
-    ]
+    storage = [torch.zeros((reader.num_layers, *layout.shape), dtype=torch.bfloat16) for _ in range(tp)]
     workers: list[CPUWorker] = []
     try:
-        for rank in range(READER_TP):
+        for rank in range(tp):
             worker = open_worker(config, reader, list(storage[rank].unbind(0)), rank=rank)
             assert isinstance(worker, CPUWorker)
             workers.append(worker)
         for req in written.prompts.values():
-            _read_one(req, sched, workers, storage, heads, oracle, summary, trace)
+            _read_one(req, sched, workers, storage, firsts, heads, oracle, summary, trace)
     finally:
         for worker in workers:
             worker.close()
@@ -108,6 +116,7 @@ def _read_one(
     sched: CacheScheduler,
     workers: list[CPUWorker],
     storage: list[torch.Tensor],
+    firsts: list[int],
     heads: int,
     oracle: KVOracle,
     summary: FuzzSummary,
@@ -142,11 +151,12 @@ def _read_one(
             want = oracle.slots(req, j, (j + 1) * BLOCK_TOKENS)  # [layer, head, slot, bytes]
             for rank, kv in enumerate(storage):
                 got = kv[:, blocks[j]].view(torch.uint8).numpy()  # [layer, head of the rank, slot, bytes]
-                if not np.array_equal(got, want[:, rank * heads : (rank + 1) * heads]):
+                own = want[:, firsts[rank] : firsts[rank] + heads]
+                if not np.array_equal(got, own):
                     trace.fail(
                         req.rid,
                         f"read at TP {len(storage)}: rank {rank}'s block {j} holds {oracle.whose(got)}; "
-                        f"expected {oracle.whose(want[:, rank * heads : (rank + 1) * heads])}",
+                        f"expected {oracle.whose(own)}",
                     )
             summary.cross_tp_blocks += 1
         summary.cross_tp_loads += 1

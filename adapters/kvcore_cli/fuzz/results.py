@@ -39,6 +39,7 @@ class FuzzSummary:
     given_back: int = 0  # blocks out of a sliding window given back while their request ran (``--window``)
     window_loads: int = 0  # loads whose leading blocks the engine did not hold (before the hit's window)
     saves_fenced: int = 0  # saves still reading a block given back when it was handed out again
+    cross_tp_size: int = 0  # the TP size they were read at (--cross-tp)
     cross_tp_prompts: int = 0  # prompts the run saved, looked up after it at another TP size (--cross-tp)
     cross_tp_loads: int = 0  # of them, found and loaded
     cross_tp_blocks: int = 0  # blocks those loads brought back, every rank's heads checked
@@ -85,7 +86,7 @@ class FuzzSummary:
             ),
             ("worker halts", f"{len(self.halts)}, each resumed at the next flush {list(self.halts)[:8]}"),
             (
-                "read at TP 2",
+                f"read at TP {self.cross_tp_size}",
                 f"{self.cross_tp_prompts} prompts looked up, {self.cross_tp_loads} loaded, "
                 f"{self.cross_tp_blocks} blocks checked on every rank",
             ),

@@ -20,7 +20,7 @@ from kvcore.plugins.compose import open_scheduler, open_worker
 from kvcore.ports import Direction
 from kvcore_cli.fuzz.checks import KVChecks
 from kvcore_cli.fuzz.connector import Connector
-from kvcore_cli.fuzz.cross_tp import WrittenPrompts, read_at_another_tp, reader_settings
+from kvcore_cli.fuzz.cross_tp import WrittenPrompts, read_at_another_tp, reader_settings, reader_tp
 from kvcore_cli.fuzz.engine import ModelEngine
 from kvcore_cli.fuzz.faulty_ports import FaultyPorts
 from kvcore_cli.fuzz.memory import EngineMemory
@@ -113,7 +113,9 @@ def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzS
             settings = reader_settings(
                 folder, ports.disk_bytes, CHUNK_TOKENS, options.tails, slot_bytes, written.key_epoch
             )
-            read_at_another_tp(written, spec, settings, oracle, summary, trace, HASH_IDENTITY)
+            tp = reader_tp(seed)
+            summary.cross_tp_size = tp
+            read_at_another_tp(written, spec, settings, oracle, summary, trace, HASH_IDENTITY, tp)
     finally:
         if workdir is not None:
             workdir.cleanup()
