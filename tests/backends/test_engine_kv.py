@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvcore.errors import InvalidSpecError
+from kvcore.model.head_runs import HeadRuns
 from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
 from kvcore.ports import BlockTransfer, Direction
 from kvcore_cpu.engine_kv import EngineKV
@@ -400,3 +401,49 @@ def test_interleaved_layers_that_share_bytes_are_refused(shift: int) -> None:
     moved = torch.as_strided(flat, views[1].shape, views[1].stride(), shift)
     with pytest.raises(InvalidSpecError, match=r"layer 1: memory: got bytes shared, expected no overlap"):
         EngineKV.register([views[0], moved], lay)
+
+
+@pytest.mark.parametrize(
+    ("kind", "gap"), [(LayoutKind.VLLM_CPU, 0), (LayoutKind.PAGED, 0), (LayoutKind.PAGED, 3)]
+)
+def test_a_head_mover_over_interleaved_padded_layers_moves_exactly_a_heads_runs(
+    kind: LayoutKind, gap: int
+) -> None:
+    # head blocks (a KV head's runs of a host block) over vLLM's cross-layer order, pages padded or not:
+    # a head block is that head's bytes of the whole block, and a load writes that head alone (no other
+    # head, no spare byte)
+    lay = cross_layer(kind, 3, gap=gap)
+    flat, views = interleaved(lay, 3, gap=gap)
+    kv = EngineKV.register(views, lay)
+    runs = HeadRuns.of_layout(lay, 3)
+    assert runs is not None
+    whole = HostMemory.allocate(BLOCKS, kv.host_block_bytes, kv.device)
+    heads = HostMemory.allocate(4, runs.head_bytes, kv.device)
+    reference, mover = TorchBlockMover(kv, whole), TorchBlockMover(kv, heads, per_head=True)
+
+    def run(on: TorchBlockMover, transfer: BlockTransfer) -> None:
+        (result,) = on.wait([on.submit(transfer)], 10.0)
+        assert result.ok
+
+    def head_of(data: bytes, head: int) -> bytes:
+        return b"".join(data[start : start + length] for start, length in runs.runs[head])
+
+    try:
+        run(reference, BlockTransfer(Direction.SAVE, range(BLOCKS), range(BLOCKS)))
+        before = [whole.blocks[b].numpy().tobytes() for b in range(BLOCKS)]
+        spare = flat.clone()
+        for head in range(2):
+            run(mover, BlockTransfer(Direction.SAVE, [4, 1], [2 * head, 2 * head + 1], head))
+            assert heads.blocks[2 * head].numpy().tobytes() == head_of(before[4], head)
+            assert heads.blocks[2 * head + 1].numpy().tobytes() == head_of(before[1], head)
+        run(mover, BlockTransfer(Direction.LOAD, [0], [2], 1))  # head 1 of block 4 into block 0
+        run(reference, BlockTransfer(Direction.SAVE, range(BLOCKS), range(BLOCKS)))
+        after = [whole.blocks[b].numpy().tobytes() for b in range(BLOCKS)]
+    finally:
+        mover.close()
+        reference.close()
+    assert head_of(after[0], 1) == head_of(before[4], 1)
+    assert head_of(after[0], 0) == head_of(before[0], 0)
+    assert after[1:] == before[1:]
+    changed = (flat.view(torch.int16) != spare.view(torch.int16)).nonzero().flatten().tolist()
+    assert len(changed) <= runs.head_bytes // 2  # only head 1's bytes of block 0 (int16 elements)
