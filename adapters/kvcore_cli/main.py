@@ -141,10 +141,19 @@ def _bench(args: argparse.Namespace) -> int:
 def _fuzz(args: argparse.Namespace) -> int:
     import logging
 
+    logger = logging.getLogger("kvcore")
+    level = logger.level
+    if not args.verbose:  # the faults are injected on purpose: kvcore's warnings about them are expected
+        logger.setLevel(logging.ERROR)
+    try:
+        return _fuzz_runs(args)
+    finally:
+        logger.setLevel(level)  # as it was: a caller that runs the CLI in its process keeps its logging
+
+
+def _fuzz_runs(args: argparse.Namespace) -> int:
     from kvcore_cli.fuzz import FuzzFailure, FuzzOptions, run_fuzz
 
-    if not args.verbose:  # the faults are injected on purpose: kvcore's warnings about them are expected
-        logging.getLogger("kvcore").setLevel(logging.ERROR)
     try:
         options = FuzzOptions(
             remote=args.remote,
