@@ -59,6 +59,7 @@ def open_scheduler(
     index: ChunkIndex | Literal[FromConfig.FROM_CONFIG] | None = FROM_CONFIG,
     write_back: bool | Literal[FromConfig.FROM_CONFIG] = FROM_CONFIG,
     per_head: Sequence[bool] | Literal[FromConfig.FROM_CONFIG] = FROM_CONFIG,
+    threaded_lookups: bool = True,
 ) -> CacheScheduler:
     """The scheduler side for ``engine``: the index of its host slots (``pool_slots`` per rank) and of the
     tiers beyond them. ``hash_identity`` names the engine's own block hashing when lookups pass its block
@@ -66,8 +67,9 @@ def open_scheduler(
     no tier beyond the pool), ``write_back`` whether one of them is written back (by default, whether one
     of the config's is), ``per_head`` which of them keep a value per KV head (by default, those of the
     config that do: the keys the workers write under follow the config, so an index given in its place
-    must answer for them). Raises ``ConfigError`` as ``pool_slots`` does, and for a backend that is not
-    installed; an index opened here is then closed again."""
+    must answer for them), ``threaded_lookups`` as ``CacheScheduler`` takes it. Raises ``ConfigError``
+    as ``pool_slots`` does, and for a backend that is not installed; an index opened here is then closed
+    again."""
     slots = pool_slots(config, engine, engine.tp_size)
     opened, flags = (
         _cascade_index(config, engine) if index is FROM_CONFIG else (index, _flags(config, engine))
@@ -82,6 +84,7 @@ def open_scheduler(
             hash_identity=hash_identity,
             remote=opened,
             per_head=flags if per_head is FROM_CONFIG else tuple(per_head),
+            threaded_lookups=threaded_lookups,
             write_back=(isinstance(stack, TierStack) and stack.writes_back)
             if write_back is FROM_CONFIG
             else write_back,

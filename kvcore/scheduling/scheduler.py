@@ -72,6 +72,7 @@ class CacheScheduler:
         remote: ChunkIndex | None = None,
         write_back: bool = False,
         per_head: Sequence[bool] = (),
+        threaded_lookups: bool = True,
     ) -> None:
         """``hash_identity`` names the chain of engine-provided block hashes (e.g. vLLM's algorithm and
         seed) when lookups pass ``block_hashes``; it replaces kvcore's own seed digest in the namespace,
@@ -80,8 +81,10 @@ class CacheScheduler:
         key is then its heads' keys joined, ``kvcore.keying.keys.HeadKeyspaces``, and the lookups of that
         tier ask each head's, ``lookup_keys``); ``write_back``: a tier behind the pool is written back
         (``kvcore.pool.write_back``), which ``kvcore.plugins.compose`` reads from the config's stack.
-        ``world_size`` (the ranks whose reports complete an op) is the engine's ``tp_size``; giving
-        another value is refused."""
+        ``threaded_lookups``: remote lookups advance on a thread of their own (``LookupPump``); false:
+        only when asked again, so that what a lookup answers depends on the engine's steps alone (the
+        lifecycle fuzzer replays a seed exactly however busy the machine). ``world_size`` (the ranks whose
+        reports complete an op) is the engine's ``tp_size``; giving another value is refused."""
         if not isinstance(engine, EngineSpec):
             raise InvalidSpecError(f"engine: got {engine!r}, expected an EngineSpec")
         if world_size is None:
@@ -101,7 +104,15 @@ class CacheScheduler:
                 "configure a backend without remote tiers"
             )
         self._state = SchedulerState(
-            config, engine, num_slots, world_size, hash_identity, remote, write_back, per_head
+            config,
+            engine,
+            num_slots,
+            world_size,
+            hash_identity,
+            remote,
+            write_back,
+            per_head,
+            threaded_lookups,
         )
 
     @property

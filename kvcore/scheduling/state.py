@@ -74,6 +74,7 @@ class SchedulerState:
         remote: ChunkIndex | None,
         write_back: bool,
         per_head: Sequence[bool] = (),
+        threaded_lookups: bool = True,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -92,7 +93,11 @@ class SchedulerState:
         # a policy of one slot for a pool of none: it never sees a key, and ARC wants a capacity
         self.pool = BlockPool(num_slots, make_policy(config.eviction, max(num_slots, 1)))
         self.pool_index = PoolIndex(self.pool)
-        self.remote = PrefixLookup(remote, config.lookup_timeout_s) if remote is not None else None
+        self.remote = (
+            PrefixLookup(remote, config.lookup_timeout_s, threaded=threaded_lookups)
+            if remote is not None
+            else None
+        )
         self.remote_index = remote
         # one tier behind the pool, which keeps a value per KV head: lookups ask each head's key (a
         # stack's ``CascadeIndex`` asks each of its tiers as it keeps values)

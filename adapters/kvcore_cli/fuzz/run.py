@@ -73,6 +73,7 @@ def run_fuzz(seed: int, steps: int, options: FuzzOptions | None = None) -> FuzzS
         index=ports.index,
         write_back=options.write_back,
         per_head=ports.per_head,
+        threaded_lookups=False,  # lookups advance by steps, never by the machine's speed
     )
     worker = open_worker(
         config, spec, list(storage.unbind(0)), remote=ports.open_remote, mover=ports.wrap_mover
