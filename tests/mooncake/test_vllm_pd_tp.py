@@ -72,7 +72,8 @@ def _ports(count: int) -> int:
 
 
 def _pd_config(engine_id: str, port: int) -> dict[str, Any]:
-    pd = {"port": port, "handshake_timeout_s": 5.0, "handshake_retries": 3, "abort_timeout_s": 60.0}
+    # generous: the engines share two cores with the test run's other lane, whose engines busy-poll
+    pd = {"port": port, "handshake_timeout_s": 20.0, "handshake_retries": 3, "abort_timeout_s": 120.0}
     return {
         "kv_connector": "KVCorePDConnector",
         "kv_role": "kv_both",
