@@ -30,7 +30,7 @@ from kvcore_cpu.engine_kv import EngineKV
 from kvcore_cpu.host_memory import HostMemory
 from kvcore_cpu.rows import IntArray, head_routes, routes
 
-__all__ = ["MAX_COPY_THREADS", "TorchBlockMover"]
+__all__ = ["MAX_COPY_THREADS", "TorchBlockMover", "head_runs"]
 
 MAX_COPY_THREADS = 64
 """Most threads one CPU copy may use: more than the memory channels of a socket can feed only contend."""
@@ -86,12 +86,7 @@ class TorchBlockMover:
             raise InvalidSpecError(f"host: got {type(host).__name__}, expected a HostMemory")
         if host.closed:
             raise UsageError("host: the host memory is closed")
-        heads = HeadRuns.of_layout(engine.layout, engine.num_layers) if per_head else None
-        if per_head and heads is None:
-            raise InvalidSpecError(
-                f"per_head: the engine's {engine.layout.num_kv_heads} KV heads are not runs of a block "
-                f"({engine.layout.head_order.value.upper()})"
-            )
+        heads = head_runs(engine, per_head=per_head)
         block_bytes = engine.host_block_bytes if heads is None else heads.head_bytes
         if host.block_bytes != block_bytes:
             whose = "one block" if heads is None else "one KV head's bytes of one block"
@@ -257,6 +252,20 @@ class TorchBlockMover:
         """Forget a job whose id was never handed out (with ``_lock`` held): finish it, take the result."""
         self._board.finish(JobResult(job_id))
         self._board.wait([job_id], 0.0)
+
+
+def head_runs(engine: EngineKV, *, per_head: bool) -> HeadRuns | None:
+    """The runs of each KV head of ``engine``'s host block for a mover of head blocks (``per_head``),
+    else ``None``; ``InvalidSpecError`` where its heads are not runs of a block."""
+    if not per_head:
+        return None
+    heads = HeadRuns.of_layout(engine.layout, engine.num_layers)
+    if heads is None:
+        raise InvalidSpecError(
+            f"per_head: the engine's {engine.layout.num_kv_heads} KV heads are not runs of a block "
+            f"({engine.layout.head_order.value.upper()})"
+        )
+    return heads
 
 
 def _ids(name: str, values: Sequence[object], bound: int) -> IntArray:

@@ -21,7 +21,6 @@ from kvcore.execution.worker import FLUSH_TIMEOUT_S, BlockWorker
 from kvcore.kit.closing import close_quietly
 from kvcore.kit.faults import FaultHooks
 from kvcore.model.engine import EngineSpec
-from kvcore.model.head_runs import HeadRuns
 from kvcore.plugins import MoverWrap, RemoteOpener
 from kvcore.plugins.sizing import check_world, host_field, pool_slots, slot_bytes
 from kvcore.ports import BlockMover, RemoteTier
@@ -30,7 +29,7 @@ from kvcore_cpu.checksums import ChecksummedMover
 from kvcore_cpu.cuda_lane import stream_mark
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_cpu.host_memory import HostMemory
-from kvcore_cpu.mover import TorchBlockMover
+from kvcore_cpu.mover import TorchBlockMover, head_runs
 
 __all__ = ["CPUWorker", "MappedMover", "MappedMovers", "TorchRankMemory", "open_rank"]
 
@@ -54,11 +53,7 @@ class MappedMover(TorchBlockMover):
         """Raises ``ConfigError`` for a buffer that holds not one host block (as ``HostMemory.wrap``),
         and whatever ``TorchBlockMover`` raises (``faults`` and ``per_head`` as there); the mapping is
         then left as it was."""
-        heads = HeadRuns.of_layout(engine.layout, engine.num_layers) if per_head else None
-        if per_head and heads is None:
-            raise InvalidSpecError(
-                f"per_head: the engine's {engine.layout.num_kv_heads} KV heads are not runs of a block"
-            )
+        heads = head_runs(engine, per_head=per_head)
         block_bytes = engine.host_block_bytes if heads is None else heads.head_bytes
         self._export = memoryview(buffer)
         # torch cannot view an empty buffer; an empty tensor is refused by wrap like any short one

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvcore.errors import InvalidSpecError
 from kvcore.ids import ChunkKey
-from kvcore.keying.keys import head_keys
 from kvcore.model.head_runs import HeadRuns
 from kvcore.ports import BlockItem, StoreItem
 
@@ -32,37 +30,20 @@ class HeadSplit:
         self.runs = runs
         self.heads = runs.heads
 
-    def keys(self, what: str, key: ChunkKey) -> tuple[ChunkKey, ...]:
-        """Each head's key in ``key``; ``InvalidSpecError`` naming ``what`` unless it joins one per head."""
-        parts = head_keys(key)
-        if len(parts) != self.heads:
-            raise InvalidSpecError(f"{what} ({key!r}): expected the keys of {self.heads} KV heads joined")
-        return parts
-
     def chains(self, chain: Sequence[ChunkKey]) -> list[tuple[ChunkKey, ...]]:
         """Each head's chain: its keys of ``chain``'s chunks."""
-        split = [self.keys(f"chain[{i}]", key) for i, key in enumerate(chain)]
+        split = [self.runs.keys(f"chain[{i}]", key) for i, key in enumerate(chain)]
         return [tuple(keys[head] for keys in split) for head in range(self.heads)]
 
     def store_items(self, items: Sequence[StoreItem]) -> list[list[StoreItem]]:
         """Each head's items: its value of each item's slot (whole host blocks), as runs."""
-        per_head: list[list[StoreItem]] = [[] for _ in range(self.heads)]
-        for i, item in enumerate(items):
-            blocks, rest = divmod(item.length, self.runs.block_bytes)
-            if rest or not blocks:
-                raise InvalidSpecError(
-                    f"items[{i}] ({item.key!r}): {item.length} bytes, expected whole host blocks of "
-                    f"{self.runs.block_bytes} bytes"
-                )
-            for head, key in enumerate(self.keys(f"items[{i}]", item.key)):
-                runs = self.runs.value(head, item.offset, blocks)
-                per_head[head].append(StoreItem(key, runs[0][0], blocks * self.runs.head_bytes, runs))
-        return per_head
+        split = [self.runs.split(f"items[{i}]", item) for i, item in enumerate(items)]
+        return [[parts[head] for parts in split] for head in range(self.heads)]
 
     def block_items(self, items: Sequence[BlockItem]) -> list[list[BlockItem]]:
         """Each head's items: the same blocks, under its keys (their values are head blocks)."""
         per_head: list[list[BlockItem]] = [[] for _ in range(self.heads)]
         for i, item in enumerate(items):
-            for head, key in enumerate(self.keys(f"items[{i}]", item.key)):
+            for head, key in enumerate(self.runs.keys(f"items[{i}]", item.key)):
                 per_head[head].append(BlockItem(key, item.engine_blocks, item.first, item.value_blocks))
         return per_head

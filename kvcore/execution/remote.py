@@ -16,7 +16,6 @@ import attrs
 from kvcore.errors import BackendError, UsageError
 from kvcore.ids import ChunkKey, JobId, RequestId
 from kvcore.jobs import JobResult
-from kvcore.keying.keys import head_keys
 from kvcore.kit.closing import close_quietly
 from kvcore.model.head_runs import HeadRuns
 from kvcore.ports import (
@@ -111,17 +110,8 @@ class StoreRemote(_Remote):
         parts: list[StoreItem] = []
         owners: list[int] = []
         for i, item in enumerate(items):
-            keys = head_keys(item.key)
-            blocks, rest = divmod(item.length, heads.block_bytes)
-            if len(keys) != heads.heads or rest or not blocks:
-                raise UsageError(
-                    f"items[{i}] ({item.key!r}, {item.length} bytes): expected the key of {heads.heads} "
-                    f"heads and whole host blocks of {heads.block_bytes} bytes"
-                )
-            for head, key in enumerate(keys):
-                runs = heads.value(head, item.offset, blocks)
-                parts.append(StoreItem(key, runs[0][0], blocks * heads.head_bytes, runs))
-                owners.append(i)
+            parts.extend(heads.split(f"items[{i}]", item))
+            owners.extend([i] * heads.heads)
         with self._lock:
             job_id = submit(parts)
             self._owners[job_id] = tuple(owners)

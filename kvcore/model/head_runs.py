@@ -16,8 +16,11 @@ from attrs import field, frozen
 
 from kvcore.checks import SIZE_LIMIT, is_int_in, positive_count
 from kvcore.errors import InvalidSpecError
+from kvcore.ids import ChunkKey
+from kvcore.keying.keys import head_keys
 from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import HeadOrder, KVLayout
+from kvcore.ports import StoreItem
 
 __all__ = ["HeadRuns", "Run", "splits"]
 
@@ -78,6 +81,30 @@ class HeadRuns:
     def head_bytes(self) -> int:
         """Bytes of one head in one host block: a head's value over ``n`` blocks is ``n`` times it."""
         return sum(length for _, length in self.runs[0])
+
+    def keys(self, what: str, key: ChunkKey) -> tuple[ChunkKey, ...]:
+        """Each head's key in a rank's ``key`` (``kvcore.keying.keys.head_keys``); ``InvalidSpecError``
+        naming ``what`` unless it joins one key per head."""
+        parts = head_keys(key)
+        if len(parts) != self.heads:
+            raise InvalidSpecError(f"{what} ({key!r}): expected the keys of {self.heads} KV heads joined")
+        return parts
+
+    def split(self, what: str, item: StoreItem) -> tuple[StoreItem, ...]:
+        """A rank's value of whole host blocks (``item``, under its heads' keys joined) as one value per
+        head: the head's key, and its runs of those blocks. ``InvalidSpecError`` naming ``what`` for a
+        key that joins another number of heads, or bytes that are not whole host blocks."""
+        blocks, rest = divmod(item.length, self.block_bytes)
+        if rest or not blocks:
+            raise InvalidSpecError(
+                f"{what} ({item.key!r}): {item.length} bytes, expected whole host blocks of "
+                f"{self.block_bytes} bytes"
+            )
+        parts = []
+        for head, key in enumerate(self.keys(what, item.key)):
+            runs = self.value(head, item.offset, blocks)
+            parts.append(StoreItem(key, runs[0][0], blocks * self.head_bytes, runs))
+        return tuple(parts)
 
     def value(self, head: int, offset: int, blocks: int) -> tuple[Run, ...]:
         """The runs of local head ``head``'s value over ``blocks`` host blocks from byte ``offset`` (a
