@@ -31,11 +31,16 @@ from kvcore.kit.settings import format_size
 from kvcore.model.head_runs import splits
 from kvcore.plugins.sizing import pool_slots, slot_bytes, staging_shortfall
 from kvcore_vllm.compat import check_vllm
-from kvcore_vllm.engine_spec import KVGroup, hash_identity, kv_groups
+from kvcore_vllm.engine_spec import KVGroup, hash_identity, kv_groups, layer_names
 from kvcore_vllm.grouped_scheduler import GroupedSchedulerSide
 from kvcore_vllm.grouped_worker import GroupedWorkerSide
 from kvcore_vllm.kv_layout import requested_order
 from kvcore_vllm.metadata import GroupedMetadata, KVCoreMetadata
+from kvcore_vllm.pd_metadata import PDTiersMetadata
+from kvcore_vllm.pd_scheduler import PDRole, PDScheduler
+from kvcore_vllm.pd_tiers_scheduler import PDTiersScheduler
+from kvcore_vllm.pd_tiers_worker import PDTiersWorker
+from kvcore_vllm.pd_worker import PDWorker
 from kvcore_vllm.rank_agreement import RankAgreement, alone, over_group
 from kvcore_vllm.roles import require_side
 from kvcore_vllm.scheduler_side import SchedulerSide
@@ -98,9 +103,12 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         # several groups, or a sliding window: served by the grouped sides, whose load failures vLLM takes
         # by request (a recompute from a failed block would attend to blocks vLLM gave back)
         grouped = len(groups) > 1 or groups[0].window is not None
-        self._scheduler: SchedulerSide | GroupedSchedulerSide | None = None
+        transfer = self._kv_transfer_config
+        pd_role = _pd_role(config, transfer.kv_role, grouped)
+        engine_id = transfer.engine_id or "kvcore"
+        self._scheduler: SchedulerSide | GroupedSchedulerSide | PDTiersScheduler | None = None
         self._steps: StateSteps | None = None
-        self._worker: WorkerSide | GroupedWorkerSide | None = None
+        self._worker: WorkerSide | GroupedWorkerSide | PDTiersWorker | None = None
         self._stats_delta = StatsDelta()
         if role == KVConnectorRole.SCHEDULER:
             identity, random_seed = hash_identity(vllm_config)
@@ -136,6 +144,11 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
                 ),
                 GroupedSchedulerSide,
             )
+            if config.pd is not None and pd_role is not None and isinstance(self._scheduler, SchedulerSide):
+                self._scheduler = PDTiersScheduler(
+                    self._scheduler,
+                    PDScheduler(pd_role, engine_id, engine.layout.block_tokens, engine.tp_size, config.pd),
+                )
             for group in groups:
                 shortfall = staging_shortfall(
                     config, group.engine, vllm_config.scheduler_config.max_num_batched_tokens
@@ -172,6 +185,9 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
                 ),
                 GroupedWorkerSide,
             )
+            if config.pd is not None and pd_role is not None and isinstance(self._worker, WorkerSide):
+                pd = PDWorker(pd_role, engine, config.pd, engine_id, layer_names(kv_cache_config), rank)
+                self._worker = PDTiersWorker(self._worker, pd)
             log.info(
                 "kvcore %s worker side, rank %d of %d: %s",
                 kvcore.__version__,
@@ -189,18 +205,22 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         return False  # a cache is best effort: a dropped save is a future miss, never lost output
 
     @property
-    def scheduler_side(self) -> SchedulerSide | GroupedSchedulerSide:
+    def scheduler_side(self) -> SchedulerSide | GroupedSchedulerSide | PDTiersScheduler:
         side = self._scheduler
         return side if side is not None else require_side(side, "scheduler")
 
     @property
-    def worker_side(self) -> WorkerSide | GroupedWorkerSide:
+    def worker_side(self) -> WorkerSide | GroupedWorkerSide | PDTiersWorker:
         side = self._worker
         return side if side is not None else require_side(side, "worker")
 
     def _meta(self) -> Any:
         meta = self._get_connector_metadata()
-        expected = GroupedMetadata if isinstance(self._worker, GroupedWorkerSide) else KVCoreMetadata
+        expected: type[KVConnectorMetadata] = KVCoreMetadata
+        if isinstance(self._worker, GroupedWorkerSide):
+            expected = GroupedMetadata
+        elif isinstance(self._worker, PDTiersWorker):
+            expected = PDTiersMetadata
         if not isinstance(meta, expected):
             raise InvalidSpecError(f"unexpected connector metadata {type(meta).__name__}")
         return meta
@@ -214,6 +234,9 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         worker = self.worker_side
         if isinstance(worker, GroupedWorkerSide):
             if isinstance(kv_connector_metadata, GroupedMetadata):
+                worker.handle_preemptions(kv_connector_metadata)
+        elif isinstance(worker, PDTiersWorker):
+            if isinstance(kv_connector_metadata, PDTiersMetadata):
                 worker.handle_preemptions(kv_connector_metadata)
         elif isinstance(kv_connector_metadata, KVCoreMetadata):
             worker.handle_preemptions(kv_connector_metadata)
@@ -242,7 +265,8 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
             sent, received, failed = worker.transfer_results()
             return KVConnectorTransferResults(sent, received, failed)
         sending, receiving = worker.get_finished()
-        worker.take_failed_loads(receiving or ())  # one group: failed blocks tell vLLM, by block
+        if isinstance(worker, WorkerSide):
+            worker.take_failed_loads(receiving or ())  # one group: failed blocks tell vLLM, by block
         return KVConnectorTransferResults(set(sending or ()), set(receiving or ()))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -273,6 +297,8 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         side = self.scheduler_side
         if isinstance(side, GroupedSchedulerSide):
             side.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+        elif isinstance(side, PDTiersScheduler):
+            side.update_state_after_alloc(request, blocks, num_external_tokens)
         else:
             side.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
 
@@ -324,6 +350,21 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         return KVCorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _pd_role(config: KVCoreConfig, kv_role: object, grouped: bool) -> PDRole | None:
+    """The P/D role of an engine configured with a ``pd`` section (``None`` without one): vLLM's
+    ``kv_role``. Raises ``ConfigError`` for a role P/D does not play, ``UnsupportedConfiguration`` for a
+    model of several KV-cache groups or a sliding window (the P/D side moves one group)."""
+    if config.pd is None:
+        return None
+    role = PDRole.of(kv_role)
+    if grouped:
+        raise UnsupportedConfiguration(
+            "a 'pd' section with a hybrid or sliding-window model (several KV-cache groups): P/D moves "
+            "one group; use KVCorePDConnector for P/D alone, or drop the 'pd' section"
+        )
+    return role
 
 
 def _pool(config: KVCoreConfig, groups: Sequence[KVGroup]) -> str:

@@ -11,8 +11,9 @@ from attrs import field, frozen
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvcore.checks import int_ids, int_tuple
+from kvcore_vllm.metadata import KVCoreMetadata
 
-__all__ = ["Offer", "PDMetadata", "Receive"]
+__all__ = ["Offer", "PDMetadata", "PDTiersMetadata", "Receive"]
 
 
 @frozen
@@ -49,3 +50,11 @@ class PDMetadata(KVConnectorMetadata):
 
     offers: tuple[Offer, ...] = ()
     receives: tuple[Receive, ...] = ()
+
+
+@frozen
+class PDTiersMetadata(KVConnectorMetadata):
+    """One step's instructions for a connector that serves both P/D and tiers: each side's own."""
+
+    tiers: KVCoreMetadata
+    pd: PDMetadata

@@ -40,6 +40,14 @@ class PDRole(enum.Enum):
     CONSUMER = "kv_consumer"
     BOTH = "kv_both"
 
+    @classmethod
+    def of(cls, kv_role: object) -> PDRole:
+        """vLLM's ``kv_role`` as a P/D role. Raises ``ConfigError`` for one P/D does not play."""
+        for role in cls:
+            if role.value == kv_role:
+                return role
+        raise ConfigError("kv_role", kv_role, f"one of {', '.join(repr(r.value) for r in cls)} for P/D")
+
     @property
     def produces(self) -> bool:
         return self is not PDRole.CONSUMER

@@ -52,7 +52,8 @@ class PDWorker:
         self.producer: PDProducer | None = None
         self.consumer: PDConsumer | None = None
         self._sending: dict[str, str] = {}  # transfer id -> request id, offered and not yet freed
-        self._receiving: dict[str, str | None] = {}  # transfer id -> request id (None: a release)
+        self._receiving: dict[str, Receive] = {}  # by transfer id, until its result came
+        self.pulled_blocks = 0  # blocks received whole from producers: what a test or benchmark counts
         self._sent_now: set[str] = set()
         self._received_now: set[str] = set()
         self._load_errors: set[int] = set()
@@ -128,7 +129,7 @@ class PDWorker:
                 self._received_now.add(receive.request_id)
                 self._load_errors.update(receive.dst_blocks)
             return
-        self._receiving[receive.transfer_id] = None if receive.is_release else receive.request_id
+        self._receiving[receive.transfer_id] = receive
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose blocks this rank no longer reads (sent) and whose receive ended (received)."""
@@ -143,11 +144,12 @@ class PDWorker:
             for result in self.consumer.poll():
                 if result.transfer_id not in self._receiving:
                     continue
-                receiver = self._receiving.pop(result.transfer_id)
-                if receiver is None:
-                    continue  # a release: vLLM waits for nothing
-                received.add(receiver)
+                receive = self._receiving.pop(result.transfer_id)
+                if receive.is_release:
+                    continue  # vLLM waits for nothing
+                received.add(receive.request_id)
                 self._load_errors.update(result.failed_blocks)
+                self.pulled_blocks += len(set(receive.dst_blocks) - set(result.failed_blocks))
         return sent or None, received or None
 
     def take_load_errors(self) -> set[int]:

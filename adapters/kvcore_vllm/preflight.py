@@ -121,6 +121,10 @@ def _check(
                 read_extra_config(
                     child
                 )  # the adapter's keys and the core's config, as the connector reads them
+                if "pd" in child:  # P/D beside the tiers: the role too, as the connector reads it
+                    from kvcore_vllm.pd_scheduler import PDRole
+
+                    PDRole.of(kv_role)
                 reports.append(_preflight(child, vllm_config))
         return reports
     except ConfigError as exc:
@@ -166,9 +170,7 @@ def check_pd(extra: dict[str, Any], kv_role: object) -> None:
     from kvcore_vllm.pd_scheduler import PDRole
 
     load_pd_config(extra)  # the P/D section alone: this connector needs no tier backend
-    choices = [r.value for r in PDRole]
-    if kv_role not in choices:
-        raise ConfigError("kv_role", kv_role, f"one of {', '.join(map(repr, choices))}")
+    PDRole.of(kv_role)
 
 
 def kvcore_connectors(kv_connector: object, extra: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

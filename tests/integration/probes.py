@@ -11,6 +11,7 @@ from kvcore.testing.faults import TransferDelays
 from kvcore_cpu.host_memory import HostMemory
 from kvcore_cpu.tier import CPUWorker
 from kvcore_vllm.grouped_worker import GroupedWorkerSide
+from kvcore_vllm.pd_tiers_worker import PDTiersWorker
 from kvcore_vllm.worker_side import WorkerSide
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "host_digests",
     "kvcore_metric",
     "loaded_digests",
+    "pulled_blocks",
     "rank_pool",
     "worker_side",
 ]
@@ -91,7 +93,23 @@ def group_sides(worker: Any) -> tuple[WorkerSide, ...]:
     connector = get_kv_transfer_group()
     assert isinstance(connector, KVCoreConnector)
     side = connector.worker_side
+    if isinstance(side, PDTiersWorker):
+        return (side.tiers,)
     return side.sides if isinstance(side, GroupedWorkerSide) else (side,)
+
+
+def pulled_blocks(worker: Any) -> int:
+    """In the worker process: blocks this rank received whole from P/D producers so far (a connector
+    with a ``pd`` section beside its tiers)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvcore_vllm.connector import KVCoreConnector
+
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, KVCoreConnector)
+    side = connector.worker_side
+    assert isinstance(side, PDTiersWorker), f"no P/D beside the tiers: {type(side).__name__}"
+    return side.pd.pulled_blocks
 
 
 def rank_worker(worker: Any) -> CPUWorker:

@@ -1,0 +1,113 @@
+"""The scheduler side of a connector that serves P/D and tiers at once (``KVCoreConnector`` with a ``pd``
+section): one answer to vLLM per request, whatever the number of sources.
+
+A decode request (``do_remote_prefill``) combines its sources in order: vLLM's own prefix cache (the
+``num_computed_tokens`` vLLM asks with), then the tiers (their longest prefix past it), then the producer
+for the rest of the prompt only; a block found locally or in a tier is never pulled. The producer is asked
+with the tiers' hit counted as computed, so its rule (a block boundary to the prompt's end) starts where
+the tiers stop. Where the producer owes blocks the whole load is asynchronous: the tiers' part is loaded
+alongside the pull and the worker side (``PDTiersWorker``) reports the request received once, when every
+source that owed blocks has reported; a failed source's blocks are load errors, recomputed by vLLM.
+
+Every other request is the tiers' alone, a prefill request (``do_remote_decode``) included: it is saved
+as it computes (per the tiers' store policy), and its finished blocks are also held for the consumer. Its
+params say how many of its prompt tokens the tiers served (``remote_tier_tokens``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvcore.ids import RequestId
+from kvcore.scheduling.scheduler import SchedulerStats
+from kvcore_vllm.pd_metadata import PDTiersMetadata
+from kvcore_vllm.pd_params import wants_remote_prefill
+from kvcore_vllm.pd_scheduler import PDScheduler
+from kvcore_vllm.scheduler_side import SchedulerSide
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["TIER_TOKENS_KEY", "PDTiersScheduler"]
+
+TIER_TOKENS_KEY = "remote_tier_tokens"
+"""The key of a prefill's params that says how many of its prompt tokens came from the tiers."""
+
+
+class PDTiersScheduler:
+    """The tiers' scheduler side of one KV-cache group and the P/D scheduler, combined per request."""
+
+    def __init__(self, tiers: SchedulerSide, pd: PDScheduler) -> None:
+        self.tiers = tiers
+        self.pd = pd
+        # decode requests the producer was asked for: the tiers' hit, until allocation splits the load
+        self._tier_hits: dict[str, int] = {}
+
+    @property
+    def halted_ranks(self) -> set[int]:
+        return self.tiers.halted_ranks
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        hits, is_async = self.tiers.get_num_new_matched_tokens(request, num_computed_tokens)
+        if hits is None or not (self.pd.role.consumes and wants_remote_prefill(request.kv_transfer_params)):
+            return hits, is_async
+        pulled, _ = self.pd.get_num_new_matched_tokens(request, num_computed_tokens + hits)
+        if not pulled:
+            self._tier_hits.pop(request.request_id, None)
+            return hits, is_async
+        self._tier_hits[request.request_id] = hits
+        # vLLM waits for the request as a whole: the tiers' part loads asynchronously too
+        self.tiers.settle(request.request_id, None, True)
+        return hits + pulled, True
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        hits = self._tier_hits.pop(request.request_id, num_external_tokens)
+        tiers = min(hits, num_external_tokens)
+        self.tiers.update_state_after_alloc(request, blocks.get_block_ids()[0], tiers)
+        self.pd.update_state_after_alloc(request, blocks, num_external_tokens - tiers)
+
+    def build_connector_meta(self, out: SchedulerOutput) -> PDTiersMetadata:
+        return PDTiersMetadata(self.tiers.build_connector_meta(out), self.pd.build_connector_meta())
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.tiers.update_connector_output(output)
+        self.pd.update_connector_output(output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Either side may keep the blocks (the tiers' saves in flight, the producer's offer, a pull still
+        writing them): vLLM frees them once the worker side reported every side that kept them."""
+        self._tier_hits.pop(request.request_id, None)
+        served = self.tiers.core.extra_cached_tokens(RequestId(request.request_id))
+        tiers_delay, tiers_params = self.tiers.request_finished(request, block_ids)
+        pd_delay, pd_params = self.pd.request_finished(request, block_ids)
+        if pd_params is not None:
+            pd_params[TIER_TOKENS_KEY] = served
+        params = {**(tiers_params or {}), **(pd_params or {})}
+        return tiers_delay or pd_delay, params or None
+
+    def loaded_groups(self) -> tuple[int, ...]:
+        return (0,)
+
+    def reset_cache(self) -> bool:
+        return self.tiers.reset_cache()
+
+    def bind_gpu_block_pool(self, pool: BlockPool) -> None:
+        self.tiers.bind_gpu_block_pool(pool)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.tiers.take_events()
+
+    def stats(self) -> SchedulerStats:
+        return self.tiers.stats()
+
+    def close(self) -> None:
+        self.tiers.close()

@@ -1,0 +1,166 @@
+"""P/D with tiers: one ``KVCoreConnector`` per engine, a ``pd`` section beside a shared disk tier.
+
+Two real vLLM engines (CPU build, tiny model, TP 1): the prefill engine (``kv_producer``) and the decode
+engine (``kv_consumer``) share one disk tier (a host pool in front, the disk written through). A
+two-turn conversation:
+
+- turn 1 goes through P/D: the prefill engine saves the prompt's whole blocks as it computes them, the
+  decode engine loads those from the tier and pulls only the prompt's last block, then saves what it
+  decodes;
+- turn 2 (turn 1's prompt, its answer, a new message) finds its history in the tier on the prefill
+  engine, which computes only past it; the decode engine takes its own prefix cache, then the tier, and
+  pulls from the producer only the block neither holds.
+
+Tokens are compared with vLLM's own prefix hit of the same length (prompts one token past whole blocks,
+as in ``test_vllm_pd``). A decode engine whose producer is gone still loads the tier's part and computes
+the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
+    BLOCK,
+    VLLM_MARKS,
+    generate,
+    prompt,
+    start_engine,
+    stop_engine,
+    tiny_model,
+    vllm_env,
+)
+from tests.integration.probes import external_hits, pulled_blocks
+from tests.mooncake.conftest import free_port
+
+__all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
+
+pytestmark = VLLM_MARKS
+
+HEADS = 2  # the tiny Llama's KV heads: the disk keeps a file per head of each chunk
+
+
+def pd_tiers_config(role: str, engine_id: str, port: int, store: Path) -> dict[str, Any]:
+    pd = {"port": port, "handshake_timeout_s": 1.0, "handshake_retries": 1, "abort_timeout_s": 30.0}
+    tiers = [
+        {"kind": "cpu", "size": "16MiB"},
+        {"kind": "disk", "path": str(store), "size": "64MiB", "write": "through"},
+    ]
+    return {
+        "kv_connector": "KVCoreConnector",
+        "kv_role": role,
+        "engine_id": engine_id,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "tiers": tiers,
+            "chunk_tokens": BLOCK,
+            "partial_chunks": "drop",
+            "pd": pd,
+        },
+    }
+
+
+def _chunks_on_disk(store: Path) -> int:
+    return sum(1 for path in (store / "chunks").rglob("*") if path.is_file()) // HEADS
+
+
+def _wait_for_chunks(store: Path, count: int, within_s: float = 30.0) -> None:
+    """Saves are asynchronous: wait until the disk holds ``count`` chunks (written through)."""
+    deadline = time.monotonic() + within_s
+    while _chunks_on_disk(store) < count:
+        assert time.monotonic() < deadline, f"{_chunks_on_disk(store)} chunks on disk, {count} expected"
+        time.sleep(0.05)
+
+
+def _pulled(llm: Any) -> int:
+    return sum(llm.collective_rpc(pulled_blocks))
+
+
+def _tokens(out: Any) -> list[int]:
+    return list(out.outputs[0].token_ids)
+
+
+@pytest.fixture
+def engines(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[Any, Any, Path]]:
+    store = tmp_path / "store"
+    store.mkdir()
+    producer = start_engine(tiny_model, pd_tiers_config("kv_producer", "prefill-0", free_port(), store))
+    try:
+        consumer = start_engine(tiny_model, pd_tiers_config("kv_consumer", "decode-0", 0, store))
+        try:
+            yield producer, consumer, store
+        finally:
+            stop_engine(consumer)
+    finally:
+        stop_engine(producer)
+
+
+def test_turn_two_finds_its_history_in_the_tier_and_pulls_only_the_rest(
+    engines: tuple[Any, Any, Path],
+) -> None:
+    producer, consumer, store = engines
+    # turn 1: three whole blocks and one token; the answer fills block 3 (decoded on the consumer only)
+    turn1 = prompt(8101, 3 * BLOCK + 1)
+    prefill1 = generate(producer, turn1, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    params1 = prefill1.kv_transfer_params
+    assert params1 is not None
+    assert params1["remote_tier_tokens"] == 0  # a fresh prompt: nothing in the tier
+    _wait_for_chunks(store, 3)  # the producer saved the prompt's whole blocks as it prefilled them
+    before = (_pulled(consumer), external_hits(consumer))
+    decoded1 = generate(consumer, turn1, max_tokens=BLOCK, kv_transfer_params=params1)
+    assert _pulled(consumer) - before[0] == 1  # the tier had blocks 0..2: only the last one is pulled
+    assert external_hits(consumer) - before[1] == len(turn1)
+
+    _wait_for_chunks(store, 4)  # the consumer saved block 3, which holds its answer
+
+    # turn 2: the history (block 3 known to the tier only) and a new message, one token past block 5
+    history = turn1 + _tokens(decoded1)
+    turn2 = history + prompt(8102, 5 * BLOCK + 1 - len(history))
+    prefill2 = generate(producer, turn2, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    params2 = prefill2.kv_transfer_params
+    assert params2 is not None
+    # its own cache held blocks 0..2, the tier block 3: it computed only from block 4 on
+    assert prefill2.num_cached_tokens == 4 * BLOCK
+    assert params2["remote_tier_tokens"] == BLOCK
+
+    _wait_for_chunks(store, 5)  # the producer's block 4
+    before = (_pulled(consumer), external_hits(consumer))
+    decoded2 = generate(consumer, turn2, kv_transfer_params=params2)
+    # its own cache held blocks 0..3, the tier block 4: only block 5 (the prompt's last token) is pulled
+    assert _pulled(consumer) - before[0] == 1
+    assert external_hits(consumer) - before[1] == len(turn2) - 4 * BLOCK
+    reference2 = generate(producer, turn2)  # vLLM's own hit of blocks 0..4, the last token computed
+    assert reference2.num_cached_tokens == 5 * BLOCK
+    assert _tokens(decoded2) == _tokens(reference2)
+    # turn 1's reference last: run earlier, the producer would have computed block 3 itself
+    reference1 = generate(producer, turn1, max_tokens=BLOCK)  # vLLM's own hit: 3 blocks, 1 token computed
+    assert reference1.num_cached_tokens == 3 * BLOCK
+    assert _tokens(decoded1) == _tokens(reference1)
+
+
+def test_a_producer_gone_costs_only_what_the_tier_lacks(engines: tuple[Any, Any, Path]) -> None:
+    producer, consumer, store = engines
+    tokens = prompt(8201, 4 * BLOCK + 1)
+    prefill = generate(producer, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    params = prefill.kv_transfer_params
+    assert params is not None
+    _wait_for_chunks(store, 4)  # every whole block of the prompt is in the tier
+    # the producer's side channel no longer answers (its address names a port nobody listens on)
+    gone = {**params, "remote_bootstrap_addr": f"tcp://127.0.0.1:{free_port()}"}
+    before = (_pulled(consumer), external_hits(consumer))
+    started = time.monotonic()
+    decoded = generate(consumer, tokens, kv_transfer_params=gone)
+    assert time.monotonic() - started < 20.0
+    assert _pulled(consumer) - before[0] == 0
+    assert external_hits(consumer) - before[1] == len(tokens)  # counted at admission: tier + producer
+    reference = generate(producer, tokens)
+    assert reference.num_cached_tokens == 4 * BLOCK
+    assert _tokens(decoded) == _tokens(reference)
+    # the tier's four blocks stayed loaded: a second run hits all of them in the consumer's own cache
+    again = generate(consumer, tokens)
+    assert again.num_cached_tokens == 4 * BLOCK
