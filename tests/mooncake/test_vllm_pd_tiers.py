@@ -13,7 +13,7 @@ two-turn conversation:
 
 Tokens are compared with vLLM's own prefix hit of the same length (prompts one token past whole blocks,
 as in ``test_vllm_pd``). A decode engine whose producer is gone still loads the tier's part and computes
-the rest.
+the rest. A TP-1 producer and a TP-2 consumer share the tier (a value per KV head) and the pull.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     vllm_env,
 )
 from tests.integration.probes import external_hits, pulled_blocks
+from tests.integration.tp2 import TP, kv_heads_model, start_tp_engine, tokens_of
 from tests.mooncake.conftest import free_port
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
@@ -65,15 +66,15 @@ def pd_tiers_config(role: str, engine_id: str, port: int, store: Path) -> dict[s
     }
 
 
-def _chunks_on_disk(store: Path) -> int:
-    return sum(1 for path in (store / "chunks").rglob("*") if path.is_file()) // HEADS
+def _chunks_on_disk(store: Path, heads: int) -> int:
+    return sum(1 for path in (store / "chunks").rglob("*") if path.is_file()) // heads
 
 
-def _wait_for_chunks(store: Path, count: int, within_s: float = 30.0) -> None:
+def _wait_for_chunks(store: Path, count: int, heads: int = HEADS, within_s: float = 30.0) -> None:
     """Saves are asynchronous: wait until the disk holds ``count`` chunks (written through)."""
     deadline = time.monotonic() + within_s
-    while _chunks_on_disk(store) < count:
-        assert time.monotonic() < deadline, f"{_chunks_on_disk(store)} chunks on disk, {count} expected"
+    while (held := _chunks_on_disk(store, heads)) < count:
+        assert time.monotonic() < deadline, f"{held} chunks on disk, {count} expected"
         time.sleep(0.05)
 
 
@@ -164,3 +165,44 @@ def test_a_producer_gone_costs_only_what_the_tier_lacks(engines: tuple[Any, Any,
     # the tier's four blocks stayed loaded: a second run hits all of them in the consumer's own cache
     again = generate(consumer, tokens)
     assert again.num_cached_tokens == 4 * BLOCK
+
+
+def test_a_tp1_producer_and_a_tp2_consumer_share_the_tier(vllm_env: Path, tmp_path: Path) -> None:
+    # four KV heads: each decode rank loads its two heads of each chunk from the tier (a value per head)
+    # and pulls its two heads of the last block out of the producer's four
+    heads = 4
+    model = kv_heads_model(vllm_env, heads)
+    store = tmp_path / "store"
+    store.mkdir()
+    port = free_port()
+    producer = start_tp_engine(model, heads, pd_tiers_config("kv_producer", "prefill-tp1", port, store), tp=1)
+    try:
+        consumer = start_tp_engine(
+            model, heads, pd_tiers_config("kv_consumer", "decode-tp2", 0, store), tp=TP
+        )
+        try:
+            tokens = prompt(8301, 3 * BLOCK + 1)
+            prefill = generate(producer, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            params = prefill.kv_transfer_params
+            assert params is not None
+            assert params["remote_tp_size"] == 1
+            _wait_for_chunks(store, 3, heads)
+            before = (consumer.collective_rpc(pulled_blocks), external_hits(consumer))
+            decoded = generate(consumer, tokens, kv_transfer_params=params)
+            pulled = [
+                now - then
+                for now, then in zip(consumer.collective_rpc(pulled_blocks), before[0], strict=True)
+            ]
+            assert pulled == [1] * TP  # every decode rank pulled the last block only
+            assert external_hits(consumer) - before[1] == len(tokens)
+            again = generate(consumer, tokens)  # the blocks loaded and pulled are the consumer's own now
+            assert again.num_cached_tokens == 3 * BLOCK
+            # TP sizes round bf16 differently: only the first token compares like with like
+            # (``test_vllm_pd_tp``); it is the producer's own prefix hit's
+            local = generate(producer, tokens)
+            assert local.num_cached_tokens == 3 * BLOCK
+            assert tokens_of(decoded)[0] == tokens_of(local)[0]
+        finally:
+            stop_engine(consumer)
+    finally:
+        stop_engine(producer)
