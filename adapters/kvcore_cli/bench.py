@@ -114,6 +114,17 @@ BENCHMARKS = {
         starts="two vLLM engines (TP 1 and TP 2) with kvcore over one disk tier",
         by_name_only=True,
     ),
+    "pd-turns": Benchmark(
+        "benchmarks.bench_pd_turns",
+        "a multi-turn conversation through P/D: per turn the tokens the prefill engine computed, the MiB the "
+        "decode engine pulled, and TTFT (prefill + decode's first token)",
+        "P/D alone (KVCorePDConnector: vLLM's own prefix caches only), same conversations, same run",
+        "+tiers = KVCoreConnector with a pd section beside a shared disk tier; fewer computed tokens and "
+        "pulled MiB, lower TTFT is better",
+        starts="two pairs of vLLM engines (prefill, decode), one after the other, in a loopback-only "
+        "namespace (unshare -n)",
+        by_name_only=True,
+    ),
     "serve": Benchmark(
         "benchmarks.bench_serve",
         "a served engine under streaming clients: throughput, TTFT p50/p90/p99, inter-token latency, hits "

@@ -5,8 +5,9 @@ A decode request (``do_remote_prefill``) combines its sources in order: vLLM's o
 ``num_computed_tokens`` vLLM asks with), then the tiers (their longest prefix past it), then the producer
 for the rest of the prompt only; a block found locally or in a tier is never pulled. The producer is asked
 with the tiers' hit counted as computed, so its rule (a block boundary to the prompt's end) starts where
-the tiers stop. Where the producer owes blocks the whole load is asynchronous: the tiers' part is loaded
-alongside the pull and the worker side (``PDTiersWorker``) reports the request received once, when every
+the tiers stop; where the tiers hold the whole prompt, the producer is only told to free its blocks.
+Where the producer owes blocks the whole load is asynchronous: the tiers' part is loaded alongside the
+pull and the worker side (``PDTiersWorker``) reports the request received once, when every
 source that owed blocks has reported; a failed source's blocks are load errors, recomputed by vLLM.
 
 Every other request is the tiers' alone, a prefill request (``do_remote_decode``) included: it is saved
@@ -58,7 +59,10 @@ class PDTiersScheduler:
         hits, is_async = self.tiers.get_num_new_matched_tokens(request, num_computed_tokens)
         if hits is None or not (self.pd.role.consumes and wants_remote_prefill(request.kv_transfer_params)):
             return hits, is_async
-        pulled, _ = self.pd.get_num_new_matched_tokens(request, num_computed_tokens + hits)
+        covered = num_computed_tokens + hits
+        if covered == request.num_prompt_tokens - 1:
+            covered += 1  # the tiers hold the whole prompt (vLLM computes its last token): nothing to pull
+        pulled, _ = self.pd.get_num_new_matched_tokens(request, covered)
         if not pulled:
             self._tier_hits.pop(request.request_id, None)
             return hits, is_async

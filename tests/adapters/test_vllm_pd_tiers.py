@@ -10,6 +10,7 @@ import warnings
 from types import SimpleNamespace
 from typing import Any, cast
 
+import attrs
 import pytest
 
 with warnings.catch_warnings():
@@ -109,6 +110,23 @@ def test_a_decode_request_takes_the_tiers_first_and_pulls_only_the_rest() -> Non
     (receive,) = meta.pd.receives
     assert receive.src_blocks == (42, 43, 44)  # never a block the engine or the tiers hold
     assert receive.dst_blocks == (9, 10, 11)
+
+
+def test_a_decode_request_the_tiers_hold_whole_only_releases_the_producer() -> None:
+    side = _combined(PDRole.CONSUMER)
+    hashes = _hashes(4, "whole")
+    _fill_tiers(side, hashes, 4)
+    whole = attrs.evolve(PRODUCER, block_ids=(40, 41, 42, 43), num_tokens=4 * BLOCK)
+    request = _request("d", hashes, 4 * BLOCK, whole.to_params())
+    # the tiers serve every token but the last, which vLLM computes: a synchronous load, no pull
+    assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK - 1, False)
+    side.update_state_after_alloc(request, _blocks([7, 8, 9, 10]), 4 * BLOCK - 1)
+    meta = side.build_connector_meta(_output())
+    (load,) = meta.tiers.plan.ops
+    assert load.engine_blocks == (7, 8, 9, 10)
+    assert meta.tiers.receiving == ()
+    (release,) = meta.pd.receives  # the producer frees its blocks at once
+    assert release.is_release
 
 
 def test_a_decode_request_the_tiers_cannot_serve_pulls_past_the_local_hit() -> None:
