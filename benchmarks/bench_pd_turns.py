@@ -19,9 +19,9 @@ several conversations the engines' own prefix caches lose the older ones, as a b
 Per turn (summed over the conversations): prompt tokens; tokens the prefill engine computed (the prompt
 less its cached tokens, local and tier); MiB the decode engine pulled from the producer; TTFT = the
 prefill engine's wall time + the decode engine's time to its first token (vLLM's own per-request
-figure). The first turn, with the prompt in the tier by then (waited for), is also the comparison of
-loading a prompt from the tier against pulling it from the producer (run with several ``--first``
-sizes).
+figure), and that decode part alone. The first turn, with the prompt in the tier by then (waited for),
+is also the comparison of loading a prompt from the tier against pulling it from the producer (run with
+several ``--first`` sizes).
 
 Mooncake listens on every interface, so the benchmark re-executes itself inside a loopback-only network
 namespace (``unshare -n``, needs root) unless it already runs in one.
@@ -59,6 +59,7 @@ class Turn:
     computed: int = 0
     pulled_blocks: int = 0
     ttft: float = 0.0
+    decode_ttft: float = 0.0
 
 
 def _free_port() -> int:
@@ -154,7 +155,9 @@ def _conversations(
                 turn.prompt += len(tokens)
                 turn.computed += len(tokens) - int(prefill.num_cached_tokens)
                 turn.pulled_blocks += sum(consumer.collective_rpc(pulled_blocks_probe)) - before
-                turn.ttft += prefill_s + float(decoded.metrics.first_token_latency)
+                decode_s = float(decoded.metrics.first_token_latency)
+                turn.ttft += prefill_s + decode_s
+                turn.decode_ttft += decode_s
                 history[c] = tokens + list(decoded.outputs[0].token_ids)
                 settle()
     finally:
@@ -200,12 +203,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.conversations} conversation(s), turn 1 of {args.first} tokens, then {args.message} new + "
         f"{args.answer} answered per turn; P/D alone vs P/D + a shared disk tier (figures summed per turn)"
     )
-    header = ("turn", "prompt", "computed P/D", "+tiers", "pulled MiB P/D", "+tiers", "TTFT s P/D", "+tiers")
-    print("{:>4} {:>7} {:>12} {:>7} {:>14} {:>7} {:>10} {:>7}".format(*header))
+    header = (
+        "turn", "prompt", "computed P/D", "+tiers", "pulled MiB P/D", "+tiers", "TTFT s P/D", "+tiers",
+        "decode s P/D", "+tiers",
+    )  # fmt: skip
+    print("{:>4} {:>7} {:>12} {:>7} {:>14} {:>7} {:>10} {:>7} {:>12} {:>7}".format(*header))
     for t, (a, b) in enumerate(zip(plain, tiered, strict=True), start=1):
         print(
             f"{t:>4} {a.prompt:>7} {a.computed:>12} {b.computed:>7} {a.pulled_blocks * block_mib:>14.1f} "
-            f"{b.pulled_blocks * block_mib:>7.1f} {a.ttft:>10.3f} {b.ttft:>7.3f}"
+            f"{b.pulled_blocks * block_mib:>7.1f} {a.ttft:>10.3f} {b.ttft:>7.3f} {a.decode_ttft:>12.3f} "
+            f"{b.decode_ttft:>7.3f}"
         )
     later = slice(1, None)
     new = args.message * args.conversations * (args.turns - 1)

@@ -6,7 +6,10 @@ paths run through real engines in ``tests/mooncake/test_vllm_pd_tiers.py``."""
 
 from __future__ import annotations
 
+import json
+import re
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -19,14 +22,16 @@ with warnings.catch_warnings():
     from vllm.v1.request import RequestStatus
 
 from kvcore.config import PDConfig
+from kvcore.errors import ConfigError
 from kvcore.model.step import OpReport, StepPlan
 from kvcore.ports import Direction
 from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata
 from kvcore_vllm.pd_metadata import Offer, PDMetadata, PDTiersMetadata, Receive
 from kvcore_vllm.pd_params import RemotePrefill
-from kvcore_vllm.pd_scheduler import PDRole, PDScheduler
+from kvcore_vllm.pd_scheduler import PDRole, PDScheduler, producer_addresses
 from kvcore_vllm.pd_tiers_scheduler import TIER_TOKENS_KEY, PDTiersScheduler
 from kvcore_vllm.pd_tiers_worker import PDTiersWorker
+from kvcore_vllm.preflight import check_command_line
 from kvcore_vllm.scheduler_side import SchedulerSide
 from kvcore_vllm.settings import read_extra_config
 from tests.adapters.test_vllm_scheduler_side import BLOCK, ENGINE, _hashes
@@ -256,3 +261,26 @@ def test_a_request_both_sides_report_in_one_step_is_reported_then() -> None:
     )
     tiers.received, pd.received = {"both"}, {"both"}
     assert worker.get_finished() == (None, {"both"})
+
+
+def test_the_deployment_in_docs_pd_is_one_the_connector_reads() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "pd.md").read_text()
+    configs = [json.loads(found) for found in re.findall(r"--kv-transfer-config '(.*?)'", text, re.DOTALL)]
+    assert [c["kv_role"] for c in configs] == ["kv_producer", "kv_consumer"]
+    for config in configs:
+        assert config["kv_connector"] == "KVCoreConnector"
+        settings = read_extra_config(config["kv_connector_extra_config"])
+        assert settings.core.pd is not None
+        role = PDRole.of(config["kv_role"])
+        if role.produces:
+            assert producer_addresses(settings.core.pd, 1) == ("tcp://10.0.0.6:5600",)
+
+
+def test_a_pd_section_with_a_role_pd_does_not_play_is_refused_before_start() -> None:
+    config = {
+        "kv_connector": "KVCoreConnector",
+        "kv_role": "kv_decoder",
+        "kv_connector_extra_config": {"backend": {"kind": "cpu", "size": "8MiB"}, "pd": {"port": 5600}},
+    }
+    with pytest.raises(ConfigError, match=r"kv_role: got 'kv_decoder', expected one of 'kv_producer'"):
+        check_command_line(["vllm", "serve", "model", "--kv-transfer-config", json.dumps(config)])
