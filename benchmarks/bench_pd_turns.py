@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{b.pulled_blocks * block_mib:>7.1f} {a.ttft:>10.3f} {b.ttft:>7.3f} {a.decode_ttft:>12.3f} "
             f"{b.decode_ttft:>7.3f}"
         )
+    if args.turns < 2:
+        return 0
     later = slice(1, None)
     new = args.message * args.conversations * (args.turns - 1)
     print(

@@ -1,23 +1,26 @@
 """P/D with tiers: one ``KVCoreConnector`` per engine, a ``pd`` section beside a shared disk tier.
 
 Two real vLLM engines (CPU build, tiny model, TP 1): the prefill engine (``kv_producer``) and the decode
-engine (``kv_consumer``) share one disk tier (a host pool in front, the disk written through). A
-two-turn conversation:
+engine (``kv_consumer``) share one disk tier (a host pool in front, the disk written through; chunks of
+two blocks, so that a tier can lack a whole block). A two-turn conversation:
 
-- turn 1 goes through P/D: the prefill engine saves the prompt's whole blocks as it computes them, the
-  decode engine loads those from the tier and pulls only the prompt's last block, then saves what it
+- turn 1 goes through P/D: the prefill engine saves the prompt's whole chunks as it computes them, the
+  decode engine loads those from the tier and pulls only the blocks after them, then saves what it
   decodes;
 - turn 2 (turn 1's prompt, its answer, a new message) finds its history in the tier on the prefill
   engine, which computes only past it; the decode engine takes its own prefix cache, then the tier, and
-  pulls from the producer only the block neither holds.
+  pulls from the producer only the blocks neither holds.
 
-Tokens are compared with vLLM's own prefix hit of the same length (prompts one token past whole blocks,
-as in ``test_vllm_pd``). A decode engine whose producer is gone still loads the tier's part and computes
-the rest. A TP-1 producer and a TP-2 consumer share the tier (a value per KV head) and the pull.
+A prompt whose every block but the last token's is found locally or in the tier pulls nothing (vLLM
+computes the last token anyway). Tokens are compared with vLLM's own prefix hit of the same length. A
+decode engine whose producer is gone still loads the tier's part and computes the rest; one aborted while
+both the tier and the producer owe it blocks leaks nothing. A TP-1 producer and a TP-2 consumer share the
+tier (a value per KV head) and the pull.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +39,7 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     vllm_env,
 )
 from tests.integration.probes import external_hits, pulled_blocks
+from tests.integration.test_vllm_policies import GAUGES, _settled
 from tests.integration.tp2 import TP, kv_heads_model, start_tp_engine, tokens_of
 from tests.mooncake.conftest import free_port
 
@@ -44,6 +48,7 @@ __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
 pytestmark = VLLM_MARKS
 
 HEADS = 2  # the tiny Llama's KV heads: the disk keeps a file per head of each chunk
+CHUNK = 2 * BLOCK  # coarser than vLLM's blocks, as kvcore's default: a tier can lack a whole block
 
 
 def pd_tiers_config(role: str, engine_id: str, port: int, store: Path) -> dict[str, Any]:
@@ -59,7 +64,7 @@ def pd_tiers_config(role: str, engine_id: str, port: int, store: Path) -> dict[s
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "tiers": tiers,
-            "chunk_tokens": BLOCK,
+            "chunk_tokens": CHUNK,
             "partial_chunks": "drop",
             "pd": pd,
         },
@@ -70,12 +75,19 @@ def _chunks_on_disk(store: Path, heads: int) -> int:
     return sum(1 for path in (store / "chunks").rglob("*") if path.is_file()) // heads
 
 
-def _wait_for_chunks(store: Path, count: int, heads: int = HEADS, within_s: float = 30.0) -> None:
-    """Saves are asynchronous: wait until the disk holds ``count`` chunks (written through)."""
-    deadline = time.monotonic() + within_s
-    while (held := _chunks_on_disk(store, heads)) < count:
-        assert time.monotonic() < deadline, f"{held} chunks on disk, {count} expected"
-        time.sleep(0.05)
+class Disk:
+    """The chunks a test added to the shared disk tier: saves are asynchronous, so a test waits for them."""
+
+    def __init__(self, store: Path, heads: int = HEADS) -> None:
+        self._store, self._heads = store, heads
+        self._before = _chunks_on_disk(store, heads)
+
+    def wait_for(self, count: int, within_s: float = 30.0) -> None:
+        """Wait until the test's saves added ``count`` chunks (written through)."""
+        deadline = time.monotonic() + within_s
+        while (added := _chunks_on_disk(self._store, self._heads) - self._before) < count:
+            assert time.monotonic() < deadline, f"{added} chunks added on disk, {count} expected"
+            time.sleep(0.05)
 
 
 def _pulled(llm: Any) -> int:
@@ -86,10 +98,10 @@ def _tokens(out: Any) -> list[int]:
     return list(out.outputs[0].token_ids)
 
 
-@pytest.fixture
-def engines(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[Any, Any, Path]]:
-    store = tmp_path / "store"
-    store.mkdir()
+@pytest.fixture(scope="module")
+def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any, Path]]:
+    """A prefill and a decode engine over one disk tier, shared by the tests (each its own prompts)."""
+    store = tmp_path_factory.mktemp("store")
     producer = start_engine(tiny_model, pd_tiers_config("kv_producer", "prefill-0", free_port(), store))
     try:
         consumer = start_engine(tiny_model, pd_tiers_config("kv_consumer", "decode-0", 0, store))
@@ -105,23 +117,23 @@ def test_turn_two_finds_its_history_in_the_tier_and_pulls_only_the_rest(
     engines: tuple[Any, Any, Path],
 ) -> None:
     producer, consumer, store = engines
+    disk = Disk(store)
     # turn 1: three whole blocks and one token; the answer fills block 3 (decoded on the consumer only)
     turn1 = prompt(8101, 3 * BLOCK + 1)
     prefill1 = generate(producer, turn1, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     params1 = prefill1.kv_transfer_params
     assert params1 is not None
     assert params1["remote_tier_tokens"] == 0  # a fresh prompt: nothing in the tier
-    _wait_for_chunks(store, 3)  # the producer saved the prompt's whole blocks as it prefilled them
+    disk.wait_for(1)  # the producer saved chunk 0 (blocks 0-1) as it prefilled it; block 2 ends no chunk
     before = (_pulled(consumer), external_hits(consumer))
     decoded1 = generate(consumer, turn1, max_tokens=BLOCK, kv_transfer_params=params1)
-    assert _pulled(consumer) - before[0] == 1  # the tier had blocks 0..2: only the last one is pulled
+    assert _pulled(consumer) - before[0] == 2  # blocks 0-1 came from the tier: only blocks 2-3 are pulled
     assert external_hits(consumer) - before[1] == len(turn1)
+    disk.wait_for(2)  # the consumer saved chunk 1 (blocks 2-3): block 3 holds its answer
 
-    _wait_for_chunks(store, 4)  # the consumer saved block 3, which holds its answer
-
-    # turn 2: the history (block 3 known to the tier only) and a new message, one token past block 5
+    # turn 2: the history (block 3 known to the tier only) and a new message, one token past block 6
     history = turn1 + _tokens(decoded1)
-    turn2 = history + prompt(8102, 5 * BLOCK + 1 - len(history))
+    turn2 = history + prompt(8102, 7 * BLOCK + 1 - len(history))
     prefill2 = generate(producer, turn2, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     params2 = prefill2.kv_transfer_params
     assert params2 is not None
@@ -129,14 +141,14 @@ def test_turn_two_finds_its_history_in_the_tier_and_pulls_only_the_rest(
     assert prefill2.num_cached_tokens == 4 * BLOCK
     assert params2["remote_tier_tokens"] == BLOCK
 
-    _wait_for_chunks(store, 5)  # the producer's block 4
+    disk.wait_for(3)  # the producer saved chunk 2 (blocks 4-5)
     before = (_pulled(consumer), external_hits(consumer))
     decoded2 = generate(consumer, turn2, kv_transfer_params=params2)
-    # its own cache held blocks 0..3, the tier block 4: only block 5 (the prompt's last token) is pulled
-    assert _pulled(consumer) - before[0] == 1
+    # its own cache held blocks 0..3, the tier blocks 4-5: only blocks 6-7 are pulled
+    assert _pulled(consumer) - before[0] == 2
     assert external_hits(consumer) - before[1] == len(turn2) - 4 * BLOCK
-    reference2 = generate(producer, turn2)  # vLLM's own hit of blocks 0..4, the last token computed
-    assert reference2.num_cached_tokens == 5 * BLOCK
+    reference2 = generate(producer, turn2)  # vLLM's own hit of blocks 0..6, the last token computed
+    assert reference2.num_cached_tokens == 7 * BLOCK
     assert _tokens(decoded2) == _tokens(reference2)
     # turn 1's reference last: run earlier, the producer would have computed block 3 itself
     reference1 = generate(producer, turn1, max_tokens=BLOCK)  # vLLM's own hit: 3 blocks, 1 token computed
@@ -146,11 +158,12 @@ def test_turn_two_finds_its_history_in_the_tier_and_pulls_only_the_rest(
 
 def test_a_producer_gone_costs_only_what_the_tier_lacks(engines: tuple[Any, Any, Path]) -> None:
     producer, consumer, store = engines
-    tokens = prompt(8201, 4 * BLOCK + 1)
+    disk = Disk(store)
+    tokens = prompt(8201, 4 * BLOCK + 100)
     prefill = generate(producer, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     params = prefill.kv_transfer_params
     assert params is not None
-    _wait_for_chunks(store, 4)  # every whole block of the prompt is in the tier
+    disk.wait_for(2)  # the tier holds blocks 0..3: the producer owes block 4
     # the producer's side channel no longer answers (its address names a port nobody listens on)
     gone = {**params, "remote_bootstrap_addr": f"tcp://127.0.0.1:{free_port()}"}
     before = (_pulled(consumer), external_hits(consumer))
@@ -159,7 +172,7 @@ def test_a_producer_gone_costs_only_what_the_tier_lacks(engines: tuple[Any, Any,
     assert time.monotonic() - started < 20.0
     assert _pulled(consumer) - before[0] == 0
     assert external_hits(consumer) - before[1] == len(tokens)  # counted at admission: tier + producer
-    reference = generate(producer, tokens)
+    reference = generate(producer, tokens)  # vLLM's own hit of blocks 0..3, block 4 computed: the same split
     assert reference.num_cached_tokens == 4 * BLOCK
     assert _tokens(decoded) == _tokens(reference)
     # the tier's four blocks stayed loaded: a second run hits all of them in the consumer's own cache
@@ -174,6 +187,7 @@ def test_a_tp1_producer_and_a_tp2_consumer_share_the_tier(vllm_env: Path, tmp_pa
     model = kv_heads_model(vllm_env, heads)
     store = tmp_path / "store"
     store.mkdir()
+    disk = Disk(store, heads)
     port = free_port()
     producer = start_tp_engine(model, heads, pd_tiers_config("kv_producer", "prefill-tp1", port, store), tp=1)
     try:
@@ -186,14 +200,14 @@ def test_a_tp1_producer_and_a_tp2_consumer_share_the_tier(vllm_env: Path, tmp_pa
             params = prefill.kv_transfer_params
             assert params is not None
             assert params["remote_tp_size"] == 1
-            _wait_for_chunks(store, 3, heads)
+            disk.wait_for(1)  # chunk 0 (blocks 0-1); the producer owes blocks 2-3
             before = (consumer.collective_rpc(pulled_blocks), external_hits(consumer))
             decoded = generate(consumer, tokens, kv_transfer_params=params)
             pulled = [
                 now - then
                 for now, then in zip(consumer.collective_rpc(pulled_blocks), before[0], strict=True)
             ]
-            assert pulled == [1] * TP  # every decode rank pulled the last block only
+            assert pulled == [2] * TP  # every decode rank pulled blocks 2-3 only
             assert external_hits(consumer) - before[1] == len(tokens)
             again = generate(consumer, tokens)  # the blocks loaded and pulled are the consumer's own now
             assert again.num_cached_tokens == 3 * BLOCK
@@ -206,3 +220,38 @@ def test_a_tp1_producer_and_a_tp2_consumer_share_the_tier(vllm_env: Path, tmp_pa
             stop_engine(consumer)
     finally:
         stop_engine(producer)
+
+
+def test_a_decode_request_aborted_while_the_tier_and_the_producer_owe_it_leaks_nothing(
+    engines: tuple[Any, Any, Path],
+) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    producer, consumer, store = engines
+    disk = Disk(store)
+    tokens = prompt(8401, 4 * BLOCK + 100)
+    prefill = generate(producer, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    assert prefill.kv_transfer_params is not None
+    disk.wait_for(2)  # the tier holds blocks 0..3: the producer owes block 4
+    with socket.socket() as silent:  # a producer that accepts connections and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        stuck = {
+            **prefill.kv_transfer_params,
+            "remote_bootstrap_addr": f"tcp://127.0.0.1:{silent.getsockname()[1]}",
+        }
+        engine = consumer.llm_engine
+        sampling = SamplingParams(temperature=0.0, max_tokens=8, extra_args={"kv_transfer_params": stuck})
+        engine.add_request("stuck", TokensPrompt(prompt_token_ids=tokens), sampling)
+        time.sleep(0.5)  # its tier load and its pull started; the pull's handshake hangs
+        engine.abort_request(["stuck"])
+        # vLLM keeps its blocks until the request's one report: the tier's load ended at once, the pull
+        # when its handshakes timed out (1 s, one retry)
+        assert _settled(consumer) == dict.fromkeys(GAUGES, 0.0)
+    usage = [m.value for m in consumer.get_metrics() if m.name == "vllm:kv_cache_usage_perc"]
+    assert usage == [0.0]
+    decoded = generate(consumer, tokens)  # the prompt again, with nobody to pull from: exact all the same
+    reference = generate(producer, tokens)
+    assert reference.num_cached_tokens == 4 * BLOCK
+    assert _tokens(decoded) == _tokens(reference)
