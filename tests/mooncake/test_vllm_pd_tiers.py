@@ -20,9 +20,10 @@ tier (a value per KV head) and the pull.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,19 +99,37 @@ def _tokens(out: Any) -> list[int]:
     return list(out.outputs[0].token_ids)
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any, Path]]:
-    """A prefill and a decode engine over one disk tier, shared by the tests (each its own prompts)."""
-    store = tmp_path_factory.mktemp("store")
-    producer = start_engine(tiny_model, pd_tiers_config("kv_producer", "prefill-0", free_port(), store))
+def _prefill(producer: Any, tokens: list[int]) -> tuple[Any, dict[str, Any]]:
+    """The prefill engine's half of a P/D request: its output, and the params for the decode engine."""
+    out = generate(producer, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    assert out.kv_transfer_params is not None
+    return out, out.kv_transfer_params
+
+
+@contextlib.contextmanager
+def _pair(start: Callable[[str, str, int], Any]) -> Iterator[tuple[Any, Any]]:
+    """A prefill and a decode engine (``start(role, engine_id, side-channel port)``), stopped after."""
+    producer = start("kv_producer", "prefill-0", free_port())
     try:
-        consumer = start_engine(tiny_model, pd_tiers_config("kv_consumer", "decode-0", 0, store))
+        consumer = start("kv_consumer", "decode-0", 0)
         try:
-            yield producer, consumer, store
+            yield producer, consumer
         finally:
             stop_engine(consumer)
     finally:
         stop_engine(producer)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any, Path]]:
+    """A prefill and a decode engine over one disk tier, shared by the tests (each its own prompts)."""
+    store = tmp_path_factory.mktemp("store")
+
+    def start(role: str, engine_id: str, port: int) -> Any:
+        return start_engine(tiny_model, pd_tiers_config(role, engine_id, port, store))
+
+    with _pair(start) as (producer, consumer):
+        yield producer, consumer, store
 
 
 def test_turn_two_finds_its_history_in_the_tier_and_pulls_only_the_rest(
@@ -120,9 +139,7 @@ def test_turn_two_finds_its_history_in_the_tier_and_pulls_only_the_rest(
     disk = Disk(store)
     # turn 1: three whole blocks and one token; the answer fills block 3 (decoded on the consumer only)
     turn1 = prompt(8101, 3 * BLOCK + 1)
-    prefill1 = generate(producer, turn1, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    params1 = prefill1.kv_transfer_params
-    assert params1 is not None
+    _, params1 = _prefill(producer, turn1)
     assert params1["remote_tier_tokens"] == 0  # a fresh prompt: nothing in the tier
     disk.wait_for(1)  # the producer saved chunk 0 (blocks 0-1) as it prefilled it; block 2 ends no chunk
     before = (_pulled(consumer), external_hits(consumer))
@@ -134,9 +151,7 @@ def test_turn_two_finds_its_history_in_the_tier_and_pulls_only_the_rest(
     # turn 2: the history (block 3 known to the tier only) and a new message, one token past block 6
     history = turn1 + _tokens(decoded1)
     turn2 = history + prompt(8102, 7 * BLOCK + 1 - len(history))
-    prefill2 = generate(producer, turn2, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    params2 = prefill2.kv_transfer_params
-    assert params2 is not None
+    prefill2, params2 = _prefill(producer, turn2)
     # its own cache held blocks 0..2, the tier block 3: it computed only from block 4 on
     assert prefill2.num_cached_tokens == 4 * BLOCK
     assert params2["remote_tier_tokens"] == BLOCK
@@ -160,9 +175,7 @@ def test_a_producer_gone_costs_only_what_the_tier_lacks(engines: tuple[Any, Any,
     producer, consumer, store = engines
     disk = Disk(store)
     tokens = prompt(8201, 4 * BLOCK + 100)
-    prefill = generate(producer, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    params = prefill.kv_transfer_params
-    assert params is not None
+    _, params = _prefill(producer, tokens)
     disk.wait_for(2)  # the tier holds blocks 0..3: the producer owes block 4
     # the producer's side channel no longer answers (its address names a port nobody listens on)
     gone = {**params, "remote_bootstrap_addr": f"tcp://127.0.0.1:{free_port()}"}
@@ -188,38 +201,30 @@ def test_a_tp1_producer_and_a_tp2_consumer_share_the_tier(vllm_env: Path, tmp_pa
     store = tmp_path / "store"
     store.mkdir()
     disk = Disk(store, heads)
-    port = free_port()
-    producer = start_tp_engine(model, heads, pd_tiers_config("kv_producer", "prefill-tp1", port, store), tp=1)
-    try:
-        consumer = start_tp_engine(
-            model, heads, pd_tiers_config("kv_consumer", "decode-tp2", 0, store), tp=TP
-        )
-        try:
-            tokens = prompt(8301, 3 * BLOCK + 1)
-            prefill = generate(producer, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-            params = prefill.kv_transfer_params
-            assert params is not None
-            assert params["remote_tp_size"] == 1
-            disk.wait_for(1)  # chunk 0 (blocks 0-1); the producer owes blocks 2-3
-            before = (consumer.collective_rpc(pulled_blocks), external_hits(consumer))
-            decoded = generate(consumer, tokens, kv_transfer_params=params)
-            pulled = [
-                now - then
-                for now, then in zip(consumer.collective_rpc(pulled_blocks), before[0], strict=True)
-            ]
-            assert pulled == [2] * TP  # every decode rank pulled blocks 2-3 only
-            assert external_hits(consumer) - before[1] == len(tokens)
-            again = generate(consumer, tokens)  # the blocks loaded and pulled are the consumer's own now
-            assert again.num_cached_tokens == 3 * BLOCK
-            # TP sizes round bf16 differently: only the first token compares like with like
-            # (``test_vllm_pd_tp``); it is the producer's own prefix hit's
-            local = generate(producer, tokens)
-            assert local.num_cached_tokens == 3 * BLOCK
-            assert tokens_of(decoded)[0] == tokens_of(local)[0]
-        finally:
-            stop_engine(consumer)
-    finally:
-        stop_engine(producer)
+    tp = {"kv_producer": 1, "kv_consumer": TP}
+
+    def start(role: str, engine_id: str, port: int) -> Any:
+        return start_tp_engine(model, heads, pd_tiers_config(role, engine_id, port, store), tp=tp[role])
+
+    with _pair(start) as (producer, consumer):
+        tokens = prompt(8301, 3 * BLOCK + 1)
+        _, params = _prefill(producer, tokens)
+        assert params["remote_tp_size"] == 1
+        disk.wait_for(1)  # chunk 0 (blocks 0-1); the producer owes blocks 2-3
+        before = (consumer.collective_rpc(pulled_blocks), external_hits(consumer))
+        decoded = generate(consumer, tokens, kv_transfer_params=params)
+        pulled = [
+            now - then for now, then in zip(consumer.collective_rpc(pulled_blocks), before[0], strict=True)
+        ]
+        assert pulled == [2] * TP  # every decode rank pulled blocks 2-3 only
+        assert external_hits(consumer) - before[1] == len(tokens)
+        again = generate(consumer, tokens)  # the blocks loaded and pulled are the consumer's own now
+        assert again.num_cached_tokens == 3 * BLOCK
+        # TP sizes round bf16 differently: only the first token compares like with like
+        # (``test_vllm_pd_tp``); it is the producer's own prefix hit's
+        local = generate(producer, tokens)
+        assert local.num_cached_tokens == 3 * BLOCK
+        assert tokens_of(decoded)[0] == tokens_of(local)[0]
 
 
 def test_a_decode_request_aborted_while_the_tier_and_the_producer_owe_it_leaks_nothing(
@@ -231,14 +236,13 @@ def test_a_decode_request_aborted_while_the_tier_and_the_producer_owe_it_leaks_n
     producer, consumer, store = engines
     disk = Disk(store)
     tokens = prompt(8401, 4 * BLOCK + 100)
-    prefill = generate(producer, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    assert prefill.kv_transfer_params is not None
+    _, params = _prefill(producer, tokens)
     disk.wait_for(2)  # the tier holds blocks 0..3: the producer owes block 4
     with socket.socket() as silent:  # a producer that accepts connections and never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         stuck = {
-            **prefill.kv_transfer_params,
+            **params,
             "remote_bootstrap_addr": f"tcp://127.0.0.1:{silent.getsockname()[1]}",
         }
         engine = consumer.llm_engine
