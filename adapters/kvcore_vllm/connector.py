@@ -105,6 +105,7 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         grouped = len(groups) > 1 or groups[0].window is not None
         transfer = self._kv_transfer_config
         pd_role = _pd_role(config, transfer.kv_role, grouped)
+        self._hands_off = pd_role is not None and pd_role.produces
         engine_id = transfer.engine_id or "kvcore"
         self._scheduler: SchedulerSide | GroupedSchedulerSide | PDTiersScheduler | None = None
         self._steps: StateSteps | None = None
@@ -202,7 +203,9 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def requires_kv_delivery(self) -> bool:
-        return False  # a cache is best effort: a dropped save is a future miss, never lost output
+        # a cache is best effort: a dropped save is a future miss, never lost output; a P/D producer's
+        # finished prefill is handed to a consumer, so vLLM recomputes one preempted before its hand-off
+        return self._hands_off
 
     @property
     def scheduler_side(self) -> SchedulerSide | GroupedSchedulerSide | PDTiersScheduler:

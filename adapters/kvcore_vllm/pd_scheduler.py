@@ -99,6 +99,10 @@ class PDScheduler:
         self._offers: list[Offer] = []
         self._receives: list[Receive] = []
 
+    @property
+    def block_tokens(self) -> int:
+        return self._block
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         request_id = request.request_id

@@ -8,7 +8,8 @@ with the tiers' hit counted as computed, so its rule (a block boundary to the pr
 the tiers stop; where the tiers hold the whole prompt, the producer is only told to free its blocks.
 Where the producer owes blocks the whole load is asynchronous: the tiers' part is loaded alongside the
 pull and the worker side (``PDTiersWorker``) reports the request received once, when every
-source that owed blocks has reported; a failed source's blocks are load errors, recomputed by vLLM.
+source that owed blocks has reported; a failed source's blocks are load errors: vLLM recomputes from the
+first failed block on, whichever source owed the blocks after it.
 
 Every other request is the tiers' alone, a prefill request (``do_remote_decode``) included: it is saved
 as it computes (per the tiers' store policy), and its finished blocks are also held for the consumer. Its
@@ -60,8 +61,10 @@ class PDTiersScheduler:
         if hits is None or not (self.pd.role.consumes and wants_remote_prefill(request.kv_transfer_params)):
             return hits, is_async
         covered = num_computed_tokens + hits
-        if covered == request.num_prompt_tokens - 1:
-            covered += 1  # the tiers hold the whole prompt (vLLM computes its last token): nothing to pull
+        if covered >= request.num_prompt_tokens - 1:
+            # every token but the last, which vLLM computes anyway, is held: nothing to pull (at the end
+            # of the last block, so that the producer is asked for nothing and only told to free its own)
+            covered = -(-request.num_prompt_tokens // self.pd.block_tokens) * self.pd.block_tokens
         pulled, _ = self.pd.get_num_new_matched_tokens(request, covered)
         if not pulled:
             self._tier_hits.pop(request.request_id, None)

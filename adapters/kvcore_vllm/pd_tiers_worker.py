@@ -3,8 +3,8 @@
 The tiers' worker side and the P/D worker side run side by side on the rank's KV tensors, each with its
 own part of the step's metadata (``PDTiersMetadata``). A request both owe something reaches vLLM once:
 "finished receiving" when the tiers' load and the producer's pull have both ended, "finished sending"
-when the tiers' saves are done and the producer's offer was freed. Failed blocks are each side's own
-(their union is vLLM's load errors): a source that fails costs the recompute of what it owed.
+when the tiers' saves are done and the producer's offer was freed. Failed blocks are each side's own;
+their union is vLLM's load errors (vLLM recomputes from the first of them on).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ paths run through real engines in ``tests/mooncake/test_vllm_pd_tiers.py``."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import warnings
 from pathlib import Path
@@ -131,6 +132,22 @@ def test_a_decode_request_the_tiers_hold_whole_only_releases_the_producer() -> N
     assert load.engine_blocks == (7, 8, 9, 10)
     assert meta.tiers.receiving == ()
     (release,) = meta.pd.receives  # the producer frees its blocks at once
+    assert release.is_release
+
+
+def test_a_decode_request_held_but_for_its_last_token_pulls_nothing_and_warns_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    side = _combined(PDRole.CONSUMER)
+    hashes = _hashes(4, "last-token")
+    _fill_tiers(side, hashes, 4)
+    request = _request("d", hashes, 4 * BLOCK + 1, PRODUCER.to_params())
+    with caplog.at_level(logging.WARNING):
+        # the tiers hold blocks 0..3; block 4 holds only the last token, which vLLM computes itself
+        assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
+    assert caplog.records == []
+    side.update_state_after_alloc(request, _blocks([7, 8, 9, 10, 11]), 4 * BLOCK)
+    (release,) = side.build_connector_meta(_output()).pd.receives
     assert release.is_release
 
 
