@@ -301,3 +301,17 @@ def test_a_pd_section_with_a_role_pd_does_not_play_is_refused_before_start() -> 
     }
     with pytest.raises(ConfigError, match=r"kv_role: got 'kv_decoder', expected one of 'kv_producer'"):
         check_command_line(["vllm", "serve", "model", "--kv-transfer-config", json.dumps(config)])
+
+
+def test_the_pd_role_is_vllms_kv_role_and_a_model_of_several_groups_is_refused() -> None:
+    from kvcore.errors import UnsupportedConfiguration
+    from kvcore_vllm.connector import _pd_role
+
+    tiers = {"backend": {"kind": "cpu", "size": "8MiB"}}
+    with_pd = read_extra_config({**tiers, "pd": {"port": 5600}}).core
+    assert _pd_role(read_extra_config(tiers).core, "kv_both", grouped=True) is None  # no pd section
+    assert _pd_role(with_pd, "kv_consumer", grouped=False) is PDRole.CONSUMER
+    with pytest.raises(ConfigError, match="kv_role: got None"):
+        _pd_role(with_pd, None, grouped=False)
+    with pytest.raises(UnsupportedConfiguration, match="'pd' section with a hybrid or sliding-window model"):
+        _pd_role(with_pd, "kv_producer", grouped=True)
