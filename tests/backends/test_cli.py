@@ -350,4 +350,8 @@ def test_bench_hands_flags_after_the_name_to_that_benchmark(capfd: pytest.Captur
 
 
 def test_bench_runs_the_long_benchmarks_only_when_named() -> None:
-    assert [name for name, bench in BENCHMARKS.items() if bench.by_name_only] == ["cross-tp-ttft", "serve"]
+    assert [name for name, bench in BENCHMARKS.items() if bench.by_name_only] == [
+        "cross-tp-ttft",
+        "pd-turns",
+        "serve",
+    ]
