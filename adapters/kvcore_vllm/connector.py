@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import kvcore
 from kvcore.config import KVCoreConfig
@@ -321,6 +322,18 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(side, GroupedSchedulerSide):
             return side.request_finished(request, block_ids)
         return side.request_finished(request, block_ids[0])
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """vLLM's hits by source: with P/D beside the tiers, the producer's part is ``p2p``."""
+        side = self._scheduler
+        pulled = side.take_pulled(request.request_id) if isinstance(side, PDTiersScheduler) else 0
+        pulled = min(pulled, num_external_tokens)
+        if not pulled:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        split = {self._cache_hit_source: num_external_tokens - pulled, CacheHitSource.P2P: pulled}
+        return {source: tokens for source, tokens in split.items() if tokens}
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         side = self.scheduler_side

@@ -49,6 +49,7 @@ class PDTiersScheduler:
         self.pd = pd
         # decode requests the producer was asked for: the tiers' hit, until allocation splits the load
         self._tier_hits: dict[str, int] = {}
+        self._pulled: dict[str, int] = {}  # tokens the producer owes a request, until vLLM counts its hits
 
     @property
     def halted_ranks(self) -> set[int]:
@@ -81,6 +82,13 @@ class PDTiersScheduler:
         tiers = min(hits, num_external_tokens)
         self.tiers.update_state_after_alloc(request, blocks.get_block_ids()[0], tiers)
         self.pd.update_state_after_alloc(request, blocks, num_external_tokens - tiers)
+        if num_external_tokens > tiers:
+            self._pulled[request.request_id] = num_external_tokens - tiers
+
+    def take_pulled(self, request_id: str) -> int:
+        """Of the request's external tokens just allocated, those the producer owes (vLLM's hits by
+        source: the rest are the tiers')."""
+        return self._pulled.pop(request_id, 0)
 
     def build_connector_meta(self, out: SchedulerOutput) -> PDTiersMetadata:
         return PDTiersMetadata(self.tiers.build_connector_meta(out), self.pd.build_connector_meta())
@@ -93,6 +101,7 @@ class PDTiersScheduler:
         """Either side may keep the blocks (the tiers' saves in flight, the producer's offer, a pull still
         writing them): vLLM frees them once the worker side reported every side that kept them."""
         self._tier_hits.pop(request.request_id, None)
+        self._pulled.pop(request.request_id, None)
         served = self.tiers.core.extra_cached_tokens(RequestId(request.request_id))
         tiers_delay, tiers_params = self.tiers.request_finished(request, block_ids)
         pd_delay, pd_params = self.pd.request_finished(request, block_ids)

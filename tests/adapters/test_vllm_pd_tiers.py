@@ -108,6 +108,8 @@ def test_a_decode_request_takes_the_tiers_first_and_pulls_only_the_rest() -> Non
     # vLLM's own cache holds block 0: the tiers serve block 1, the producer blocks 2..4 (the prompt's end)
     assert side.get_num_new_matched_tokens(request, BLOCK) == (3 * BLOCK + 1, True)
     side.update_state_after_alloc(request, _blocks([7, 8, 9, 10, 11]), 3 * BLOCK + 1)
+    assert side.take_pulled("d") == 2 * BLOCK + 1  # vLLM's hits by source: the producer's part
+    assert side.take_pulled("d") == 0  # asked once
     meta = side.build_connector_meta(_output())
     (load,) = meta.tiers.plan.ops
     assert load.direction is Direction.LOAD

@@ -318,6 +318,8 @@ def test_every_request_is_reported_once_and_freed(seed: int) -> None:
             break
     assert not vllm.requests, f"never freed: { {rid: vllm.kept.get(rid) for rid in vllm.requests} }"
     assert not vllm.pd.unanswered
+    assert not vllm.side._tier_hits  # nothing kept for a request that ended
+    assert not vllm.side._pulled
     stats = vllm.side.stats()
     assert (stats.requests, stats.ops_in_flight) == (0, 0)
     assert stats.pool.pinned == 0

@@ -91,6 +91,15 @@ class Disk:
             time.sleep(0.05)
 
 
+def _from_producers(llm: Any) -> int:
+    """vLLM's prompt tokens cached by source ``p2p`` so far: what the connector said the producer owed."""
+    return sum(
+        int(m.value)
+        for m in llm.get_metrics()
+        if m.name == "vllm:prompt_tokens_cached_by_source" and m.labels.get("source") == "p2p"
+    )
+
+
 def _pulled(llm: Any) -> int:
     return sum(llm.collective_rpc(pulled_blocks))
 
@@ -142,10 +151,11 @@ def test_turn_two_finds_its_history_in_the_tier_and_pulls_only_the_rest(
     _, params1 = _prefill(producer, turn1)
     assert params1["remote_tier_tokens"] == 0  # a fresh prompt: nothing in the tier
     disk.wait_for(1)  # the producer saved chunk 0 (blocks 0-1) as it prefilled it; block 2 ends no chunk
-    before = (_pulled(consumer), external_hits(consumer))
+    before = (_pulled(consumer), external_hits(consumer), _from_producers(consumer))
     decoded1 = generate(consumer, turn1, max_tokens=BLOCK, kv_transfer_params=params1)
     assert _pulled(consumer) - before[0] == 2  # blocks 0-1 came from the tier: only blocks 2-3 are pulled
     assert external_hits(consumer) - before[1] == len(turn1)
+    assert _from_producers(consumer) - before[2] == len(turn1) - 2 * BLOCK  # vLLM's hits by source: p2p
     disk.wait_for(2)  # the consumer saved chunk 1 (blocks 2-3): block 3 holds its answer
 
     # turn 2: the history (block 3 known to the tier only) and a new message, one token past block 6
@@ -157,11 +167,12 @@ def test_turn_two_finds_its_history_in_the_tier_and_pulls_only_the_rest(
     assert params2["remote_tier_tokens"] == BLOCK
 
     disk.wait_for(3)  # the producer saved chunk 2 (blocks 4-5)
-    before = (_pulled(consumer), external_hits(consumer))
+    before = (_pulled(consumer), external_hits(consumer), _from_producers(consumer))
     decoded2 = generate(consumer, turn2, kv_transfer_params=params2)
     # its own cache held blocks 0..3, the tier blocks 4-5: only blocks 6-7 are pulled
     assert _pulled(consumer) - before[0] == 2
     assert external_hits(consumer) - before[1] == len(turn2) - 4 * BLOCK
+    assert _from_producers(consumer) - before[2] == len(turn2) - 6 * BLOCK
     reference2 = generate(producer, turn2)  # vLLM's own hit of blocks 0..6, the last token computed
     assert reference2.num_cached_tokens == 7 * BLOCK
     assert _tokens(decoded2) == _tokens(reference2)
