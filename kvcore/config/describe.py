@@ -1,6 +1,6 @@
 """A config in one line, for the start-up log of every process that runs kvcore: the tiers with their
 sizes as given and as resolved, where each keeps its chunks (and whether a value per KV head, which
-engines of every TP size share), the chunk size and how saves are written.
+engines of every TP size share), the chunk size and how saves are written, and P/D where it is on.
 
 Sizes are printed in binary units; where the config spelled a size otherwise, the spelling comes first
 (``size 10GB = 9.31 GiB``), so that a person sees what a unit meant.
@@ -44,9 +44,14 @@ def describe(
         tiers = [_tier(stack, backend if isinstance(backend, Mapping) else {}, heads_split)]
     partial = "kept" if config.partial_chunks.value == "keep" else "dropped"
     secret = ", keys keyed by a secret" if config.secret else ""
+    pd = config.pd
+    beside = ""
+    if pd is not None:
+        port = pd.port or "a free port"
+        beside = f"; P/D beside the tiers over {pd.protocol}, side channel {pd.host}:{port}"
     return (
         f"tiers: {' -> '.join(tiers)}; chunks of {config.chunk_tokens} tokens (partial chunks {partial}), "
-        f"eviction {config.eviction}, epoch {config.epoch!r}{secret}"
+        f"eviction {config.eviction}, epoch {config.epoch!r}{secret}{beside}"
     )
 
 

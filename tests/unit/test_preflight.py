@@ -204,6 +204,10 @@ def test_what_runs_is_one_line_with_sizes_as_given_and_as_resolved(tmp_path: obj
     assert describe(load_config(data)).startswith("tiers: cpu (size 9.31 GiB) -> disk /nvme/kv (size 1 TiB")
     unsplit = describe(load_config(data), heads_split=False)  # an engine whose heads are runs per token
     assert "disk /nvme/kv (size 1 TiB, a value per rank (heads not cut apart), written back" in unsplit
+    assert "P/D" not in line
+    with_pd = describe(load_config({**data, "pd": {"host": "10.0.0.6", "port": 5600}}))
+    assert with_pd.endswith("epoch '0'; P/D beside the tiers over tcp, side channel 10.0.0.6:5600")
+    assert describe(load_config({**data, "pd": {}})).endswith("side channel 127.0.0.1:a free port")
 
 
 @pytest.mark.parametrize(
