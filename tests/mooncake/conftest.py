@@ -31,6 +31,26 @@ LEASE_MS = 1000  # long enough for a read on a loaded machine (200 ms expired mi
 MiB = 1 << 20
 
 
+PD_TRANSFER_TIMEOUT_S = 120
+"""Mooncake's own bound on a transfer (``MC_TRANSFER_TIMEOUT``, 30 s by default) for the P/D engines the
+tests start: their writes share two cores with the other lane's engines, and one starved for 30 s failed
+a test that checks bytes, not timeouts (a failed write is its own test: ``tests/mooncake_pd``)."""
+
+
+@contextlib.contextmanager
+def patient_transfers() -> Iterator[None]:
+    """While engines start (their workers read it then): ``MC_TRANSFER_TIMEOUT`` of
+    ``PD_TRANSFER_TIMEOUT_S``, unless the environment sets one."""
+    if "MC_TRANSFER_TIMEOUT" in os.environ:
+        yield
+        return
+    os.environ["MC_TRANSFER_TIMEOUT"] = str(PD_TRANSFER_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        del os.environ["MC_TRANSFER_TIMEOUT"]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

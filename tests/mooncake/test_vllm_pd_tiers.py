@@ -42,7 +42,7 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
 from tests.integration.probes import external_hits, pulled_blocks
 from tests.integration.test_vllm_policies import GAUGES, _settled
 from tests.integration.tp2 import TP, kv_heads_model, start_tp_engine, tokens_of
-from tests.mooncake.conftest import free_port
+from tests.mooncake.conftest import free_port, patient_transfers
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
 
@@ -118,9 +118,11 @@ def _prefill(producer: Any, tokens: list[int]) -> tuple[Any, dict[str, Any]]:
 @contextlib.contextmanager
 def _pair(start: Callable[[str, str, int], Any]) -> Iterator[tuple[Any, Any]]:
     """A prefill and a decode engine (``start(role, engine_id, side-channel port)``), stopped after."""
-    producer = start("kv_producer", "prefill-0", free_port())
+    with patient_transfers():
+        producer = start("kv_producer", "prefill-0", free_port())
     try:
-        consumer = start("kv_consumer", "decode-0", 0)
+        with patient_transfers():
+            consumer = start("kv_consumer", "decode-0", 0)
         try:
             yield producer, consumer
         finally:

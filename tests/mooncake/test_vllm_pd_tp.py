@@ -41,7 +41,7 @@ from tests.integration.tp2 import (
     start_tp_engine,
     tokens_of,
 )
-from tests.mooncake.conftest import free_port
+from tests.mooncake.conftest import free_port, patient_transfers
 
 __all__ = ["tiny_model", "vllm_env"]  # fixtures, re-exported for this module
 
@@ -91,7 +91,8 @@ def engines(vllm_env: Path) -> Iterator[dict[int, Engine]]:
     try:
         for tp in (1, TP):
             name = f"tp{tp}"
-            llm = start_tp_engine(model, KV_HEADS, _pd_config(name, _ports(tp)), tp=tp)
+            with patient_transfers():
+                llm = start_tp_engine(model, KV_HEADS, _pd_config(name, _ports(tp)), tp=tp)
             started.append(Engine(llm, tp, name))
             assert llm.collective_rpc(record_receives_probe) == list(range(tp))
         yield {engine.tp: engine for engine in started}
