@@ -38,7 +38,7 @@ from kvcore_vllm.pd_metadata import PDMetadata, PDTiersMetadata
 from kvcore_vllm.pd_params import RemotePrefill
 from kvcore_vllm.pd_scheduler import PDRole
 from kvcore_vllm.pd_tiers_worker import PDTiersWorker
-from tests.adapters.test_vllm_pd_tiers import _blocks, _combined, _output
+from tests.adapters.test_vllm_pd_tiers import _blocks, _combined, _output, _request
 from tests.adapters.test_vllm_scheduler_side import BLOCK, ENGINE, _hashes
 
 STEPS = 300
@@ -189,17 +189,8 @@ class _Vllm:
             params = source.to_params()
         elif kind < 0.7:
             params = {"do_remote_decode": True}
-        request = SimpleNamespace(
-            request_id=rid,
-            block_hashes=hashes,
-            num_tokens=tokens,
-            num_prompt_tokens=tokens,
-            num_computed_tokens=0,
-            num_output_placeholders=0,
-            kv_transfer_params=params,
-            status=RequestStatus.WAITING,
-            ready=False,  # named in finished_recving, not scheduled yet
-        )
+        request = _request(rid, hashes, tokens, params)
+        request.ready = False  # named in finished_recving, not scheduled yet
         self.requests[rid] = request
 
     def schedule(self) -> None:
