@@ -32,7 +32,7 @@ from kvcore.kit.settings import format_size
 from kvcore.model.head_runs import splits
 from kvcore.plugins.sizing import pool_slots, slot_bytes, staging_shortfall
 from kvcore_vllm.compat import check_vllm
-from kvcore_vllm.engine_spec import KVGroup, hash_identity, kv_groups, layer_names
+from kvcore_vllm.engine_spec import KVGroup, hash_identity, kv_groups, pd_engine
 from kvcore_vllm.grouped_scheduler import GroupedSchedulerSide
 from kvcore_vllm.grouped_worker import GroupedWorkerSide
 from kvcore_vllm.kv_layout import requested_order
@@ -105,7 +105,8 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         # by request (a recompute from a failed block would attend to blocks vLLM gave back)
         grouped = len(groups) > 1 or groups[0].window is not None
         transfer = self._kv_transfer_config
-        pd_role = _pd_role(config, transfer.kv_role, grouped)
+        pd_role = None if config.pd is None else PDRole.of(transfer.kv_role)
+        moved = None if config.pd is None else pd_engine(vllm_config, kv_cache_config)
         self._hands_off = pd_role is not None and pd_role.produces
         engine_id = transfer.engine_id or "kvcore"
         self._scheduler: SchedulerSide | GroupedSchedulerSide | PDTiersScheduler | None = None
@@ -146,11 +147,10 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
                 ),
                 GroupedSchedulerSide,
             )
-            if config.pd is not None and pd_role is not None and isinstance(self._scheduler, SchedulerSide):
-                self._scheduler = PDTiersScheduler(
-                    self._scheduler,
-                    PDScheduler(pd_role, engine_id, engine.layout.block_tokens, engine.tp_size, config.pd),
-                )
+            if config.pd is not None and pd_role is not None and moved is not None:
+                block = engine.layout.block_tokens
+                pd = PDScheduler(pd_role, engine_id, block, engine.tp_size, config.pd, moved.groups)
+                self._scheduler = PDTiersScheduler(self._scheduler, pd)
             for group in groups:
                 shortfall = staging_shortfall(
                     config, group.engine, vllm_config.scheduler_config.max_num_batched_tokens
@@ -187,9 +187,9 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
                 ),
                 GroupedWorkerSide,
             )
-            if config.pd is not None and pd_role is not None and isinstance(self._worker, WorkerSide):
-                pd = PDWorker(pd_role, engine, config.pd, engine_id, layer_names(kv_cache_config), rank)
-                self._worker = PDTiersWorker(self._worker, pd)
+            if config.pd is not None and pd_role is not None and moved is not None:
+                pulls = PDWorker(pd_role, moved.engine, config.pd, engine_id, moved.layers, rank)
+                self._worker = PDTiersWorker(self._worker, pulls)
             log.info(
                 "kvcore %s worker side, rank %d of %d: %s",
                 kvcore.__version__,
@@ -265,7 +265,7 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         worker = self.worker_side
-        if isinstance(worker, GroupedWorkerSide):
+        if isinstance(worker, GroupedWorkerSide | PDTiersWorker):
             sent, received, failed = worker.transfer_results()
             return KVConnectorTransferResults(sent, received, failed)
         sending, receiving = worker.get_finished()
@@ -319,7 +319,7 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         side = self.scheduler_side
-        if isinstance(side, GroupedSchedulerSide):
+        if isinstance(side, GroupedSchedulerSide | PDTiersScheduler):
             return side.request_finished(request, block_ids)
         return side.request_finished(request, block_ids[0])
 
@@ -337,7 +337,7 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         side = self.scheduler_side
-        return side.loaded_groups() if isinstance(side, GroupedSchedulerSide) else (0,)
+        return side.loaded_groups() if isinstance(side, GroupedSchedulerSide | PDTiersScheduler) else (0,)
 
     def reset_cache(self) -> bool | None:
         return self.scheduler_side.reset_cache()
@@ -366,21 +366,6 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         return KVCorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-def _pd_role(config: KVCoreConfig, kv_role: object, grouped: bool) -> PDRole | None:
-    """The P/D role of an engine configured with a ``pd`` section (``None`` without one): vLLM's
-    ``kv_role``. Raises ``ConfigError`` for a role P/D does not play, ``UnsupportedConfiguration`` for a
-    model of several KV-cache groups or a sliding window (the P/D side moves one group)."""
-    if config.pd is None:
-        return None
-    role = PDRole.of(kv_role)
-    if grouped:
-        raise UnsupportedConfiguration(
-            "a 'pd' section with a hybrid or sliding-window model (several KV-cache groups): P/D moves "
-            "one group; use KVCorePDConnector for P/D alone, or drop the 'pd' section"
-        )
-    return role
 
 
 def _pool(config: KVCoreConfig, groups: Sequence[KVGroup]) -> str:

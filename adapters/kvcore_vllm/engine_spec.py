@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["KVGroup", "attention_backend", "engine_spec", "hash_identity", "kv_groups", "layer_names"]
+__all__ = ["KVGroup", "PDEngine", "attention_backend", "hash_identity", "kv_groups", "pd_engine"]
 
 _FIXED_SEED = "vllm-none-hash"
 
@@ -47,22 +47,50 @@ class KVGroup:
     engine: EngineSpec
 
 
-def layer_names(kv_cache_config: KVCacheConfig) -> list[str]:
-    """The attention layers of the one KV-cache group, in model order."""
-    return list(kv_cache_config.kv_cache_groups[0].layer_names)
+@frozen
+class PDEngine:
+    """What P/D moves of an engine: blocks of its KV tensors, whatever KV-cache group holds them.
+
+    ``engine`` is the model's (keyed by the model, not by a group) with the layout every group's layers
+    share; ``layers`` are every group's layers in vLLM's group order (layers of several groups share one
+    tensor: the worker keeps one view per tensor); ``groups`` is how many block tables a request has.
+    """
+
+    engine: EngineSpec
+    layers: tuple[str, ...]
+    groups: int
 
 
-def engine_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineSpec:
-    """The engine as kvcore sees it, for a model of one KV-cache group of full attention or MLA (what
-    the P/D connectors move); raises ``UnsupportedConfiguration`` for anything else."""
+def pd_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PDEngine:
+    """The engine as the P/D connectors see it; raises ``UnsupportedConfiguration`` for what they do not
+    move: Mamba states (a hybrid SSM model), or groups whose KV differs in layout, dtype or heads."""
     groups = kv_groups(vllm_config, kv_cache_config)
-    if len(groups) != 1 or groups[0].kind == "sliding_window":
-        kinds = ", ".join(group.kind for group in groups)
+    states = [group for group in groups if group.kind == "mamba"]
+    if states:
         raise UnsupportedConfiguration(
-            f"this connector moves one KV-cache group of full attention or MLA; the model has {kinds} "
-            "(sliding-window and hybrid models are served by KVCoreConnector)"
+            "P/D of a hybrid SSM model (Mamba states): kvcore's P/D moves attention KV; serve it with "
+            "KVCoreConnector's tiers (states are kept per block there)"
         )
-    return groups[0].engine
+    first = groups[0].engine
+    shape = (first.layout, first.kv_dtype, first.total_kv_heads)
+    for group in groups[1:]:
+        other = group.engine
+        if (other.layout, other.kv_dtype, other.total_kv_heads) != shape:
+            raise UnsupportedConfiguration(
+                f"P/D of a model whose KV-cache groups differ: group {group.index} ({group.kind}) has "
+                f"layout {other.layout.name}, {other.kv_dtype}, {other.total_kv_heads} KV heads; group 0 "
+                f"({groups[0].kind}) {first.layout.name}, {first.kv_dtype}, {first.total_kv_heads}: P/D "
+                "moves blocks of one layout"
+            )
+    layers = tuple(name for group in groups for name in group.layers)
+    engine = attrs.evolve(
+        first,
+        model_id=model_identity(vllm_config),
+        num_layers=len(layers),
+        sibling_block_bytes=0,
+        window_tokens=None,
+    )
+    return PDEngine(engine, layers, len(groups))
 
 
 _REFUSED_SPLITS = {

@@ -87,6 +87,15 @@ class GroupedSchedulerSide:
             side.settle(request.request_id, hit, is_async)
         return hit, is_async
 
+    def settle(self, rid: str, hits: int | None, is_async: bool) -> None:
+        """Every group's ``SchedulerSide.settle``."""
+        for side in self.sides:
+            side.settle(rid, hits, is_async)
+
+    def extra_cached_tokens(self, rid: str) -> int:
+        """The request's prompt tokens the tiers served in every group."""
+        return min(side.extra_cached_tokens(rid) for side in self.sides)
+
     def loaded_groups(self) -> tuple[int, ...]:
         """The groups a load restores: every group (a hit is one every group serves)."""
         return tuple(range(len(self.sides)))

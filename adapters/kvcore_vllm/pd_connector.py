@@ -5,6 +5,11 @@ The producer (prefill engine) pushes a finished prompt's KV into the consumer's 
 serves both of vLLM's connector roles: it builds the scheduler side (``pd_scheduler``) or a rank's worker
 side (``pd_worker``) and delegates every hook. Configuration comes from ``kv_connector_extra_config``
 (kvcore's config, whose ``pd`` section is required); ``kv_role`` picks producer, consumer or both.
+
+It supports vLLM's hybrid KV-cache manager (``SupportsHMA``): a model of sliding-window and full attention
+layers moves each group's blocks (a sliding window's blocks before the window are vLLM's null block on
+the decode engine, and move nothing); a failed pull of such a model is told to vLLM by request
+(``failed_recving``), which recomputes it.
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvcore.config import load_pd_config
 from kvcore.errors import InvalidSpecError
 from kvcore_vllm.compat import check_vllm
-from kvcore_vllm.engine_spec import engine_spec, layer_names
+from kvcore_vllm.engine_spec import pd_engine
 from kvcore_vllm.kv_layout import requested_order
 from kvcore_vllm.pd_metadata import PDMetadata
 from kvcore_vllm.pd_scheduler import PDRole, PDScheduler
@@ -45,7 +52,7 @@ __all__ = ["KVCorePDConnector"]
 check_vllm(vllm.__version__, KVConnectorBase_V1)
 
 
-class KVCorePDConnector(KVConnectorBase_V1):
+class KVCorePDConnector(KVConnectorBase_V1, SupportsHMA):
     """kvcore's P/D connector. Configure it through ``kv_connector_extra_config`` (see ``docs/pd.md``)."""
 
     def __init__(
@@ -58,16 +65,19 @@ class KVCorePDConnector(KVConnectorBase_V1):
         pd = load_pd_config(extra)
         pd_role = PDRole(transfer.kv_role)
         engine_id = transfer.engine_id or "kvcore"
-        engine = engine_spec(vllm_config, kv_cache_config)
+        moved = pd_engine(vllm_config, kv_cache_config)
+        engine = moved.engine
+        self._groups = moved.groups
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = PDScheduler(pd_role, engine_id, engine.layout.block_tokens, engine.tp_size, pd)
+            block = engine.layout.block_tokens
+            self._scheduler = PDScheduler(pd_role, engine_id, block, engine.tp_size, pd, moved.groups)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank() if engine.tp_size > 1 else 0
-            self._worker = PDWorker(pd_role, engine, pd, engine_id, layer_names(kv_cache_config), rank)
+            self._worker = PDWorker(pd_role, engine, pd, engine_id, moved.layers, rank)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -104,7 +114,17 @@ class KVCorePDConnector(KVConnectorBase_V1):
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker_side.get_finished()
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        worker = self.worker_side
+        sent, received = worker.get_finished()
+        failed = worker.take_failed()
+        if self._groups > 1:  # vLLM takes a failed load of several groups by request, not by block
+            worker.take_load_errors()
+            return KVConnectorTransferResults(set(sent or ()), set(received or ()), failed)
+        return KVConnectorTransferResults(set(sent or ()), set(received or ()))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors()
@@ -132,4 +152,9 @@ class KVCorePDConnector(KVConnectorBase_V1):
         self.scheduler_side.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request, block_ids)

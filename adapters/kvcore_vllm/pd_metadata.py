@@ -11,7 +11,7 @@ from attrs import field, frozen
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvcore.checks import int_ids, int_tuple
-from kvcore_vllm.metadata import KVCoreMetadata
+from kvcore_vllm.metadata import GroupedMetadata, KVCoreMetadata
 
 __all__ = ["Offer", "PDMetadata", "PDTiersMetadata", "Receive"]
 
@@ -27,7 +27,9 @@ class Offer:
 
 @frozen
 class Receive:
-    """Consumer: pull producer blocks ``src_blocks[i]`` into ``dst_blocks[i]`` for ``request_id``.
+    """Consumer: pull producer blocks ``src_blocks[i]`` into ``dst_blocks[i]`` for ``request_id``;
+    ``missing`` are this engine's blocks the producer holds no block for (it gave them back), failed when
+    the pull ends.
 
     Empty block lists release the producer's blocks without pulling anything (the request was aborted
     before allocation, or the local prefix cache held everything): no completion is reported to vLLM.
@@ -38,10 +40,11 @@ class Receive:
     addresses: tuple[str, ...]
     src_blocks: tuple[int, ...] = field(converter=int_tuple, validator=int_ids)
     dst_blocks: tuple[int, ...] = field(converter=int_tuple, validator=int_ids)
+    missing: tuple[int, ...] = field(default=(), converter=int_tuple, validator=int_ids)
 
     @property
     def is_release(self) -> bool:
-        return not self.dst_blocks
+        return not (self.dst_blocks or self.missing)
 
 
 @frozen
@@ -56,5 +59,5 @@ class PDMetadata(KVConnectorMetadata):
 class PDTiersMetadata(KVConnectorMetadata):
     """One step's instructions for a connector that serves both P/D and tiers: each side's own."""
 
-    tiers: KVCoreMetadata
+    tiers: KVCoreMetadata | GroupedMetadata
     pd: PDMetadata

@@ -30,18 +30,31 @@ def _str_tuple(values: Iterable[object]) -> tuple[str, ...]:
     return tuple(str(v) for v in values)
 
 
+def _group_tuples(groups: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(int_tuple(group) for group in groups)
+
+
+def _group_ids(instance: object, attribute: Any, value: tuple[tuple[int, ...], ...]) -> None:
+    for group in value:
+        int_ids(instance, attribute, group)
+
+
 @frozen
 class RemotePrefill:
     """Where a prefilled prompt's KV waits: the producer engine, its ranks' side channels, its blocks.
 
-    ``block_ids[j]`` holds the prompt's tokens ``[j * block, (j + 1) * block)`` on every producer rank;
-    ``num_tokens`` is how many prompt tokens have KV there.
+    ``block_ids[g][j]`` holds the prompt's tokens ``[j * block, (j + 1) * block)`` of KV-cache group
+    ``g`` on every producer rank (one list per group, in vLLM's group order; vLLM's null block where the
+    producer gave a block back: a sliding window's blocks before it); ``num_tokens`` is how many prompt
+    tokens have KV there.
     """
 
     transfer_id: str = field(validator=min_len(1))
     engine_id: str
     addresses: tuple[str, ...] = field(converter=_str_tuple, validator=min_len(1))
-    block_ids: tuple[int, ...] = field(converter=int_tuple, validator=int_ids)
+    block_ids: tuple[tuple[int, ...], ...] = field(
+        converter=_group_tuples, validator=[min_len(1), _group_ids]
+    )
     num_tokens: int = field(validator=ge(0))
 
     def to_params(self) -> dict[str, Any]:
@@ -53,7 +66,7 @@ class RemotePrefill:
             "remote_engine_id": self.engine_id,
             "remote_bootstrap_addr": self.addresses[0],
             "remote_tp_size": len(self.addresses),
-            "remote_block_ids": [list(self.block_ids)],
+            "remote_block_ids": [list(group) for group in self.block_ids],
             "remote_num_tokens": self.num_tokens,
         }
 
@@ -62,10 +75,8 @@ class RemotePrefill:
         """The remote prefill a decode request names, or ``None`` (logged) when its params are malformed."""
         try:
             groups = params["remote_block_ids"]
-            if not isinstance(groups, list) or len(groups) != 1 or not isinstance(groups[0], list):
-                raise ValueError(
-                    f"remote_block_ids must be one list per KV-cache group (one), got {groups!r}"
-                )
+            if not isinstance(groups, list) or not groups or not all(isinstance(g, list) for g in groups):
+                raise ValueError(f"remote_block_ids must be one list per KV-cache group, got {groups!r}")
             fields = (
                 params["transfer_id"],
                 params["remote_engine_id"],
@@ -76,9 +87,10 @@ class RemotePrefill:
             transfer_id, engine_id, bootstrap, tp_size, num_tokens = fields
             if not all(isinstance(v, str) for v in (transfer_id, engine_id, bootstrap)):
                 raise ValueError("transfer_id, remote_engine_id and remote_bootstrap_addr must be strings")
-            if not all(_is_int(v) for v in (tp_size, num_tokens, *groups[0])):
+            ids = [v for group in groups for v in group]
+            if not all(_is_int(v) for v in (tp_size, num_tokens, *ids)):
                 raise ValueError("remote_tp_size, remote_num_tokens and block ids must be integers")
-            return cls(transfer_id, engine_id, rank_addresses(bootstrap, tp_size), groups[0], num_tokens)
+            return cls(transfer_id, engine_id, rank_addresses(bootstrap, tp_size), groups, num_tokens)
         except (KeyError, ValueError, TypeError) as exc:
             log.warning("kvcore P/D: ignoring malformed kv_transfer_params (%s): %s", exc, dict(params))
             return None

@@ -5,8 +5,11 @@ fresh transfer id; the params it returns name the producer's ranks and blocks (`
 request (``do_remote_prefill``) asks for every prompt token its local prefix cache does not hold, loaded
 asynchronously (vLLM's P/D rule: the whole prompt, vLLM then recomputes the last token); after
 allocation its blocks from the first one past the local hit are paired with the producer's blocks at the
-same positions. Each decode request gets one transfer; one that ends without pulling anything (aborted
-before allocation, or fully held locally) still releases the producer's blocks.
+same positions, in every KV-cache group (a hybrid model's groups each have a block table: a pair where
+this engine holds vLLM's null block moves nothing, as a sliding window's blocks before it; one where only
+the producer does cannot be filled and fails the load). Each decode request gets one transfer; one that
+ends without pulling anything (aborted before allocation, or fully held locally) still releases the
+producer's blocks.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from kvcore.config import PDConfig
 from kvcore.errors import ConfigError
 from kvcore_vllm.pd_metadata import Offer, PDMetadata, Receive
 from kvcore_vllm.pd_params import RemotePrefill, wants_remote_decode, wants_remote_prefill
+from kvcore_vllm.scheduler_side import NULL_BLOCK
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -86,12 +90,15 @@ def _blocks(tokens: int, block_tokens: int) -> int:
 
 
 class PDScheduler:
+    """The P/D scheduler side of an engine whose model keeps ``groups`` KV-cache groups of one block size."""
+
     def __init__(
-        self, role: PDRole, engine_id: str, block_tokens: int, tp_size: int, config: PDConfig
+        self, role: PDRole, engine_id: str, block_tokens: int, tp_size: int, config: PDConfig, groups: int = 1
     ) -> None:
         self.role = role
         self._engine_id = engine_id
         self._block = block_tokens
+        self._groups = groups
         self._addresses = producer_addresses(config, tp_size) if role.produces else ()
         self._asked: dict[str, _Asked] = {}
         self._issued: set[str] = set()  # decode requests whose one transfer was issued
@@ -113,19 +120,25 @@ class PDScheduler:
             self._issued.add(request_id)  # nobody to pull from, nobody to release
             return 0, False
         total = min(source.num_tokens, request.num_prompt_tokens)
-        if num_computed_tokens % self._block or _blocks(total, self._block) > len(source.block_ids):
-            log.warning(
-                "kvcore P/D: request %s: %d producer blocks cannot hold %d tokens past a local hit of %d; "
-                "computing the prompt",
-                request_id,
-                len(source.block_ids),
-                total,
-                num_computed_tokens,
-            )
+        unusable = self._unusable(source, total, num_computed_tokens)
+        if unusable:
+            log.warning("kvcore P/D: request %s: %s; computing the prompt", request_id, unusable)
             total = num_computed_tokens
         self._asked[request_id] = _Asked(source, num_computed_tokens)
         count = total - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _unusable(self, source: RemotePrefill, total: int, local: int) -> str:
+        """Why the producer's blocks cannot serve the prompt past a local hit of ``local`` tokens ("" when
+        they can)."""
+        if len(source.block_ids) != self._groups:
+            return (
+                f"the producer names {len(source.block_ids)} KV-cache groups, this engine has {self._groups}"
+            )
+        held = min(len(group) for group in source.block_ids)
+        if local % self._block or _blocks(total, self._block) > held:
+            return f"{held} producer blocks cannot hold {total} tokens past a local hit of {local}"
+        return ""
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -136,12 +149,23 @@ class PDScheduler:
         self._issued.add(request.request_id)
         source = asked.source
         first = asked.local_tokens // self._block
-        last = (
-            _blocks(asked.local_tokens + num_external_tokens, self._block) if num_external_tokens else first
-        )
-        src, dst = source.block_ids[first:last], blocks.get_block_ids()[0][first:last]
-        self._receives.append(Receive(request.request_id, source.transfer_id, source.addresses, src, dst))
-        if num_external_tokens:
+        last = _blocks(asked.local_tokens + num_external_tokens, self._block)
+        src: list[int] = []
+        dst: list[int] = []
+        missing: list[int] = []
+        pairs = zip(source.block_ids, blocks.get_block_ids(), strict=True) if num_external_tokens else ()
+        for remote, local in pairs:
+            for theirs, ours in zip(remote[first:last], local[first:last], strict=True):
+                if ours == NULL_BLOCK:
+                    continue  # this engine keeps no block there: nothing to move
+                if theirs == NULL_BLOCK:
+                    missing.append(ours)  # the producer gave it back: it cannot be filled
+                else:
+                    src.append(theirs)
+                    dst.append(ours)
+        receive = Receive(request.request_id, source.transfer_id, source.addresses, src, dst, missing)
+        self._receives.append(receive)
+        if not receive.is_release:
             self._receiving.add(request.request_id)
 
     def build_connector_meta(self) -> PDMetadata:
@@ -153,8 +177,11 @@ class PDScheduler:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._receiving.difference_update(connector_output.finished_recving or ())
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Delay the free of a prefill to be sent (returning its params) or of a decode still receiving."""
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Delay the free of a prefill to be sent (returning its params) or of a decode still receiving;
+        ``block_ids`` are the request's blocks in every KV-cache group."""
         from vllm.v1.request import RequestStatus
 
         request_id = request.request_id
@@ -171,11 +198,12 @@ class PDScheduler:
                 self._receives.append(Receive(request_id, source.transfer_id, source.addresses, (), ()))
             return False, None
         finished = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-        if not (self.role.produces and wants_remote_decode(params) and finished and block_ids):
+        if not (self.role.produces and wants_remote_decode(params) and finished and any(block_ids)):
             return False, None
         num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
-        held = tuple(block_ids[: _blocks(num_tokens, self._block)])
+        held = tuple(tuple(group[: _blocks(num_tokens, self._block)]) for group in block_ids)
         transfer_id = uuid.uuid4().hex
-        self._offers.append(Offer(request_id, transfer_id, held))
+        offered = sorted({block for group in held for block in group} - {NULL_BLOCK})
+        self._offers.append(Offer(request_id, transfer_id, offered))
         source = RemotePrefill(transfer_id, self._engine_id, self._addresses, held, num_tokens)
         return True, source.to_params()

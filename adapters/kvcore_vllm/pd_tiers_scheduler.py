@@ -11,6 +11,10 @@ pull and the worker side (``PDTiersWorker``) reports the request received once, 
 source that owed blocks has reported; a failed source's blocks are load errors: vLLM recomputes from the
 first failed block on, whichever source owed the blocks after it.
 
+A hybrid model's groups (sliding-window and full attention) are the tiers' ``GroupedSchedulerSide`` (one
+hit every group serves) and the P/D scheduler's block tables, one per group; vLLM then takes a failed
+source by request and recomputes the request.
+
 Every other request is the tiers' alone, a prefill request (``do_remote_decode``) included: it is saved
 as it computes (per the tiers' store policy), and its finished blocks are also held for the consumer. Its
 params say how many of its prompt tokens the tiers served (``remote_tier_tokens``).
@@ -20,8 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvcore.ids import RequestId
 from kvcore.scheduling.scheduler import SchedulerStats
+from kvcore_vllm.grouped_scheduler import GroupedSchedulerSide
 from kvcore_vllm.pd_metadata import PDTiersMetadata
 from kvcore_vllm.pd_params import wants_remote_prefill
 from kvcore_vllm.pd_scheduler import PDScheduler
@@ -42,9 +46,10 @@ TIER_TOKENS_KEY = "remote_tier_tokens"
 
 
 class PDTiersScheduler:
-    """The tiers' scheduler side of one KV-cache group and the P/D scheduler, combined per request."""
+    """The tiers' scheduler side (of one KV-cache group, or of several) and the P/D scheduler, combined
+    per request."""
 
-    def __init__(self, tiers: SchedulerSide, pd: PDScheduler) -> None:
+    def __init__(self, tiers: SchedulerSide | GroupedSchedulerSide, pd: PDScheduler) -> None:
         self.tiers = tiers
         self.pd = pd
         # decode requests the producer was asked for: the tiers' hit, until allocation splits the load
@@ -80,7 +85,11 @@ class PDTiersScheduler:
     ) -> None:
         hits = self._tier_hits.pop(request.request_id, num_external_tokens)
         tiers = min(hits, num_external_tokens)
-        self.tiers.update_state_after_alloc(request, blocks.get_block_ids()[0], tiers)
+        tables = blocks.get_block_ids()
+        if isinstance(self.tiers, GroupedSchedulerSide):
+            self.tiers.update_state_after_alloc(request, tables, tiers)
+        else:
+            self.tiers.update_state_after_alloc(request, tables[0], tiers)
         self.pd.update_state_after_alloc(request, blocks, num_external_tokens - tiers)
         if num_external_tokens > tiers:
             self._pulled[request.request_id] = num_external_tokens - tiers
@@ -97,13 +106,19 @@ class PDTiersScheduler:
         self.tiers.update_connector_output(output)
         self.pd.update_connector_output(output)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Either side may keep the blocks (the tiers' saves in flight, the producer's offer, a pull still
-        writing them): vLLM frees them once the worker side reported every side that kept them."""
+        writing them): vLLM frees them once the worker side reported every side that kept them.
+        ``block_ids`` are the request's blocks in every KV-cache group."""
         self._tier_hits.pop(request.request_id, None)
         self._pulled.pop(request.request_id, None)
-        served = self.tiers.core.extra_cached_tokens(RequestId(request.request_id))
-        tiers_delay, tiers_params = self.tiers.request_finished(request, block_ids)
+        served = self.tiers.extra_cached_tokens(request.request_id)
+        if isinstance(self.tiers, GroupedSchedulerSide):
+            tiers_delay, tiers_params = self.tiers.request_finished(request, block_ids)
+        else:
+            tiers_delay, tiers_params = self.tiers.request_finished(request, block_ids[0])
         pd_delay, pd_params = self.pd.request_finished(request, block_ids)
         if pd_params is not None:
             pd_params[TIER_TOKENS_KEY] = served
@@ -111,7 +126,7 @@ class PDTiersScheduler:
         return tiers_delay or pd_delay, params or None
 
     def loaded_groups(self) -> tuple[int, ...]:
-        return (0,)
+        return self.tiers.loaded_groups() if isinstance(self.tiers, GroupedSchedulerSide) else (0,)
 
     def reset_cache(self) -> bool:
         return self.tiers.reset_cache()

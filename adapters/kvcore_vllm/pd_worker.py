@@ -4,8 +4,12 @@ The composition root of P/D on a worker: it checks vLLM's KV tensors against the
 the rank's ``RankSpec`` and starts a ``PDProducer`` and/or a ``PDConsumer``, each on its own transfer
 engine (a ``kv_both`` rank registers its KV once per engine). Each step it hands the scheduler's offers
 and receives to them and turns their completions into vLLM's request ids: freed offers are "finished
-sending", ended receives "finished receiving", failed receives' blocks are load errors (recomputed).
+sending", ended receives "finished receiving", failed receives' blocks are load errors (recomputed),
+and their requests are failed loads (how vLLM takes them for a model of several KV-cache groups).
 A transfer the backend refuses ends at once the same way; nothing here raises into vLLM after start-up.
+
+The layers of a hybrid model's KV-cache groups share vLLM's KV tensors (a block belongs to one group at a
+time): the rank registers and moves one view per tensor, so a block moves whichever group holds it.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class PDWorker:
         self._sent_now: set[str] = set()
         self._received_now: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed: set[str] = set()
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Start this rank's producer and/or consumer on vLLM's KV tensors.
@@ -64,7 +69,8 @@ class PDWorker:
         Raises ``InvalidSpecError`` for tensors that do not match the layout, ``BackendError`` when a
         transfer engine or side channel does not start (what was started is closed again).
         """
-        tensors = connector_views(kv_caches, self._layers, self._engine)
+        views = connector_views(kv_caches, self._layers, self._engine)
+        tensors = list({view.data_ptr(): view for view in views}.values())  # one per shared tensor
         EngineKV.register(
             tensors, self._engine.layout, kv_dtype=self._engine.kv_dtype
         )  # refuses tensors that differ from the layout
@@ -126,10 +132,21 @@ class PDWorker:
         except InvalidSpecError as exc:
             log.warning("kvcore P/D: request %s cannot be received: %s", receive.request_id, exc)
             if not receive.is_release:
-                self._received_now.add(receive.request_id)
-                self._load_errors.update(receive.dst_blocks)
+                self._ended(receive, receive.dst_blocks)
             return
-        self._receiving[receive.transfer_id] = receive
+        if receive.dst_blocks:
+            self._receiving[receive.transfer_id] = receive
+        elif receive.missing:
+            self._ended(receive, ())  # nothing to pull: the producer was only told to free its blocks
+
+    def _ended(self, receive: Receive, failed_blocks: Sequence[int]) -> None:
+        """``receive``'s pull ended with ``failed_blocks`` unwritten (its ``missing`` blocks are too)."""
+        failed = {*failed_blocks, *receive.missing}
+        self._received_now.add(receive.request_id)
+        self._load_errors.update(failed)
+        if failed:
+            self._failed.add(receive.request_id)
+        self.pulled_blocks += len(set(receive.dst_blocks) - failed)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose blocks this rank no longer reads (sent) and whose receive ended (received)."""
@@ -145,17 +162,22 @@ class PDWorker:
                 if result.transfer_id not in self._receiving:
                     continue
                 receive = self._receiving.pop(result.transfer_id)
-                if receive.is_release:
-                    continue  # vLLM waits for nothing
-                received.add(receive.request_id)
-                self._load_errors.update(result.failed_blocks)
-                self.pulled_blocks += len(set(receive.dst_blocks) - set(result.failed_blocks))
+                if not receive.is_release:  # else vLLM waits for nothing
+                    self._ended(receive, result.failed_blocks)
+            received |= self._received_now
+            self._received_now = set()
         return sent or None, received or None
 
     def take_load_errors(self) -> set[int]:
         """Blocks whose receive failed since the last call: vLLM recomputes them."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed(self) -> set[str]:
+        """Requests whose receive failed, in any block, since the last call (vLLM recomputes them whole:
+        how it takes a failed load of a model of several KV-cache groups)."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     def shutdown(self) -> None:
         """Stop the producer, the consumer and their transfer engines. Idempotent."""

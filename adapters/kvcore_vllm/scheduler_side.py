@@ -52,7 +52,9 @@ EVICTED_PREFIX = "kvcore-evicted-"  # request ids of lazy saves
 # drop-in compatibility with LMCache's connector).
 EXTRA_CACHED_KEYS = ("num_extra_cached_tokens", "num_lmcache_extra_cached_tokens")
 
-NULL_BLOCK = 0  # vLLM's null block: a block table's place for a block not held (outside a sliding window)
+NULL_BLOCK = 0
+"""vLLM's null block: what a block table holds where its group keeps no block (a sliding window's blocks
+before the window, given back). vLLM's ``BlockPool`` takes it first from its free blocks: id 0."""
 
 
 def held_blocks(block_ids: Sequence[int]) -> list[int | None]:
@@ -342,14 +344,17 @@ class SchedulerSide:
         self._received |= {rid for rid in received if rid in self._requests}  # not those ended since
         self.core.take_finished()  # retirements are vLLM's to report (finished_sending); drop ours
 
+    def extra_cached_tokens(self, rid: str) -> int:
+        """The request's prompt tokens the tiers served (its loaded hit, less what failed)."""
+        return self.core.extra_cached_tokens(RequestId(rid))
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = RequestId(request.request_id)
         params = None
         asked = request.kv_transfer_params or {}
         wanted = [k for k in EXTRA_CACHED_KEYS if k in asked]
         if wanted:
-            extra = self.core.extra_cached_tokens(rid)
-            params = dict.fromkeys(wanted, extra)
+            params = dict.fromkeys(wanted, self.extra_cached_tokens(rid))
         if self.core.keyer.tails and request.request_id not in self._receiving:
             if request.request_id in self._blocks:
                 self._blocks[request.request_id] = list(block_ids)  # as vLLM holds them now

@@ -37,7 +37,9 @@ from kvcore_vllm.scheduler_side import SchedulerSide
 from kvcore_vllm.settings import read_extra_config
 from tests.adapters.test_vllm_scheduler_side import BLOCK, ENGINE, _hashes
 
-PRODUCER = RemotePrefill("t-1", "prefill-0", ("tcp://127.0.0.1:5600",), (40, 41, 42, 43, 44), 4 * BLOCK + 1)
+PRODUCER = RemotePrefill(
+    "t-1", "prefill-0", ("tcp://127.0.0.1:5600",), ((40, 41, 42, 43, 44),), 4 * BLOCK + 1
+)
 
 
 def _combined(role: PDRole) -> PDTiersScheduler:
@@ -63,6 +65,12 @@ def _blocks(ids: list[int]) -> Any:
     return SimpleNamespace(get_block_ids=lambda: (ids,))
 
 
+def _tiers(meta: PDTiersMetadata) -> KVCoreMetadata:
+    """The tiers' part of a step's metadata, of one KV-cache group."""
+    assert isinstance(meta.tiers, KVCoreMetadata)
+    return meta.tiers
+
+
 def _output(new: tuple[tuple[str, list[int], int, int], ...] = ()) -> Any:
     """A scheduler output: the ``new`` requests scheduled (id, block table, computed, scheduled tokens)."""
     reqs = [
@@ -85,7 +93,7 @@ def _fill_tiers(side: PDTiersScheduler, hashes: list[bytes], blocks: int) -> Non
     meta = side.build_connector_meta(
         _output((("writer", list(range(1, blocks + 2)), 0, blocks * BLOCK + 1),))
     )
-    saves = [op for op in meta.tiers.plan.ops if op.direction is Direction.SAVE]
+    saves = [op for op in _tiers(meta).plan.ops if op.direction is Direction.SAVE]
     assert saves
     side.update_connector_output(
         cast(
@@ -97,7 +105,7 @@ def _fill_tiers(side: PDTiersScheduler, hashes: list[bytes], blocks: int) -> Non
         )
     )
     request.status = RequestStatus.FINISHED_STOPPED
-    side.request_finished(request, list(range(1, blocks + 2)))
+    side.request_finished(request, (list(range(1, blocks + 2)),))
 
 
 def test_a_decode_request_takes_the_tiers_first_and_pulls_only_the_rest() -> None:
@@ -111,10 +119,10 @@ def test_a_decode_request_takes_the_tiers_first_and_pulls_only_the_rest() -> Non
     assert side.take_pulled("d") == 2 * BLOCK + 1  # vLLM's hits by source: the producer's part
     assert side.take_pulled("d") == 0  # asked once
     meta = side.build_connector_meta(_output())
-    (load,) = meta.tiers.plan.ops
+    (load,) = _tiers(meta).plan.ops
     assert load.direction is Direction.LOAD
     assert load.engine_blocks == (8,)  # block 1 only: block 0 is vLLM's own
-    assert meta.tiers.receiving == ("d",)  # asynchronous, as the pull: vLLM waits for both
+    assert _tiers(meta).receiving == ("d",)  # asynchronous, as the pull: vLLM waits for both
     (receive,) = meta.pd.receives
     assert receive.src_blocks == (42, 43, 44)  # never a block the engine or the tiers hold
     assert receive.dst_blocks == (9, 10, 11)
@@ -124,15 +132,15 @@ def test_a_decode_request_the_tiers_hold_whole_only_releases_the_producer() -> N
     side = _combined(PDRole.CONSUMER)
     hashes = _hashes(4, "whole")
     _fill_tiers(side, hashes, 4)
-    whole = attrs.evolve(PRODUCER, block_ids=(40, 41, 42, 43), num_tokens=4 * BLOCK)
+    whole = attrs.evolve(PRODUCER, block_ids=((40, 41, 42, 43),), num_tokens=4 * BLOCK)
     request = _request("d", hashes, 4 * BLOCK, whole.to_params())
     # the tiers serve every token but the last, which vLLM computes: a synchronous load, no pull
     assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK - 1, False)
     side.update_state_after_alloc(request, _blocks([7, 8, 9, 10]), 4 * BLOCK - 1)
     meta = side.build_connector_meta(_output())
-    (load,) = meta.tiers.plan.ops
+    (load,) = _tiers(meta).plan.ops
     assert load.engine_blocks == (7, 8, 9, 10)
-    assert meta.tiers.receiving == ()
+    assert _tiers(meta).receiving == ()
     (release,) = meta.pd.receives  # the producer frees its blocks at once
     assert release.is_release
 
@@ -159,8 +167,8 @@ def test_a_decode_request_the_tiers_cannot_serve_pulls_past_the_local_hit() -> N
     assert side.get_num_new_matched_tokens(request, 2 * BLOCK) == (2 * BLOCK + 1, True)
     side.update_state_after_alloc(request, _blocks([7, 8, 9, 10, 11]), 2 * BLOCK + 1)
     meta = side.build_connector_meta(_output())
-    assert meta.tiers.plan.ops == ()
-    assert meta.tiers.receiving == ()  # the tiers owe nothing: the producer's report alone ends it
+    assert _tiers(meta).plan.ops == ()
+    assert _tiers(meta).receiving == ()  # the tiers owe nothing: the producer's report alone ends it
     (receive,) = meta.pd.receives
     assert (receive.src_blocks, receive.dst_blocks) == ((42, 43, 44), (9, 10, 11))
 
@@ -172,11 +180,11 @@ def test_a_decode_request_aborted_before_allocation_releases_the_producer() -> N
     request = _request("d", hashes, 4 * BLOCK + 1, PRODUCER.to_params())
     assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK + 1, True)
     request.status = RequestStatus.FINISHED_ABORTED
-    assert side.request_finished(request, []) == (False, None)  # nothing allocated: nothing to keep
+    assert side.request_finished(request, ([],)) == (False, None)  # nothing allocated: nothing to keep
     meta = side.build_connector_meta(_output())
     (release,) = meta.pd.receives
     assert release.is_release
-    assert meta.tiers.plan.ops == ()
+    assert _tiers(meta).plan.ops == ()
 
 
 def test_a_decode_request_aborted_while_receiving_keeps_its_blocks_until_both_sources_reported() -> None:
@@ -188,7 +196,7 @@ def test_a_decode_request_aborted_while_receiving_keeps_its_blocks_until_both_so
     side.update_state_after_alloc(request, _blocks([7, 8, 9, 10, 11]), 4 * BLOCK + 1)
     side.build_connector_meta(_output())
     request.status = RequestStatus.FINISHED_ABORTED
-    delay, params = side.request_finished(request, [7, 8, 9, 10, 11])
+    delay, params = side.request_finished(request, ([7, 8, 9, 10, 11],))
     assert delay  # the producer may still write the blocks: freed at the request's one report
     assert params is None
 
@@ -203,7 +211,7 @@ def test_a_prefill_request_is_offered_and_says_what_the_tiers_served() -> None:
     side.build_connector_meta(_output((("p", [3, 4, 5, 6, 7], 2 * BLOCK, 2 * BLOCK + 1),)))
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
     request.num_computed_tokens = 4 * BLOCK + 1
-    delay, params = side.request_finished(request, [3, 4, 5, 6, 7])
+    delay, params = side.request_finished(request, ([3, 4, 5, 6, 7],))
     assert delay
     assert params is not None
     assert params["do_remote_prefill"] is True
@@ -226,7 +234,7 @@ def test_a_request_without_pd_params_is_the_tiers_alone() -> None:
     assert meta.pd.receives == ()
     assert meta.pd.offers == ()
     request.status = RequestStatus.FINISHED_STOPPED
-    assert side.request_finished(request, [7, 8, 9, 10])[1] is None  # no P/D params for it
+    assert side.request_finished(request, ([7, 8, 9, 10],))[1] is None  # no P/D params for it
 
 
 class _Side:
@@ -240,6 +248,9 @@ class _Side:
         return
 
     def take_failed_loads(self, received: object) -> set[str]:
+        return set()
+
+    def take_failed(self) -> set[str]:
         return set()
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
@@ -259,14 +270,18 @@ def test_a_request_both_sides_owe_is_reported_once_at_the_second_report() -> Non
         )
     )
     tiers.received = {"both", "tiers-only"}
-    assert worker.get_finished() == (None, {"tiers-only"})  # "both" waits for the producer's pull
+    assert worker.transfer_results() == (set(), {"tiers-only"}, set())  # "both" waits for the producer's pull
     pd.received = {"pd-only"}
     tiers.sent = {"saving"}
-    assert worker.get_finished() == (None, {"pd-only"})  # "saving" waits for the offer to be freed
+    assert worker.transfer_results() == (
+        set(),
+        {"pd-only"},
+        set(),
+    )  # "saving" waits for the offer to be freed
     pd.received = {"both"}
     pd.sent = {"saving"}
-    assert worker.get_finished() == ({"saving"}, {"both"})
-    assert worker.get_finished() == (None, None)  # told once: never again
+    assert worker.transfer_results() == ({"saving"}, {"both"}, set())
+    assert worker.transfer_results() == (set(), set(), set())  # told once: never again
 
 
 def test_a_request_both_sides_report_in_one_step_is_reported_then() -> None:
@@ -279,7 +294,7 @@ def test_a_request_both_sides_report_in_one_step_is_reported_then() -> None:
         )
     )
     tiers.received, pd.received = {"both"}, {"both"}
-    assert worker.get_finished() == (None, {"both"})
+    assert worker.transfer_results() == (set(), {"both"}, set())
 
 
 def test_the_deployment_in_docs_pd_is_one_the_connector_reads() -> None:
@@ -305,15 +320,9 @@ def test_a_pd_section_with_a_role_pd_does_not_play_is_refused_before_start() -> 
         check_command_line(["vllm", "serve", "model", "--kv-transfer-config", json.dumps(config)])
 
 
-def test_the_pd_role_is_vllms_kv_role_and_a_model_of_several_groups_is_refused() -> None:
-    from kvcore.errors import UnsupportedConfiguration
-    from kvcore_vllm.connector import _pd_role
-
-    tiers = {"backend": {"kind": "cpu", "size": "8MiB"}}
-    with_pd = read_extra_config({**tiers, "pd": {"port": 5600}}).core
-    assert _pd_role(read_extra_config(tiers).core, "kv_both", grouped=True) is None  # no pd section
-    assert _pd_role(with_pd, "kv_consumer", grouped=False) is PDRole.CONSUMER
+def test_the_pd_role_is_vllms_kv_role() -> None:
+    assert PDRole.of("kv_consumer") is PDRole.CONSUMER
+    assert PDRole.of("kv_both").produces
+    assert PDRole.of("kv_both").consumes
     with pytest.raises(ConfigError, match="kv_role: got None"):
-        _pd_role(with_pd, None, grouped=False)
-    with pytest.raises(UnsupportedConfiguration, match="'pd' section with a hybrid or sliding-window model"):
-        _pd_role(with_pd, "kv_producer", grouped=True)
+        PDRole.of(None)

@@ -156,6 +156,9 @@ class _PDHalf:
         errors, self.errors = self.errors, set()
         return errors
 
+    def take_failed(self) -> set[str]:
+        return set()
+
 
 class _Vllm:
     """vLLM's scheduler, as far as a connector sees it: statuses, block tables, what it waits for."""
@@ -185,7 +188,7 @@ class _Vllm:
         params: dict[str, Any] | None = None
         if kind < 0.5:
             producer = tuple(range(1000, 1000 + -(-tokens // BLOCK)))
-            source = RemotePrefill(f"t-{rid}", "prefill", ("tcp://127.0.0.1:5600",), producer, tokens)
+            source = RemotePrefill(f"t-{rid}", "prefill", ("tcp://127.0.0.1:5600",), (producer,), tokens)
             params = source.to_params()
         elif kind < 0.7:
             params = {"do_remote_decode": True}
@@ -245,7 +248,7 @@ class _Vllm:
         rid = request.request_id
         aborted = request.status is not RequestStatus.RUNNING or self.rng.random() < 0.3
         request.status = RequestStatus.FINISHED_ABORTED if aborted else RequestStatus.FINISHED_STOPPED
-        delay, _ = self.side.request_finished(request, self.blocks.get(rid, []))
+        delay, _ = self.side.request_finished(request, (self.blocks.get(rid, []),))
         if waiting:
             self.kept[rid] = "recving"  # vLLM's own rule: freed when its load is named received
         elif delay:
@@ -270,7 +273,7 @@ class _Vllm:
             else:
                 self.pd.answer(item)
         self.late.step += 1
-        sent, received = self.worker.get_finished()
+        sent, received, _ = self.worker.transfer_results()
         self.worker.take_load_errors()
         output = SimpleNamespace(
             kv_connector_worker_meta=self.worker.build_worker_meta(),

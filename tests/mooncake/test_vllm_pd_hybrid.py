@@ -1,0 +1,184 @@
+"""P/D with a hybrid model (Gemma-3 style: sliding-window and full attention layers, made locally) between
+two real vLLM engines (CPU build, TP 1), vLLM's hybrid KV-cache manager on in both.
+
+vLLM keeps the model as two KV-cache groups, each with its own block table, whose layers share the KV
+tensors. The prefill engine's params name its blocks in both groups; the decode engine pulls, in each
+group, the blocks it holds past its own prefix hit: the full attention group every one, the
+sliding-window group only those of the last window (vLLM gives it the null block before the window).
+Tokens equal vLLM's own prefix hit of the same length; a producer that is gone costs a recompute of the
+request (vLLM takes a failed load of several groups by request), within seconds.
+
+The same model through ``KVCoreConnector`` with a ``pd`` section beside a shared disk tier: the decode
+engine loads, in both groups, what the tier holds (the prefill engine saved it as it computed) and pulls
+only the blocks past it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcore_cli.tiny_model import HYBRID_WINDOW, make_tiny_hybrid_model
+from tests.integration.conftest import BLOCK, VLLM_MARKS, generate, prompt, vllm_env
+from tests.integration.probes import external_hits, pulled_blocks
+from tests.integration.test_vllm_hybrid import FULL_GROUP, SWA_GROUP, start_hybrid_engine
+from tests.mooncake.conftest import free_port
+from tests.mooncake.test_vllm_pd import HANDSHAKE_S, pd_transfer_config
+from tests.mooncake.test_vllm_pd_tiers import Disk, _from_producers, _pair, pd_tiers_config
+
+__all__ = ["vllm_env"]  # a fixture, re-exported for this module
+
+pytestmark = VLLM_MARKS
+
+
+@pytest.fixture(scope="module")
+def model(vllm_env: Path) -> Path:
+    return make_tiny_hybrid_model(vllm_env / "tiny-hybrid-pd")
+
+
+@pytest.fixture(scope="module")
+def engines(model: Path) -> Iterator[tuple[Any, Any]]:
+    """A prefill and a decode engine of the P/D connector."""
+
+    def start(role: str, engine_id: str, port: int) -> Any:
+        return start_hybrid_engine(model, pd_transfer_config(role, engine_id, port))
+
+    with _pair(start) as pair:
+        yield pair
+
+
+def _tokens(out: Any) -> list[int]:
+    return list(out.outputs[0].token_ids)
+
+
+def _pulled(llm: Any) -> int:
+    return sum(llm.collective_rpc(pulled_blocks))
+
+
+def _window_blocks(first: int, num_tokens: int) -> int:
+    """Blocks ``first..`` of a prompt of ``num_tokens`` the sliding-window group holds when a request's
+    first ``num_tokens`` tokens are computed: those not wholly before its window (vLLM's rule)."""
+    skipped = max(num_tokens - HYBRID_WINDOW + 1, 0) // BLOCK
+    return -(-num_tokens // BLOCK) - max(first, skipped)
+
+
+def _pd(producer: Any, consumer: Any, tokens: list[int], max_tokens: int = 8) -> tuple[Any, dict[str, Any]]:
+    prefill = generate(producer, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    params = prefill.kv_transfer_params
+    assert params is not None
+    return generate(consumer, tokens, max_tokens=max_tokens, kv_transfer_params=params), params
+
+
+def test_both_engines_keep_vllms_hybrid_manager(engines: tuple[Any, Any]) -> None:
+    for llm in engines:
+        config = llm.llm_engine.vllm_config
+        assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
+        assert config.kv_transfer_config.kv_connector == "KVCorePDConnector"
+
+
+def test_each_group_pulls_its_blocks_and_the_tokens_are_vllms_own_prefix_hit(
+    engines: tuple[Any, Any],
+) -> None:
+    from kvcore_vllm.scheduler_side import NULL_BLOCK  # with vLLM, which the engines imported
+
+    producer, consumer = engines
+    tokens = prompt(7201, 5 * BLOCK + 1)
+    pulled, hits = _pulled(consumer), external_hits(consumer)
+    decoded, params = _pd(producer, consumer, tokens)
+    groups = params["remote_block_ids"]
+    assert [len(group) for group in groups] == [6, 6]
+    assert NULL_BLOCK not in groups[FULL_GROUP]
+    # the producer gave back the sliding-window blocks before its window, as the decode engine holds none
+    assert groups[SWA_GROUP].count(NULL_BLOCK) == 6 - _window_blocks(0, len(tokens))
+    assert external_hits(consumer) - hits == len(tokens)
+    # every block of the full attention group; of the sliding-window group, those of the last window
+    assert _pulled(consumer) - pulled == 6 + _window_blocks(0, len(tokens))
+    assert _window_blocks(0, len(tokens)) < 6
+    local = generate(producer, tokens, max_tokens=8)  # vLLM's own prefix hit: 5 blocks, 1 token computed
+    assert local.num_cached_tokens == 5 * BLOCK
+    assert _tokens(decoded) == _tokens(local)
+
+    # the decode engine now holds the prompt's blocks: a longer prompt sharing them pulls, in each group,
+    # only the blocks past its own prefix hit
+    longer = tokens[: 5 * BLOCK] + prompt(7202, 2 * BLOCK + 1)
+    pulled, hits = _pulled(consumer), external_hits(consumer)
+    decoded, _ = _pd(producer, consumer, longer)
+    assert external_hits(consumer) - hits == len(longer) - 5 * BLOCK
+    assert _pulled(consumer) - pulled == 3 + _window_blocks(5, len(longer))
+    local = generate(producer, longer, max_tokens=8)
+    assert local.num_cached_tokens == 7 * BLOCK
+    assert _tokens(decoded) == _tokens(local)
+
+
+def test_a_producer_gone_costs_a_recompute_of_the_request(engines: tuple[Any, Any]) -> None:
+    producer, consumer = engines
+    tokens = prompt(7203, 3 * BLOCK + 1)
+    plain = generate(producer, tokens, max_tokens=8)  # a fresh prompt there: a full prefill
+    gone = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": "never-offered",
+        "remote_engine_id": "prefill-gone",
+        "remote_bootstrap_addr": f"tcp://127.0.0.1:{free_port()}",
+        "remote_tp_size": 1,
+        "remote_block_ids": [[1, 2, 3, 4], [5, 6, 7, 8]],
+        "remote_num_tokens": len(tokens),
+    }
+    pulled = _pulled(consumer)
+    started = time.monotonic()
+    recomputed = generate(consumer, tokens, max_tokens=8, kv_transfer_params=gone)
+    assert time.monotonic() - started < 20 * HANDSHAKE_S
+    assert _pulled(consumer) == pulled
+    assert recomputed.num_cached_tokens == 0
+    assert _tokens(recomputed) == _tokens(plain)
+
+
+def test_beside_a_tier_each_group_loads_the_tiers_part_and_pulls_the_rest(
+    model: Path, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    disk = Disk(store, heads=2 * 2)  # a file per KV head of each chunk, in each of the two groups
+
+    def start(role: str, engine_id: str, port: int) -> Any:
+        return start_hybrid_engine(model, pd_tiers_config(role, engine_id, port, store))
+
+    with _pair(start) as (producer, consumer):
+        for llm in (producer, consumer):
+            assert llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+        tokens = prompt(7301, 5 * BLOCK + 1)
+        prefill = generate(producer, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        params = prefill.kv_transfer_params
+        assert params is not None
+        assert params["remote_tier_tokens"] == 0
+        disk.wait_for(2)  # chunks of two blocks: blocks 0..3 saved in both groups; block 4 ends no chunk
+        before = (_pulled(consumer), external_hits(consumer), _from_producers(consumer))
+        decoded = generate(consumer, tokens, max_tokens=8, kv_transfer_params=params)
+        # blocks 0..3 from the tier (the sliding-window group: those of the hit's window); blocks 4-5
+        # pulled in each group
+        assert _pulled(consumer) - before[0] == 2 + _window_blocks(4, len(tokens))
+        assert external_hits(consumer) - before[1] == len(tokens)
+        assert _from_producers(consumer) - before[2] == len(tokens) - 4 * BLOCK
+        local = generate(producer, tokens, max_tokens=8)  # vLLM's own prefix hit: 5 blocks, 1 computed
+        assert local.num_cached_tokens == 5 * BLOCK
+        assert _tokens(decoded) == _tokens(local)
+
+        # a producer gone: vLLM recomputes the request whole (a failed load of several groups)
+        other = prompt(7302, 4 * BLOCK + 100)
+        plain = generate(producer, other, max_tokens=8)  # a full prefill, which the tier keeps
+        disk.wait_for(4)
+        gone = {
+            **params,
+            "remote_bootstrap_addr": f"tcp://127.0.0.1:{free_port()}",
+            "remote_num_tokens": len(other),
+        }
+        pulled = _pulled(consumer)
+        started = time.monotonic()
+        recomputed = generate(consumer, other, max_tokens=8, kv_transfer_params=gone)
+        assert time.monotonic() - started < 20.0
+        assert _pulled(consumer) == pulled
+        assert _tokens(recomputed) == _tokens(plain)
