@@ -71,10 +71,15 @@ def _tiers(meta: PDTiersMetadata) -> KVCoreMetadata:
     return meta.tiers
 
 
-def _output(new: tuple[tuple[str, list[int], int, int], ...] = ()) -> Any:
-    """A scheduler output: the ``new`` requests scheduled (id, block table, computed, scheduled tokens)."""
+def _output(new: tuple[tuple[str, list[int] | tuple[list[int], ...], int, int], ...] = ()) -> Any:
+    """A scheduler output: the ``new`` requests scheduled (id, block table or one per KV-cache group,
+    computed, scheduled tokens)."""
     reqs = [
-        SimpleNamespace(req_id=rid, block_ids=(blocks,), num_computed_tokens=computed)
+        SimpleNamespace(
+            req_id=rid,
+            block_ids=blocks if isinstance(blocks, tuple) else (blocks,),
+            num_computed_tokens=computed,
+        )
         for rid, blocks, computed, _ in new
     ]
     cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
