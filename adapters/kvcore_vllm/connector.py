@@ -149,7 +149,9 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
             )
             if config.pd is not None and pd_role is not None and moved is not None:
                 block = engine.layout.block_tokens
-                pd = PDScheduler(pd_role, engine_id, block, engine.tp_size, config.pd, moved.groups)
+                pd = PDScheduler(
+                    pd_role, engine_id, block, engine.tp_size, config.pd, moved.groups, moved.windowed
+                )
                 self._scheduler = PDTiersScheduler(self._scheduler, pd)
             for group in groups:
                 shortfall = staging_shortfall(

@@ -52,13 +52,22 @@ class PDEngine:
     """What P/D moves of an engine: blocks of its KV tensors, whatever KV-cache group holds them.
 
     ``engine`` is the model's (keyed by the model, not by a group) with the layout every group's layers
-    share; ``layers`` are every group's layers in vLLM's group order (layers of several groups share one
-    tensor: the worker keeps one view per tensor); ``groups`` is how many block tables a request has.
+    share (its ``num_layers`` counts every group's; layers of several groups share one tensor, and the
+    worker keeps, and the handshake counts, one view per tensor); ``layers`` are every group's layers in
+    vLLM's group order; ``groups`` is how many block tables a request has, ``windowed`` whether a group
+    has a sliding window.
     """
 
     engine: EngineSpec
     layers: tuple[str, ...]
     groups: int
+    windowed: bool
+
+    @property
+    def failures_by_request(self) -> bool:
+        """vLLM takes a failed load by request, not by block (several groups, or a sliding window: a
+        recompute from a failed block would attend to blocks vLLM gave back)."""
+        return self.groups > 1 or self.windowed
 
 
 def pd_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PDEngine:
@@ -78,9 +87,8 @@ def pd_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PDEngi
         if (other.layout, other.kv_dtype, other.total_kv_heads) != shape:
             raise UnsupportedConfiguration(
                 f"P/D of a model whose KV-cache groups differ: group {group.index} ({group.kind}) has "
-                f"layout {other.layout.name}, {other.kv_dtype}, {other.total_kv_heads} KV heads; group 0 "
-                f"({groups[0].kind}) {first.layout.name}, {first.kv_dtype}, {first.total_kv_heads}: P/D "
-                "moves blocks of one layout"
+                f"{_described(other)}; group 0 ({groups[0].kind}) {_described(first)}: P/D moves blocks of "
+                "one layout"
             )
     layers = tuple(name for group in groups for name in group.layers)
     engine = attrs.evolve(
@@ -90,7 +98,15 @@ def pd_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PDEngi
         sibling_block_bytes=0,
         window_tokens=None,
     )
-    return PDEngine(engine, layers, len(groups))
+    return PDEngine(engine, layers, len(groups), any(group.window is not None for group in groups))
+
+
+def _described(engine: EngineSpec) -> str:
+    layout = engine.layout
+    return (
+        f"layout {layout.name} of {layout.block_tokens} tokens and {layout.block_bytes} bytes a block, "
+        f"{engine.kv_dtype}, {engine.total_kv_heads} KV heads"
+    )
 
 
 _REFUSED_SPLITS = {

@@ -8,8 +8,8 @@ side (``pd_worker``) and delegates every hook. Configuration comes from ``kv_con
 
 It supports vLLM's hybrid KV-cache manager (``SupportsHMA``): a model of sliding-window and full attention
 layers moves each group's blocks (a sliding window's blocks before the window are vLLM's null block on
-the decode engine, and move nothing); a failed pull of such a model is told to vLLM by request
-(``failed_recving``), which recomputes it.
+the decode engine, and move nothing); a failed pull of such a model, or of one whose layers all have a
+sliding window, is told to vLLM by request (``failed_recving``), which recomputes it.
 """
 
 from __future__ import annotations
@@ -67,12 +67,14 @@ class KVCorePDConnector(KVConnectorBase_V1, SupportsHMA):
         engine_id = transfer.engine_id or "kvcore"
         moved = pd_engine(vllm_config, kv_cache_config)
         engine = moved.engine
-        self._groups = moved.groups
+        self._by_request = moved.failures_by_request
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             block = engine.layout.block_tokens
-            self._scheduler = PDScheduler(pd_role, engine_id, block, engine.tp_size, pd, moved.groups)
+            self._scheduler = PDScheduler(
+                pd_role, engine_id, block, engine.tp_size, pd, moved.groups, moved.windowed
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -121,13 +123,14 @@ class KVCorePDConnector(KVConnectorBase_V1, SupportsHMA):
         worker = self.worker_side
         sent, received = worker.get_finished()
         failed = worker.take_failed()
-        if self._groups > 1:  # vLLM takes a failed load of several groups by request, not by block
+        if self._by_request:  # several groups or a window: vLLM takes a failed load by request
             worker.take_load_errors()
             return KVConnectorTransferResults(set(sent or ()), set(received or ()), failed)
         return KVConnectorTransferResults(set(sent or ()), set(received or ()))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker_side.take_load_errors()
+        errors = self.worker_side.take_load_errors()
+        return set() if self._by_request else errors
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -6,10 +6,12 @@ request (``do_remote_prefill``) asks for every prompt token its local prefix cac
 asynchronously (vLLM's P/D rule: the whole prompt, vLLM then recomputes the last token); after
 allocation its blocks from the first one past the local hit are paired with the producer's blocks at the
 same positions, in every KV-cache group (a hybrid model's groups each have a block table: a pair where
-this engine holds vLLM's null block moves nothing, as a sliding window's blocks before it; one where only
-the producer does cannot be filled and fails the load). Each decode request gets one transfer; one that
-ends without pulling anything (aborted before allocation, or fully held locally) still releases the
-producer's blocks.
+this engine holds vLLM's null block moves nothing, as a sliding window's blocks before it; where the
+producer gave back a block this engine needs, nothing is pulled and the request is recomputed). A model
+with a sliding window asks for every prompt token but the last: vLLM computes that token here, and its
+window must then be whole (vLLM would otherwise null the block of its oldest key, as it does for a hit of
+the whole prompt). Each decode request gets one transfer; one that ends without pulling anything (aborted
+before allocation, or fully held locally) still releases the producer's blocks.
 """
 
 from __future__ import annotations
@@ -90,15 +92,24 @@ def _blocks(tokens: int, block_tokens: int) -> int:
 
 
 class PDScheduler:
-    """The P/D scheduler side of an engine whose model keeps ``groups`` KV-cache groups of one block size."""
+    """The P/D scheduler side of an engine whose model keeps ``groups`` KV-cache groups of one block size,
+    some of them ``windowed`` (a sliding window)."""
 
     def __init__(
-        self, role: PDRole, engine_id: str, block_tokens: int, tp_size: int, config: PDConfig, groups: int = 1
+        self,
+        role: PDRole,
+        engine_id: str,
+        block_tokens: int,
+        tp_size: int,
+        config: PDConfig,
+        groups: int = 1,
+        windowed: bool = False,
     ) -> None:
         self.role = role
         self._engine_id = engine_id
         self._block = block_tokens
         self._groups = groups
+        self._windowed = windowed
         self._addresses = producer_addresses(config, tp_size) if role.produces else ()
         self._asked: dict[str, _Asked] = {}
         self._issued: set[str] = set()  # decode requests whose one transfer was issued
@@ -119,7 +130,7 @@ class PDScheduler:
         if source is None:
             self._issued.add(request_id)  # nobody to pull from, nobody to release
             return 0, False
-        total = min(source.num_tokens, request.num_prompt_tokens)
+        total = min(source.num_tokens, request.num_prompt_tokens - self._windowed)
         unusable = self._unusable(source, total, num_computed_tokens)
         if unusable:
             log.warning("kvcore P/D: request %s: %s; computing the prompt", request_id, unusable)
@@ -163,6 +174,13 @@ class PDScheduler:
                 else:
                     src.append(theirs)
                     dst.append(ours)
+        if missing:  # the request is recomputed whole: pull nothing, fail every block
+            log.info(
+                "kvcore P/D: request %s: the producer gave back %d blocks this engine needs; computing it",
+                request.request_id,
+                len(missing),
+            )
+            src, dst, missing = [], [], [*dst, *missing]
         receive = Receive(request.request_id, source.transfer_id, source.addresses, src, dst, missing)
         self._receives.append(receive)
         if not receive.is_release:

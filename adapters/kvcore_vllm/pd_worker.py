@@ -151,7 +151,6 @@ class PDWorker:
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose blocks this rank no longer reads (sent) and whose receive ended (received)."""
         sent, self._sent_now = self._sent_now, set()
-        received, self._received_now = self._received_now, set()
         if self.producer is not None:
             for freed in self.producer.poll_freed():
                 request_id = self._sending.pop(freed.transfer_id, None)
@@ -161,11 +160,8 @@ class PDWorker:
             for result in self.consumer.poll():
                 if result.transfer_id not in self._receiving:
                     continue
-                receive = self._receiving.pop(result.transfer_id)
-                if not receive.is_release:  # else vLLM waits for nothing
-                    self._ended(receive, result.failed_blocks)
-            received |= self._received_now
-            self._received_now = set()
+                self._ended(self._receiving.pop(result.transfer_id), result.failed_blocks)
+        received, self._received_now = self._received_now, set()
         return sent or None, received or None
 
     def take_load_errors(self) -> set[int]:

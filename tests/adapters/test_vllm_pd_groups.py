@@ -40,7 +40,7 @@ PRODUCER = RemotePrefill(
 
 
 def _scheduler(role: PDRole) -> PDScheduler:
-    return PDScheduler(role, "engine-0", BLOCK, 1, PDConfig(port=5600), groups=2)
+    return PDScheduler(role, "engine-0", BLOCK, 1, PDConfig(port=5600), groups=2, windowed=True)
 
 
 def _request(rid: str, params: dict[str, Any] | None, num_tokens: int = 5 * BLOCK + 1) -> Any:
@@ -65,38 +65,37 @@ def test_the_null_block_is_vllms() -> None:
 def test_each_group_pairs_its_blocks_and_skips_the_null_block() -> None:
     side = _scheduler(PDRole.CONSUMER)
     request = _request("d", PRODUCER.to_params())
-    # vLLM's own cache holds block 0 of both groups: the producer serves the rest of the prompt
-    assert side.get_num_new_matched_tokens(request, BLOCK) == (4 * BLOCK + 1, True)
+    # vLLM's own cache holds block 0 of both groups: the producer serves the rest of the prompt but its
+    # last token, which this engine computes with its whole window
+    assert side.get_num_new_matched_tokens(request, BLOCK) == (4 * BLOCK, True)
     # this engine's window starts in block 3: blocks 1..2 of the sliding-window group are null here too
-    side.update_state_after_alloc(
-        request, _tables([50, 0, 0, 51, 52, 53], [60, 61, 62, 63, 64, 65]), 4 * BLOCK + 1
-    )
+    side.update_state_after_alloc(request, _tables([50, 0, 0, 51, 52], [60, 61, 62, 63, 64]), 4 * BLOCK)
     (receive,) = side.build_connector_meta().receives
     assert list(zip(receive.src_blocks, receive.dst_blocks, strict=True)) == [
         (4, 51),
         (5, 52),
-        (6, 53),
         (8, 61),
         (9, 62),
         (10, 63),
         (11, 64),
-        (12, 65),
     ]
     assert receive.missing == ()
 
 
-def test_a_block_the_producer_gave_back_and_this_engine_holds_fails_the_load() -> None:
+def test_a_block_the_producer_gave_back_and_this_engine_holds_pulls_nothing_and_fails_the_load(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     side = _scheduler(PDRole.CONSUMER)
     request = _request("d", PRODUCER.to_params())
-    assert side.get_num_new_matched_tokens(request, 0) == (5 * BLOCK + 1, True)
+    assert side.get_num_new_matched_tokens(request, 0) == (5 * BLOCK, True)
     # a wider window here than the producer's: block 2 is this engine's and not the producer's
-    side.update_state_after_alloc(
-        request, _tables([0, 0, 70, 71, 72, 73], [80, 81, 82, 83, 84, 85]), 5 * BLOCK + 1
-    )
+    with caplog.at_level(logging.INFO):
+        side.update_state_after_alloc(request, _tables([0, 0, 70, 71, 72], [80, 81, 82, 83, 84]), 5 * BLOCK)
+    assert "the producer gave back 1 blocks this engine needs" in caplog.text
     (receive,) = side.build_connector_meta().receives
-    assert receive.missing == (70,)
-    assert 70 not in receive.dst_blocks
-    assert not receive.is_release  # vLLM waits: it is reported failed
+    assert receive.src_blocks == receive.dst_blocks == ()  # recomputed whole: nothing worth pulling
+    assert sorted(receive.missing) == [70, 71, 72, 80, 81, 82, 83, 84]
+    assert not receive.is_release  # vLLM waits for it: it is reported failed
 
 
 def test_a_producer_of_another_group_count_is_a_miss(caplog: pytest.LogCaptureFixture) -> None:
@@ -126,6 +125,15 @@ def test_a_finished_prefill_offers_every_groups_blocks_and_names_them_by_group()
     source = RemotePrefill.from_params(params)
     assert source is not None
     assert source.block_ids == ((0, 0, 0, 4, 5, 6), (7, 8, 9, 10, 11, 12))
+
+
+def test_a_model_of_a_window_is_told_failures_by_request() -> None:
+    from kvcore_vllm.engine_spec import PDEngine
+    from tests.adapters.test_vllm_scheduler_side import ENGINE
+
+    assert PDEngine(ENGINE, ("a",), 1, True).failures_by_request  # every layer with a window
+    assert PDEngine(ENGINE, ("a", "b"), 2, True).failures_by_request
+    assert not PDEngine(ENGINE, ("a",), 1, False).failures_by_request
 
 
 def test_a_hybrid_ssm_model_is_refused_for_pd_by_name() -> None:

@@ -68,7 +68,7 @@ def _hybrid() -> PDTiersScheduler:
     )
     full_engine = attrs.evolve(ENGINE, model_id="tiny#full")
     full = SchedulerSide(settings, full_engine, BLOCK, identity, group=1, failures_by_request=True)
-    pd = PDScheduler(PDRole.BOTH, "engine-0", BLOCK, 1, PDConfig(port=5600), groups=2)
+    pd = PDScheduler(PDRole.BOTH, "engine-0", BLOCK, 1, PDConfig(port=5600), groups=2, windowed=True)
     return PDTiersScheduler(GroupedSchedulerSide([swa, full]), pd)
 
 
@@ -221,7 +221,7 @@ class _Vllm:
         self.blocks: dict[str, tuple[list[int], ...]] = {}  # a block table per KV-cache group
         self.kept: dict[str, str] = {}  # finished, blocks kept until "recving" or "sending" names them
         self.preempted: list[str] = []
-        self.new: list[tuple[str, list[int], int, int]] = []
+        self.new: list[tuple[str, tuple[list[int], ...], int, int]] = []
         self.free = list(range(1, ENGINE.layout.num_blocks))  # vLLM's free blocks (0 is its null block)
         self._count = 0
 

@@ -3,10 +3,12 @@ two real vLLM engines (CPU build, TP 1), vLLM's hybrid KV-cache manager on in bo
 
 vLLM keeps the model as two KV-cache groups, each with its own block table, whose layers share the KV
 tensors. The prefill engine's params name its blocks in both groups; the decode engine pulls, in each
-group, the blocks it holds past its own prefix hit: the full attention group every one, the
-sliding-window group only those of the last window (vLLM gives it the null block before the window).
-Tokens equal vLLM's own prefix hit of the same length; a producer that is gone costs a recompute of the
-request (vLLM takes a failed load of several groups by request), within seconds.
+group, the blocks it holds past its own prefix hit for every prompt token but the last (which it computes
+with its whole window): the full attention group every one, the sliding-window group only those of the
+last window (vLLM gives it the null block before the window). Tokens equal vLLM's own prefix hit of the
+same length. Where the prefill engine already gave back the block of that last token's oldest key (one
+prompt length in a block's), and where the producer is gone, the request is recomputed whole (vLLM takes
+a failed load of several groups by request), within seconds.
 
 The same model through ``KVCoreConnector`` with a ``pd`` section beside a shared disk tier: the decode
 engine loads, in both groups, what the tier holds (the prefill engine saved it as it computed) and pulls
@@ -94,10 +96,10 @@ def test_each_group_pulls_its_blocks_and_the_tokens_are_vllms_own_prefix_hit(
     assert NULL_BLOCK not in groups[FULL_GROUP]
     # the producer gave back the sliding-window blocks before its window, as the decode engine holds none
     assert groups[SWA_GROUP].count(NULL_BLOCK) == 6 - _window_blocks(0, len(tokens))
-    assert external_hits(consumer) - hits == len(tokens)
+    assert external_hits(consumer) - hits == len(tokens) - 1
     # every block of the full attention group; of the sliding-window group, those of the last window
-    assert _pulled(consumer) - pulled == 6 + _window_blocks(0, len(tokens))
-    assert _window_blocks(0, len(tokens)) < 6
+    assert _pulled(consumer) - pulled == 5 + _window_blocks(0, len(tokens) - 1)
+    assert _window_blocks(0, len(tokens) - 1) < 5
     local = generate(producer, tokens, max_tokens=8)  # vLLM's own prefix hit: 5 blocks, 1 token computed
     assert local.num_cached_tokens == 5 * BLOCK
     assert _tokens(decoded) == _tokens(local)
@@ -107,11 +109,24 @@ def test_each_group_pulls_its_blocks_and_the_tokens_are_vllms_own_prefix_hit(
     longer = tokens[: 5 * BLOCK] + prompt(7202, 2 * BLOCK + 1)
     pulled, hits = _pulled(consumer), external_hits(consumer)
     decoded, _ = _pd(producer, consumer, longer)
-    assert external_hits(consumer) - hits == len(longer) - 5 * BLOCK
-    assert _pulled(consumer) - pulled == 3 + _window_blocks(5, len(longer))
+    assert external_hits(consumer) - hits == len(longer) - 1 - 5 * BLOCK
+    assert _pulled(consumer) - pulled == 2 + _window_blocks(5, len(longer) - 1)
     local = generate(producer, longer, max_tokens=8)
     assert local.num_cached_tokens == 7 * BLOCK
     assert _tokens(decoded) == _tokens(local)
+
+
+def test_where_the_producer_gave_back_the_oldest_key_of_the_last_tokens_window_it_is_recomputed(
+    engines: tuple[Any, Any],
+) -> None:
+    producer, consumer = engines
+    tokens = prompt(7204, HYBRID_WINDOW - 1 + 4 * BLOCK)  # the window of its last token starts a block
+    plain = generate(producer, tokens, max_tokens=8)  # a fresh prompt there: a full prefill
+    pulled = _pulled(consumer)
+    decoded, params = _pd(producer, consumer, tokens)
+    assert params["remote_block_ids"][SWA_GROUP][3] == 0  # given back by the producer, needed here
+    assert _pulled(consumer) == pulled  # nothing pulled: recomputed whole (nothing in its blocks)
+    assert _tokens(decoded) == _tokens(plain)
 
 
 def test_a_producer_gone_costs_a_recompute_of_the_request(engines: tuple[Any, Any]) -> None:
@@ -158,11 +173,11 @@ def test_beside_a_tier_each_group_loads_the_tiers_part_and_pulls_the_rest(
         disk.wait_for(2)  # chunks of two blocks: blocks 0..3 saved in both groups; block 4 ends no chunk
         before = (_pulled(consumer), external_hits(consumer), _from_producers(consumer))
         decoded = generate(consumer, tokens, max_tokens=8, kv_transfer_params=params)
-        # blocks 0..3 from the tier (the sliding-window group: those of the hit's window); blocks 4-5
-        # pulled in each group
-        assert _pulled(consumer) - before[0] == 2 + _window_blocks(4, len(tokens))
-        assert external_hits(consumer) - before[1] == len(tokens)
-        assert _from_producers(consumer) - before[2] == len(tokens) - 4 * BLOCK
+        # blocks 0..3 from the tier (the sliding-window group: those of the hit's window); block 4 pulled
+        # in each group (the last token is computed here)
+        assert _pulled(consumer) - before[0] == 1 + _window_blocks(4, len(tokens) - 1)
+        assert external_hits(consumer) - before[1] == len(tokens) - 1
+        assert _from_producers(consumer) - before[2] == len(tokens) - 1 - 4 * BLOCK
         local = generate(producer, tokens, max_tokens=8)  # vLLM's own prefix hit: 5 blocks, 1 computed
         assert local.num_cached_tokens == 5 * BLOCK
         assert _tokens(decoded) == _tokens(local)
