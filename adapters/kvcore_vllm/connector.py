@@ -297,6 +297,11 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._steps.keep()
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def on_new_request(self, request: Request) -> None:
+        side = self.scheduler_side
+        if isinstance(side, PDTiersScheduler):
+            side.pd.on_new_request(request)
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:

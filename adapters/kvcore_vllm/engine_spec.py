@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -21,6 +22,7 @@ from attrs import frozen
 
 from kvcore.errors import UnsupportedConfiguration
 from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import KVLayout, LayoutKind
 from kvcore_vllm.kv_layout import CPU_BACKEND, cpu_packing, kv_dtype, kv_layout, state_layout
 from kvcore_vllm.model_identity import model_identity
 
@@ -28,7 +30,15 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["KVGroup", "PDEngine", "attention_backend", "hash_identity", "kv_groups", "pd_engine"]
+__all__ = [
+    "KVGroup",
+    "PDEngine",
+    "attention_backend",
+    "hash_identity",
+    "kv_groups",
+    "page_engine",
+    "pd_engine",
+]
 
 _FIXED_SEED = "vllm-none-hash"
 
@@ -53,15 +63,17 @@ class PDEngine:
 
     ``engine`` is the model's (keyed by the model, not by a group) with the layout every group's layers
     share (its ``num_layers`` counts every group's; layers of several groups share one tensor, and the
-    worker keeps, and the handshake counts, one view per tensor); ``layers`` are every group's layers in
-    vLLM's group order; ``groups`` is how many block tables a request has, ``windowed`` whether a group
-    has a sliding window.
+    worker keeps, and the handshake counts, one view per tensor); for a hybrid SSM model, a ``STATE``
+    layout of whole pages (``page_engine``). ``layers`` are every group's layers in vLLM's group order;
+    ``groups`` is how many block tables a request has; ``windowed`` whether a group has a window (a
+    sliding window, or a Mamba state's block); ``state_block`` the Mamba groups' block size, if any.
     """
 
     engine: EngineSpec
     layers: tuple[str, ...]
     groups: int
     windowed: bool
+    state_block: int | None = None
 
     @property
     def failures_by_request(self) -> bool:
@@ -71,15 +83,15 @@ class PDEngine:
 
 
 def pd_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PDEngine:
-    """The engine as the P/D connectors see it; raises ``UnsupportedConfiguration`` for what they do not
-    move: Mamba states (a hybrid SSM model), or groups whose KV differs in layout, dtype or heads."""
+    """The engine as the P/D connectors see it; raises ``UnsupportedConfiguration`` for groups whose KV
+    differs in layout, dtype or heads (a hybrid SSM model's: in pages of different strides)."""
     groups = kv_groups(vllm_config, kv_cache_config)
+    layers = tuple(name for group in groups for name in group.layers)
+    windowed = any(group.window is not None for group in groups)
     states = [group for group in groups if group.kind == "mamba"]
     if states:
-        raise UnsupportedConfiguration(
-            "P/D of a hybrid SSM model (Mamba states): kvcore's P/D moves attention KV; serve it with "
-            "KVCoreConnector's tiers (states are kept per block there)"
-        )
+        engine = page_engine(model_identity(vllm_config), groups)
+        return PDEngine(engine, layers, len(groups), windowed, states[0].engine.layout.block_tokens)
     first = groups[0].engine
     shape = (first.layout, first.kv_dtype, first.total_kv_heads)
     for group in groups[1:]:
@@ -90,7 +102,6 @@ def pd_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PDEngi
                 f"{_described(other)}; group 0 ({groups[0].kind}) {_described(first)}: P/D moves blocks of "
                 "one layout"
             )
-    layers = tuple(name for group in groups for name in group.layers)
     engine = attrs.evolve(
         first,
         model_id=model_identity(vllm_config),
@@ -98,7 +109,40 @@ def pd_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PDEngi
         sibling_block_bytes=0,
         window_tokens=None,
     )
-    return PDEngine(engine, layers, len(groups), any(group.window is not None for group in groups))
+    return PDEngine(engine, layers, len(groups), windowed)
+
+
+def page_engine(model_id: str, groups: Sequence[KVGroup]) -> EngineSpec:
+    """P/D's engine for a hybrid SSM model: every KV tensor's blocks as whole pages (vLLM lays a hybrid SSM
+    model's caches out page by page: a block of a tensor is one page, which an attention layer views as
+    its K and V and a Mamba layer as its state), moved rank to rank. A state's bytes split over TP ranks
+    unlike heads: one "head" per rank, so that the handshake refuses a peer of another TP size (total
+    heads differ). Raises ``UnsupportedConfiguration`` where the groups' pages differ in size."""
+    strides = {group.engine.layout.page_bytes or group.engine.layout.block_bytes for group in groups}
+    first = groups[0].engine
+    if len(strides) != 1:
+        raise UnsupportedConfiguration(
+            f"P/D of a hybrid SSM model whose KV-cache groups' pages differ: {sorted(strides)} bytes"
+        )
+    described = "|".join(f"{group.kind}:{group.engine.layout.name}" for group in groups)
+    layout = KVLayout(
+        LayoutKind.STATE,
+        first.layout.num_blocks,
+        first.layout.block_tokens,
+        1,
+        strides.pop(),
+        1,
+        packing=f"pages-{hashlib.sha256(described.encode()).hexdigest()[:16]}",
+    )
+    return EngineSpec(
+        model_id=model_id,
+        kv_dtype="int8",
+        num_layers=sum(len(group.layers) for group in groups),
+        total_kv_heads=first.tp_size,
+        layout=layout,
+        tp_size=first.tp_size,
+        window_tokens=layout.block_tokens,
+    )
 
 
 def _described(engine: EngineSpec) -> str:

@@ -47,6 +47,7 @@ __all__ = [
     "cpu_packing",
     "kv_dtype",
     "kv_layout",
+    "page_views",
     "requested_order",
     "state_layout",
 ]
@@ -244,6 +245,35 @@ def cpu_packing(model_dtype: torch.dtype, block_tokens: int, head_size: int, cac
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     return str(_get_attn_isa(model_dtype, block_tokens, head_size, cache_dtype))
+
+
+def page_views(
+    kv_caches: Mapping[str, torch.Tensor], layers: Sequence[str], engine: EngineSpec
+) -> list[torch.Tensor]:
+    """One raw int8 view ``[blocks, 1, 1, page bytes]`` of each KV tensor ``layers`` use, in their order:
+    a hybrid SSM model's layers of several groups share vLLM's tensors, each layer viewing a block's page
+    its own way (``engine_spec.page_engine``). Raises ``InvalidSpecError`` for a layer missing from
+    ``kv_caches`` or a tensor smaller than the engine's blocks of pages."""
+    missing = [name for name in layers if name not in kv_caches]
+    if missing:
+        raise InvalidSpecError(f"KV caches missing for layers {missing}")
+    layout = engine.layout
+    shape = (layout.num_blocks, 1, 1, layout.head_size)
+    views: dict[int, torch.Tensor] = {}
+    for name in layers:
+        tensor = kv_caches[name]
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in views:
+            continue
+        if storage.nbytes() < layout.num_blocks * layout.head_size:
+            raise InvalidSpecError(
+                f"layer {name}: its tensor holds {storage.nbytes()} bytes, expected "
+                f"{layout.num_blocks} pages of {layout.head_size}"
+            )
+        page = layout.head_size
+        raw = torch.empty(0, dtype=torch.int8, device=tensor.device)
+        views[storage.data_ptr()] = raw.set_(storage, 0, shape, (page, page, page, 1))
+    return list(views.values())
 
 
 def connector_views(

@@ -36,6 +36,7 @@ from kvcore_vllm.pd_scheduler import PDRole, PDScheduler
 from kvcore_vllm.pd_worker import PDWorker
 from kvcore_vllm.preflight import check_pd
 from kvcore_vllm.roles import require_side
+from kvcore_vllm.state_steps import StateSteps
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,7 +71,10 @@ class KVCorePDConnector(KVConnectorBase_V1, SupportsHMA):
         self._by_request = moved.failures_by_request
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
+        self._steps: StateSteps | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if moved.state_block is not None:
+                self._steps = StateSteps(vllm_config.cache_config, moved.state_block)
             block = engine.layout.block_tokens
             self._scheduler = PDScheduler(
                 pd_role, engine_id, block, engine.tp_size, pd, moved.groups, moved.windowed
@@ -141,7 +145,12 @@ class KVCorePDConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if self._steps is not None:  # before vLLM cuts the request's first step
+            self._steps.keep()
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler_side.on_new_request(request)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -7,11 +7,13 @@ asynchronously (vLLM's P/D rule: the whole prompt, vLLM then recomputes the last
 allocation its blocks from the first one past the local hit are paired with the producer's blocks at the
 same positions, in every KV-cache group (a hybrid model's groups each have a block table: a pair where
 this engine holds vLLM's null block moves nothing, as a sliding window's blocks before it; where the
-producer gave back a block this engine needs, nothing is pulled and the request is recomputed). A model
-with a sliding window asks for every prompt token but the last: vLLM computes that token here, and its
-window must then be whole (vLLM would otherwise null the block of its oldest key, as it does for a hit of
-the whole prompt). Each decode request gets one transfer; one that ends without pulling anything (aborted
-before allocation, or fully held locally) still releases the producer's blocks.
+producer gave back a block this engine needs, nothing is pulled and the request is recomputed). With a
+sliding window both sides stop one token short of the prompt: the decode engine computes the last token
+with its whole window (asked for the whole prompt, vLLM would null the block of the window's oldest key),
+so the prefill engine computes every prompt token but that one (``on_new_request`` drops it, as vLLM's
+NIXL connector does) and gives back exactly the blocks the decode engine does not hold. Each decode
+request gets one transfer; one that ends without pulling anything (aborted before allocation, or fully
+held locally) still releases the producer's blocks.
 """
 
 from __future__ import annotations
@@ -87,6 +89,10 @@ class _Asked:
     local_tokens: int
 
 
+_SHORTENED = "_kvcore_shortened"
+"""The key a prefill request's params get once ``on_new_request`` dropped its last prompt token."""
+
+
 def _blocks(tokens: int, block_tokens: int) -> int:
     return -(-tokens // block_tokens)
 
@@ -150,6 +156,24 @@ class PDScheduler:
         if local % self._block or _blocks(total, self._block) > held:
             return f"{held} producer blocks cannot hold {total} tokens past a local hit of {local}"
         return ""
+
+    def on_new_request(self, request: Request) -> None:
+        """A prefill request of a model with a window computes every prompt token but the last, which the
+        decode engine computes (with its window whole); its one output token is not the answer's."""
+        params = request.kv_transfer_params
+        if not (self.role.produces and self._windowed and wants_remote_decode(params)):
+            return
+        if params.get(_SHORTENED) or request.num_prompt_tokens < 2 or request.get_skip_reading_prefix_cache():
+            return  # already shortened, or nothing to leave, or the decode engine loads nothing for it
+        if request.prompt_token_ids is None:
+            return  # prompt embeddings: left whole (where the window's oldest key is then given back, the
+            # decode engine recomputes the request)
+        del request.prompt_token_ids[-1:]
+        del request._all_token_ids[-1:]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        if request.kv_transfer_params is not None:  # it is (``params``): typed as the dict vLLM holds
+            request.kv_transfer_params[_SHORTENED] = True
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

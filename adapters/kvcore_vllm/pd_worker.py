@@ -9,7 +9,8 @@ and their requests are failed loads (how vLLM takes them for a model of several 
 A transfer the backend refuses ends at once the same way; nothing here raises into vLLM after start-up.
 
 The layers of a hybrid model's KV-cache groups share vLLM's KV tensors (a block belongs to one group at a
-time): the rank registers and moves one view per tensor, so a block moves whichever group holds it.
+time): the rank registers and moves one view per tensor, so a block moves whichever group holds it (a
+hybrid SSM model's as whole pages: ``kv_layout.page_views``).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import torch
 from kvcore.config import PDConfig
 from kvcore.errors import InvalidSpecError, KVCoreError
 from kvcore.model.engine import EngineSpec
+from kvcore.model.layout import LayoutKind
 from kvcore.ports import PeerTransport
 from kvcore_cpu.amx import claim_amx
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_mooncake.pd import MooncakePeerTransport, PDConsumer, PDProducer, RankSpec
-from kvcore_vllm.kv_layout import connector_views
+from kvcore_vllm.kv_layout import connector_views, page_views
 from kvcore_vllm.pd_metadata import Offer, PDMetadata, Receive
 from kvcore_vllm.pd_scheduler import PDRole
 
@@ -69,8 +71,11 @@ class PDWorker:
         Raises ``InvalidSpecError`` for tensors that do not match the layout, ``BackendError`` when a
         transfer engine or side channel does not start (what was started is closed again).
         """
-        views = connector_views(kv_caches, self._layers, self._engine)
-        tensors = list({view.data_ptr(): view for view in views}.values())  # one per shared tensor
+        if self._engine.layout.kind is LayoutKind.STATE:  # a hybrid SSM model: whole pages
+            tensors = page_views(kv_caches, self._layers, self._engine)
+        else:
+            views = connector_views(kv_caches, self._layers, self._engine)
+            tensors = list({view.data_ptr(): view for view in views}.values())  # one per shared tensor
         EngineKV.register(
             tensors, self._engine.layout, kv_dtype=self._engine.kv_dtype
         )  # refuses tensors that differ from the layout

@@ -98,6 +98,31 @@ def test_a_block_the_producer_gave_back_and_this_engine_holds_pulls_nothing_and_
     assert not receive.is_release  # vLLM waits for it: it is reported failed
 
 
+def test_a_prefill_request_of_a_model_with_a_window_computes_all_but_the_last_prompt_token() -> None:
+    tokens = list(range(5 * BLOCK + 1))
+    request = _request("p", {"do_remote_decode": True})
+    request.prompt_token_ids, request._all_token_ids = list(tokens), list(tokens)
+    request.max_tokens = 100
+    request.get_skip_reading_prefix_cache = lambda: False
+    side = _scheduler(PDRole.PRODUCER)
+    side.on_new_request(request)
+    side.on_new_request(request)  # once only
+    assert request.prompt_token_ids == request._all_token_ids == tokens[:-1]
+    assert (request.num_prompt_tokens, request.max_tokens) == (5 * BLOCK, 1)
+    # without a window, or for a request that is not a prefill for another engine: left whole
+    whole = PDScheduler(PDRole.PRODUCER, "engine-0", BLOCK, 1, PDConfig(port=5600))
+    for scheduler, params in ((whole, {"do_remote_decode": True}), (side, None)):
+        other = _request("q", params)
+        other.prompt_token_ids, other.max_tokens = list(tokens), 100
+        other.get_skip_reading_prefix_cache = lambda: False
+        scheduler.on_new_request(other)
+        assert (other.prompt_token_ids, other.num_prompt_tokens, other.max_tokens) == (
+            tokens,
+            5 * BLOCK + 1,
+            100,
+        )
+
+
 def test_a_producer_of_another_group_count_is_a_miss(caplog: pytest.LogCaptureFixture) -> None:
     side = _scheduler(PDRole.CONSUMER)
     one_group = RemotePrefill(
@@ -136,7 +161,42 @@ def test_a_model_of_a_window_is_told_failures_by_request() -> None:
     assert not PDEngine(ENGINE, ("a",), 1, False).failures_by_request
 
 
-def test_a_hybrid_ssm_model_is_refused_for_pd_by_name() -> None:
+def test_a_hybrid_ssm_model_moves_whole_pages_between_ranks_of_one_tp_size() -> None:
+    from kvcore.errors import IncompatibleLayoutError
+    from kvcore.model.layout import LayoutKind
+    from kvcore_mooncake.pd import RankSpec
+    from kvcore_mooncake.pd.handshake import check_pair
+    from tests.adapters.test_vllm_engine_spec import BLOCK as STATE_BLOCK
+    from tests.adapters.test_vllm_engine_spec import PAGE
+
+    moved = pd_engine(*_configs())
+    assert (moved.engine.layout.kind, moved.engine.layout.head_size) == (LayoutKind.STATE, PAGE)
+    assert (moved.groups, moved.windowed, moved.state_block) == (2, True, STATE_BLOCK)
+
+    def rank(tp: int) -> RankSpec:
+        engine = pd_engine(*_configs(tp=tp)).engine
+        return RankSpec(
+            "e", engine.model_id, engine.kv_dtype, tp, 0, engine.total_kv_heads, engine.layout, (1 << 20,)
+        )
+
+    check_pair(rank(2), rank(2))
+    # a state's bytes split over ranks unlike heads: another TP size is refused before a byte moves
+    with pytest.raises(IncompatibleLayoutError, match="total_kv_heads differs: producer 1, consumer 2"):
+        check_pair(rank(1), rank(2))
+
+
+def test_groups_whose_pages_differ_are_refused_by_name() -> None:
+    from types import SimpleNamespace
+
+    from tests.adapters.test_vllm_engine_spec import PAGE
+
     vllm_config, kv_cache_config = _configs()
-    with pytest.raises(UnsupportedConfiguration, match=r"P/D of a hybrid SSM model \(Mamba states\)"):
+    first, second = (group.layer_names[0] for group in kv_cache_config.kv_cache_groups)
+    kv_cache_config.kv_cache_tensors = [
+        SimpleNamespace(block_stride=PAGE, layers=[first]),
+        SimpleNamespace(block_stride=2 * PAGE, layers=[second]),
+    ]
+    with pytest.raises(
+        UnsupportedConfiguration, match=rf"groups' pages differ: \[{PAGE}, {2 * PAGE}\] bytes"
+    ):
         pd_engine(vllm_config, kv_cache_config)
