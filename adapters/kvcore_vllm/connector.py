@@ -8,7 +8,6 @@ configurations stop the engine at start-up with a message naming the field or th
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -32,7 +31,7 @@ from kvcore.kit.settings import format_size
 from kvcore.model.head_runs import splits
 from kvcore.plugins.sizing import pool_slots, slot_bytes, staging_shortfall
 from kvcore_vllm.compat import check_vllm
-from kvcore_vllm.engine_spec import KVGroup, hash_identity, kv_groups, pd_engine
+from kvcore_vllm.engine_spec import KVGroup, hash_block_tokens, hash_identity, kv_groups, pd_engine
 from kvcore_vllm.grouped_scheduler import GroupedSchedulerSide
 from kvcore_vllm.grouped_worker import GroupedWorkerSide
 from kvcore_vllm.kv_layout import requested_order
@@ -127,10 +126,7 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
                     "set it to 'recompute' to fall back to computing the blocks instead",
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
-            # vLLM sets it; else its rule: the block size every group's is a multiple of
-            hash_block = kv_cache_config.hash_block_size or math.gcd(
-                *(g.engine.layout.block_tokens for g in groups)
-            )
+            hash_block = hash_block_tokens(kv_cache_config, groups)
             if states:
                 self._steps = StateSteps(vllm_config.cache_config, states[0].engine.layout.block_tokens)
             self._scheduler = _per_group(
@@ -150,7 +146,14 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
             if config.pd is not None and pd_role is not None and moved is not None:
                 block = engine.layout.block_tokens
                 pd = PDScheduler(
-                    pd_role, engine_id, block, engine.tp_size, config.pd, moved.groups, moved.windowed
+                    pd_role,
+                    engine_id,
+                    block,
+                    engine.tp_size,
+                    config.pd,
+                    moved.groups,
+                    stops_short=moved.windowed,
+                    hash_block=moved.hash_block,
                 )
                 self._scheduler = PDTiersScheduler(self._scheduler, pd)
             for group in groups:

@@ -12,6 +12,7 @@ of different sizes (vLLM gives every group one page size).
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -20,7 +21,7 @@ import attrs
 import torch
 from attrs import frozen
 
-from kvcore.errors import UnsupportedConfiguration
+from kvcore.errors import InvalidSpecError, UnsupportedConfiguration
 from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import KVLayout, LayoutKind
 from kvcore_vllm.kv_layout import CPU_BACKEND, cpu_packing, kv_dtype, kv_layout, state_layout
@@ -34,6 +35,7 @@ __all__ = [
     "KVGroup",
     "PDEngine",
     "attention_backend",
+    "hash_block_tokens",
     "hash_identity",
     "kv_groups",
     "page_engine",
@@ -66,13 +68,15 @@ class PDEngine:
     worker keeps, and the handshake counts, one view per tensor); for a hybrid SSM model, a ``STATE``
     layout of whole pages (``page_engine``). ``layers`` are every group's layers in vLLM's group order;
     ``groups`` is how many block tables a request has; ``windowed`` whether a group has a window (a
-    sliding window, or a Mamba state's block); ``state_block`` the Mamba groups' block size, if any.
+    sliding window, or a Mamba state's block): then both engines stop one token short of the prompt;
+    ``hash_block`` the tokens of vLLM's block hashes; ``state_block`` the Mamba groups' block size, if any.
     """
 
     engine: EngineSpec
     layers: tuple[str, ...]
     groups: int
     windowed: bool
+    hash_block: int
     state_block: int | None = None
 
     @property
@@ -88,10 +92,15 @@ def pd_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PDEngi
     groups = kv_groups(vllm_config, kv_cache_config)
     layers = tuple(name for group in groups for name in group.layers)
     windowed = any(group.window is not None for group in groups)
+    hashed = hash_block_tokens(kv_cache_config, groups)
     states = [group for group in groups if group.kind == "mamba"]
     if states:
-        engine = page_engine(model_identity(vllm_config), groups)
-        return PDEngine(engine, layers, len(groups), windowed, states[0].engine.layout.block_tokens)
+        pages = {group.kv_cache_spec.page_size_bytes for group in kv_cache_config.kv_cache_groups}
+        if len(pages) != 1:
+            raise UnsupportedConfiguration(f"P/D of a hybrid SSM model whose groups' pages differ: {pages}")
+        engine = page_engine(model_identity(vllm_config), groups, pages.pop())
+        block = states[0].engine.layout.block_tokens
+        return PDEngine(engine, layers, len(groups), windowed, hashed, block)
     first = groups[0].engine
     shape = (first.layout, first.kv_dtype, first.total_kv_heads)
     for group in groups[1:]:
@@ -109,31 +118,43 @@ def pd_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PDEngi
         sibling_block_bytes=0,
         window_tokens=None,
     )
-    return PDEngine(engine, layers, len(groups), windowed)
+    return PDEngine(engine, layers, len(groups), windowed, hashed)
 
 
-def page_engine(model_id: str, groups: Sequence[KVGroup]) -> EngineSpec:
-    """P/D's engine for a hybrid SSM model: every KV tensor's blocks as whole pages (vLLM lays a hybrid SSM
-    model's caches out page by page: a block of a tensor is one page, which an attention layer views as
-    its K and V and a Mamba layer as its state), moved rank to rank. A state's bytes split over TP ranks
-    unlike heads: one "head" per rank, so that the handshake refuses a peer of another TP size (total
-    heads differ). Raises ``UnsupportedConfiguration`` where the groups' pages differ in size."""
-    strides = {group.engine.layout.page_bytes or group.engine.layout.block_bytes for group in groups}
+def hash_block_tokens(kv_cache_config: KVCacheConfig, groups: Sequence[KVGroup]) -> int:
+    """The tokens of vLLM's block hashes: vLLM's setting, else its rule (the block size every group's is a
+    multiple of)."""
+    return kv_cache_config.hash_block_size or math.gcd(*(g.engine.layout.block_tokens for g in groups))
+
+
+def page_engine(model_id: str, groups: Sequence[KVGroup], page: int) -> EngineSpec:
+    """P/D's engine for a hybrid SSM model: every layer's blocks as whole pages of ``page`` bytes (vLLM
+    gives every group's layers one page size; layer ``i`` of each group views the same pages, an attention
+    layer as its K and V, a Mamba layer as its state), moved rank to rank. A state's bytes split over TP
+    ranks unlike heads: one "head" per rank, so that the handshake refuses a peer of another TP size
+    (total heads differ). Raises ``UnsupportedConfiguration`` where the groups' blocks lie apart
+    differently."""
+    strides = {group.engine.layout.block_stride for group in groups}
     first = groups[0].engine
     if len(strides) != 1:
         raise UnsupportedConfiguration(
-            f"P/D of a hybrid SSM model whose KV-cache groups' pages differ: {sorted(strides)} bytes"
+            f"P/D of a hybrid SSM model whose KV-cache groups' blocks lie {sorted(strides)} bytes apart"
         )
     described = "|".join(f"{group.kind}:{group.engine.layout.name}" for group in groups)
-    layout = KVLayout(
+    dense = KVLayout(
         LayoutKind.STATE,
         first.layout.num_blocks,
         first.layout.block_tokens,
         1,
-        strides.pop(),
+        page,
         1,
         packing=f"pages-{hashlib.sha256(described.encode()).hexdigest()[:16]}",
     )
+    stride = strides.pop()
+    try:
+        layout = dense if stride == page else attrs.evolve(dense, page_bytes=stride)
+    except InvalidSpecError as exc:
+        raise UnsupportedConfiguration(f"P/D of a hybrid SSM model: pages of {page} bytes, {exc}") from None
     return EngineSpec(
         model_id=model_id,
         kv_dtype="int8",

@@ -250,29 +250,29 @@ def cpu_packing(model_dtype: torch.dtype, block_tokens: int, head_size: int, cac
 def page_views(
     kv_caches: Mapping[str, torch.Tensor], layers: Sequence[str], engine: EngineSpec
 ) -> list[torch.Tensor]:
-    """One raw int8 view ``[blocks, 1, 1, page bytes]`` of each KV tensor ``layers`` use, in their order:
-    a hybrid SSM model's layers of several groups share vLLM's tensors, each layer viewing a block's page
-    its own way (``engine_spec.page_engine``). Raises ``InvalidSpecError`` for a layer missing from
-    ``kv_caches`` or a tensor smaller than the engine's blocks of pages."""
+    """One raw int8 view of each layer's pages (``engine.layout``, ``engine_spec.page_engine``), from where
+    vLLM's view of the layer starts, in the layers' order: layer ``i`` of each group of a hybrid SSM model
+    views the same pages, each its own way, so a view is kept once per start. Raises ``InvalidSpecError``
+    for a layer missing from ``kv_caches`` or memory that ends before the layer's last page."""
     missing = [name for name in layers if name not in kv_caches]
     if missing:
         raise InvalidSpecError(f"KV caches missing for layers {missing}")
     layout = engine.layout
-    shape = (layout.num_blocks, 1, 1, layout.head_size)
+    end = (layout.num_blocks - 1) * layout.block_stride + layout.head_size
     views: dict[int, torch.Tensor] = {}
     for name in layers:
         tensor = kv_caches[name]
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in views:
+        if tensor.data_ptr() in views:
             continue
-        if storage.nbytes() < layout.num_blocks * layout.head_size:
+        storage = tensor.untyped_storage()
+        offset = tensor.data_ptr() - storage.data_ptr()
+        if offset + end > storage.nbytes():
             raise InvalidSpecError(
-                f"layer {name}: its tensor holds {storage.nbytes()} bytes, expected "
-                f"{layout.num_blocks} pages of {layout.head_size}"
+                f"layer {name}: its memory ends {storage.nbytes() - offset} bytes past its start, expected "
+                f"{layout.num_blocks} pages of {layout.head_size} bytes, {layout.block_stride} apart"
             )
-        page = layout.head_size
         raw = torch.empty(0, dtype=torch.int8, device=tensor.device)
-        views[storage.data_ptr()] = raw.set_(storage, 0, shape, (page, page, page, 1))
+        views[tensor.data_ptr()] = raw.set_(storage, offset, layout.shape, layout.strides)
     return list(views.values())
 
 

@@ -77,7 +77,14 @@ class KVCorePDConnector(KVConnectorBase_V1, SupportsHMA):
                 self._steps = StateSteps(vllm_config.cache_config, moved.state_block)
             block = engine.layout.block_tokens
             self._scheduler = PDScheduler(
-                pd_role, engine_id, block, engine.tp_size, pd, moved.groups, moved.windowed
+                pd_role,
+                engine_id,
+                block,
+                engine.tp_size,
+                pd,
+                moved.groups,
+                stops_short=moved.windowed,
+                hash_block=moved.hash_block,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

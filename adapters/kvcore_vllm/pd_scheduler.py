@@ -8,10 +8,12 @@ allocation its blocks from the first one past the local hit are paired with the 
 same positions, in every KV-cache group (a hybrid model's groups each have a block table: a pair where
 this engine holds vLLM's null block moves nothing, as a sliding window's blocks before it; where the
 producer gave back a block this engine needs, nothing is pulled and the request is recomputed). With a
-sliding window both sides stop one token short of the prompt: the decode engine computes the last token
-with its whole window (asked for the whole prompt, vLLM would null the block of the window's oldest key),
-so the prefill engine computes every prompt token but that one (``on_new_request`` drops it, as vLLM's
-NIXL connector does) and gives back exactly the blocks the decode engine does not hold. Each decode
+sliding window or Mamba states both sides stop one token short of the prompt (``stops_short``): the
+decode engine computes the last token with its whole window (asked for the whole prompt, vLLM would null
+the block of the window's oldest key) or from the state before it, so the prefill engine computes every
+prompt token but that one (``on_new_request`` drops it, as vLLM's NIXL connector does), gives back
+exactly the blocks the decode engine does not hold, and keeps the state it needs; a producer that did
+not stop short is not pulled from. Each decode
 request gets one transfer; one that ends without pulling anything (aborted before allocation, or fully
 held locally) still releases the producer's blocks.
 """
@@ -89,8 +91,9 @@ class _Asked:
     local_tokens: int
 
 
-_SHORTENED = "_kvcore_shortened"
-"""The key a prefill request's params get once ``on_new_request`` dropped its last prompt token."""
+_SHORTENED = "_p_side_truncated"
+"""The key a prefill request's params get once ``on_new_request`` dropped its last prompt token: vLLM's
+NIXL connector's, so that two connectors of one engine never both drop one."""
 
 
 def _blocks(tokens: int, block_tokens: int) -> int:
@@ -98,8 +101,9 @@ def _blocks(tokens: int, block_tokens: int) -> int:
 
 
 class PDScheduler:
-    """The P/D scheduler side of an engine whose model keeps ``groups`` KV-cache groups of one block size,
-    some of them ``windowed`` (a sliding window)."""
+    """The P/D scheduler side of an engine whose model keeps ``groups`` KV-cache groups of one block size;
+    ``stops_short``: the model has a sliding window or Mamba states, and both engines stop one token short
+    of the prompt; ``hash_block`` is the tokens of vLLM's block hashes (the block size by default)."""
 
     def __init__(
         self,
@@ -109,13 +113,15 @@ class PDScheduler:
         tp_size: int,
         config: PDConfig,
         groups: int = 1,
-        windowed: bool = False,
+        stops_short: bool = False,
+        hash_block: int | None = None,
     ) -> None:
         self.role = role
         self._engine_id = engine_id
         self._block = block_tokens
         self._groups = groups
-        self._windowed = windowed
+        self._short = stops_short
+        self._hash_block = hash_block or block_tokens
         self._addresses = producer_addresses(config, tp_size) if role.produces else ()
         self._asked: dict[str, _Asked] = {}
         self._issued: set[str] = set()  # decode requests whose one transfer was issued
@@ -136,7 +142,7 @@ class PDScheduler:
         if source is None:
             self._issued.add(request_id)  # nobody to pull from, nobody to release
             return 0, False
-        total = min(source.num_tokens, request.num_prompt_tokens - self._windowed)
+        total = min(source.num_tokens, request.num_prompt_tokens - self._short)
         unusable = self._unusable(source, total, num_computed_tokens)
         if unusable:
             log.warning("kvcore P/D: request %s: %s; computing the prompt", request_id, unusable)
@@ -152,25 +158,32 @@ class PDScheduler:
             return (
                 f"the producer names {len(source.block_ids)} KV-cache groups, this engine has {self._groups}"
             )
+        if self._short and total and source.num_tokens != total:
+            # a state after every prompt token, or a window given back past the last token's: unusable
+            return f"the producer computed {source.num_tokens} tokens, not the {total} before the last"
         held = min(len(group) for group in source.block_ids)
         if local % self._block or _blocks(total, self._block) > held:
             return f"{held} producer blocks cannot hold {total} tokens past a local hit of {local}"
         return ""
 
     def on_new_request(self, request: Request) -> None:
-        """A prefill request of a model with a window computes every prompt token but the last, which the
-        decode engine computes (with its window whole); its one output token is not the answer's."""
+        """A prefill request of a model that stops short computes every prompt token but the last, which
+        the decode engine computes (with its window whole, from the state before it); its one output token
+        is not the answer's. Its block hashes lose a block the prompt no longer fills."""
         params = request.kv_transfer_params
-        if not (self.role.produces and self._windowed and wants_remote_decode(params)):
+        if not (self.role.produces and self._short and wants_remote_decode(params)):
             return
         if params.get(_SHORTENED) or request.num_prompt_tokens < 2 or request.get_skip_reading_prefix_cache():
             return  # already shortened, or nothing to leave, or the decode engine loads nothing for it
-        if request.prompt_token_ids is None:
-            return  # prompt embeddings: left whole (where the window's oldest key is then given back, the
-            # decode engine recomputes the request)
-        del request.prompt_token_ids[-1:]
+        if request.prompt_token_ids is not None:  # a new list: the caller's own is left whole
+            request.prompt_token_ids = request.prompt_token_ids[:-1]
+        elif request.prompt_embeds is not None:
+            request.prompt_embeds = request.prompt_embeds[:-1]
+        else:
+            return
         del request._all_token_ids[-1:]
         request.num_prompt_tokens -= 1
+        del request.block_hashes[request.num_prompt_tokens // self._hash_block :]
         request.max_tokens = 1
         if request.kv_transfer_params is not None:  # it is (``params``): typed as the dict vLLM holds
             request.kv_transfer_params[_SHORTENED] = True

@@ -94,6 +94,10 @@ class PDTiersScheduler:
         if num_external_tokens > tiers:
             self._pulled[request.request_id] = num_external_tokens - tiers
 
+    def tracked(self) -> int:
+        """Requests this side keeps something for between vLLM's calls: 0 once every request ended."""
+        return len(self._tier_hits.keys() | self._pulled.keys())
+
     def take_pulled(self, request_id: str) -> int:
         """Of the request's external tokens just allocated, those the producer owes (vLLM's hits by
         source: the rest are the tiers')."""

@@ -10,6 +10,7 @@ import warnings
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
 import pytest
 
 with warnings.catch_warnings():
@@ -18,7 +19,7 @@ with warnings.catch_warnings():
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.request import RequestStatus
 
-    from kvcore_vllm.engine_spec import pd_engine
+    from kvcore_vllm.engine_spec import KVGroup, pd_engine
 
 from kvcore.config import PDConfig
 from kvcore.errors import UnsupportedConfiguration
@@ -35,12 +36,12 @@ PRODUCER = RemotePrefill(
     "prefill-0",
     ("tcp://127.0.0.1:5600",),
     ((NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, 4, 5, 6), (7, 8, 9, 10, 11, 12)),
-    5 * BLOCK + 1,
+    5 * BLOCK,  # it stopped one token short of the prompt
 )
 
 
 def _scheduler(role: PDRole) -> PDScheduler:
-    return PDScheduler(role, "engine-0", BLOCK, 1, PDConfig(port=5600), groups=2, windowed=True)
+    return PDScheduler(role, "engine-0", BLOCK, 1, PDConfig(port=5600), groups=2, stops_short=True)
 
 
 def _request(rid: str, params: dict[str, Any] | None, num_tokens: int = 5 * BLOCK + 1) -> Any:
@@ -102,6 +103,7 @@ def test_a_prefill_request_of_a_model_with_a_window_computes_all_but_the_last_pr
     tokens = list(range(5 * BLOCK + 1))
     request = _request("p", {"do_remote_decode": True})
     request.prompt_token_ids, request._all_token_ids = list(tokens), list(tokens)
+    request.block_hashes = [b"h"] * 5
     request.max_tokens = 100
     request.get_skip_reading_prefix_cache = lambda: False
     side = _scheduler(PDRole.PRODUCER)
@@ -156,9 +158,9 @@ def test_a_model_of_a_window_is_told_failures_by_request() -> None:
     from kvcore_vllm.engine_spec import PDEngine
     from tests.adapters.test_vllm_scheduler_side import ENGINE
 
-    assert PDEngine(ENGINE, ("a",), 1, True).failures_by_request  # every layer with a window
-    assert PDEngine(ENGINE, ("a", "b"), 2, True).failures_by_request
-    assert not PDEngine(ENGINE, ("a",), 1, False).failures_by_request
+    assert PDEngine(ENGINE, ("a",), 1, True, 128).failures_by_request  # every layer with a window
+    assert PDEngine(ENGINE, ("a", "b"), 2, True, 128).failures_by_request
+    assert not PDEngine(ENGINE, ("a",), 1, False, 128).failures_by_request
 
 
 def test_a_hybrid_ssm_model_moves_whole_pages_between_ranks_of_one_tp_size() -> None:
@@ -185,7 +187,7 @@ def test_a_hybrid_ssm_model_moves_whole_pages_between_ranks_of_one_tp_size() -> 
         check_pair(rank(1), rank(2))
 
 
-def test_groups_whose_pages_differ_are_refused_by_name() -> None:
+def test_groups_whose_blocks_lie_apart_differently_are_refused_by_name() -> None:
     from types import SimpleNamespace
 
     from tests.adapters.test_vllm_engine_spec import PAGE
@@ -197,6 +199,70 @@ def test_groups_whose_pages_differ_are_refused_by_name() -> None:
         SimpleNamespace(block_stride=2 * PAGE, layers=[second]),
     ]
     with pytest.raises(
-        UnsupportedConfiguration, match=rf"groups' pages differ: \[{PAGE}, {2 * PAGE}\] bytes"
+        UnsupportedConfiguration, match=rf"groups' blocks lie \[{PAGE}, {2 * PAGE}\] bytes apart"
     ):
         pd_engine(vllm_config, kv_cache_config)
+
+
+@pytest.mark.parametrize("block_outer", [False, True], ids=["layer-outer", "block-outer"])
+def test_every_layer_of_a_hybrid_ssm_model_moves_its_pages(block_outer: bool) -> None:
+    # vLLM's memory for two layers of each of two groups (a GDN layer and an attention layer share each
+    # layer's pages): the layers' pages one after the other (LB*), or each block's pages of both (BL*)
+    import torch
+
+    from kvcore.model.layout import KVLayout, LayoutKind
+    from kvcore_cpu.engine_kv import EngineKV
+    from kvcore_vllm.engine_spec import page_engine
+    from kvcore_vllm.kv_layout import page_views
+    from tests.adapters.test_vllm_scheduler_side import ENGINE
+
+    page, blocks = 64, 4
+    stride = 2 * page if block_outer else page
+    memory = torch.zeros(2 * blocks * page, dtype=torch.int8)
+    starts = (0, page) if block_outer else (0, blocks * page)
+
+    def view(layer: int) -> torch.Tensor:
+        return memory.as_strided((blocks, 1, 1, page), (stride, page, page, 1), starts[layer])
+
+    caches = {"attn.0": view(0), "gdn.0": view(0), "attn.1": view(1), "gdn.1": view(1)}
+    group = KVLayout(LayoutKind.STATE, blocks, 16, 1, page, 1, page_bytes=stride if block_outer else None)
+    groups = [
+        KVGroup(
+            n,
+            kind,
+            16,
+            names,
+            attrs.evolve(ENGINE, kv_dtype="int8", total_kv_heads=1, layout=group, window_tokens=16),
+        )
+        for n, (kind, names) in enumerate((("mamba", ("gdn.0", "gdn.1")), ("full", ("attn.0", "attn.1"))))
+    ]
+    engine = page_engine("tiny", groups, page)
+    views = page_views(caches, ("gdn.0", "gdn.1", "attn.0", "attn.1"), engine)
+    assert [v.data_ptr() - memory.data_ptr() for v in views] == list(starts)  # both layers, once each
+    EngineKV.register(views, engine.layout, kv_dtype="int8")  # disjoint, of the engine's layout
+    views[1][2].fill_(7)  # block 2 of layer 1
+    assert view(1)[2].eq(7).all()
+    assert int(memory.ne(0).sum()) == page
+
+
+def test_a_shortened_prefill_loses_the_block_hash_its_prompt_no_longer_fills() -> None:
+    tokens = list(range(4 * BLOCK))  # whole blocks: the last one is no longer full once shortened
+    request = _request("p", {"do_remote_decode": True}, num_tokens=len(tokens))
+    request.prompt_token_ids, request._all_token_ids = tokens, list(tokens)
+    request.block_hashes = [b"h0", b"h1", b"h2", b"h3"]
+    request.max_tokens = 100
+    request.get_skip_reading_prefix_cache = lambda: False
+    _scheduler(PDRole.PRODUCER).on_new_request(request)
+    assert request.block_hashes == [b"h0", b"h1", b"h2"]
+    assert request.prompt_token_ids == tokens[:-1]
+    assert tokens == list(range(4 * BLOCK))  # the caller's list is left whole
+
+
+def test_a_producer_that_computed_the_whole_prompt_is_not_pulled_from(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    whole = attrs.evolve(PRODUCER, num_tokens=5 * BLOCK + 1)  # it did not stop short
+    side = _scheduler(PDRole.CONSUMER)
+    with caplog.at_level(logging.WARNING):
+        assert side.get_num_new_matched_tokens(_request("d", whole.to_params()), 0) == (0, False)
+    assert f"the producer computed {5 * BLOCK + 1} tokens, not the {5 * BLOCK} before the last" in caplog.text

@@ -26,6 +26,7 @@ from kvcore.config import PDConfig
 from kvcore.errors import ConfigError
 from kvcore.model.step import OpReport, StepPlan
 from kvcore.ports import Direction
+from kvcore_cli.fuzz.pd import scheduler_output, vllm_request
 from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata
 from kvcore_vllm.pd_metadata import Offer, PDMetadata, PDTiersMetadata, Receive
 from kvcore_vllm.pd_params import RemotePrefill
@@ -48,19 +49,6 @@ def _combined(role: PDRole) -> PDTiersScheduler:
     return PDTiersScheduler(tiers, PDScheduler(role, "engine-0", BLOCK, 1, PDConfig(port=5600)))
 
 
-def _request(rid: str, hashes: list[bytes], num_tokens: int, params: dict[str, Any] | None = None) -> Any:
-    return SimpleNamespace(
-        request_id=rid,
-        block_hashes=hashes,
-        num_tokens=num_tokens,
-        num_prompt_tokens=num_tokens,
-        num_computed_tokens=0,
-        num_output_placeholders=0,
-        kv_transfer_params=params,
-        status=RequestStatus.WAITING,
-    )
-
-
 def _blocks(ids: list[int]) -> Any:
     return SimpleNamespace(get_block_ids=lambda: (ids,))
 
@@ -71,32 +59,12 @@ def _tiers(meta: PDTiersMetadata) -> KVCoreMetadata:
     return meta.tiers
 
 
-def _output(new: tuple[tuple[str, list[int] | tuple[list[int], ...], int, int], ...] = ()) -> Any:
-    """A scheduler output: the ``new`` requests scheduled (id, block table or one per KV-cache group,
-    computed, scheduled tokens)."""
-    reqs = [
-        SimpleNamespace(
-            req_id=rid,
-            block_ids=blocks if isinstance(blocks, tuple) else (blocks,),
-            num_computed_tokens=computed,
-        )
-        for rid, blocks, computed, _ in new
-    ]
-    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
-    return SimpleNamespace(
-        scheduled_new_reqs=reqs,
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens={rid: scheduled for rid, _, _, scheduled in new},
-        preempted_req_ids=None,
-    )
-
-
 def _fill_tiers(side: PDTiersScheduler, hashes: list[bytes], blocks: int) -> None:
     """Save ``blocks`` whole blocks of a prompt with ``hashes`` into the CPU pool, reported done."""
-    request = _request("writer", hashes[:blocks], blocks * BLOCK + 1)
+    request = vllm_request("writer", hashes[:blocks], blocks * BLOCK + 1)
     assert side.get_num_new_matched_tokens(request, 0) == (0, False)
     meta = side.build_connector_meta(
-        _output((("writer", list(range(1, blocks + 2)), 0, blocks * BLOCK + 1),))
+        scheduler_output((("writer", list(range(1, blocks + 2)), 0, blocks * BLOCK + 1),))
     )
     saves = [op for op in _tiers(meta).plan.ops if op.direction is Direction.SAVE]
     assert saves
@@ -117,13 +85,13 @@ def test_a_decode_request_takes_the_tiers_first_and_pulls_only_the_rest() -> Non
     side = _combined(PDRole.CONSUMER)
     hashes = _hashes(4, "conversation")
     _fill_tiers(side, hashes, 2)  # the tiers hold blocks 0 and 1 of the prompt
-    request = _request("d", hashes, 4 * BLOCK + 1, PRODUCER.to_params())
+    request = vllm_request("d", hashes, 4 * BLOCK + 1, PRODUCER.to_params())
     # vLLM's own cache holds block 0: the tiers serve block 1, the producer blocks 2..4 (the prompt's end)
     assert side.get_num_new_matched_tokens(request, BLOCK) == (3 * BLOCK + 1, True)
     side.update_state_after_alloc(request, _blocks([7, 8, 9, 10, 11]), 3 * BLOCK + 1)
     assert side.take_pulled("d") == 2 * BLOCK + 1  # vLLM's hits by source: the producer's part
     assert side.take_pulled("d") == 0  # asked once
-    meta = side.build_connector_meta(_output())
+    meta = side.build_connector_meta(scheduler_output())
     (load,) = _tiers(meta).plan.ops
     assert load.direction is Direction.LOAD
     assert load.engine_blocks == (8,)  # block 1 only: block 0 is vLLM's own
@@ -138,11 +106,11 @@ def test_a_decode_request_the_tiers_hold_whole_only_releases_the_producer() -> N
     hashes = _hashes(4, "whole")
     _fill_tiers(side, hashes, 4)
     whole = attrs.evolve(PRODUCER, block_ids=((40, 41, 42, 43),), num_tokens=4 * BLOCK)
-    request = _request("d", hashes, 4 * BLOCK, whole.to_params())
+    request = vllm_request("d", hashes, 4 * BLOCK, whole.to_params())
     # the tiers serve every token but the last, which vLLM computes: a synchronous load, no pull
     assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK - 1, False)
     side.update_state_after_alloc(request, _blocks([7, 8, 9, 10]), 4 * BLOCK - 1)
-    meta = side.build_connector_meta(_output())
+    meta = side.build_connector_meta(scheduler_output())
     (load,) = _tiers(meta).plan.ops
     assert load.engine_blocks == (7, 8, 9, 10)
     assert _tiers(meta).receiving == ()
@@ -156,22 +124,22 @@ def test_a_decode_request_held_but_for_its_last_token_pulls_nothing_and_warns_no
     side = _combined(PDRole.CONSUMER)
     hashes = _hashes(4, "last-token")
     _fill_tiers(side, hashes, 4)
-    request = _request("d", hashes, 4 * BLOCK + 1, PRODUCER.to_params())
+    request = vllm_request("d", hashes, 4 * BLOCK + 1, PRODUCER.to_params())
     with caplog.at_level(logging.WARNING):
         # the tiers hold blocks 0..3; block 4 holds only the last token, which vLLM computes itself
         assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
     assert caplog.records == []
     side.update_state_after_alloc(request, _blocks([7, 8, 9, 10, 11]), 4 * BLOCK)
-    (release,) = side.build_connector_meta(_output()).pd.receives
+    (release,) = side.build_connector_meta(scheduler_output()).pd.receives
     assert release.is_release
 
 
 def test_a_decode_request_the_tiers_cannot_serve_pulls_past_the_local_hit() -> None:
     side = _combined(PDRole.CONSUMER)
-    request = _request("d", _hashes(4, "fresh"), 4 * BLOCK + 1, PRODUCER.to_params())
+    request = vllm_request("d", _hashes(4, "fresh"), 4 * BLOCK + 1, PRODUCER.to_params())
     assert side.get_num_new_matched_tokens(request, 2 * BLOCK) == (2 * BLOCK + 1, True)
     side.update_state_after_alloc(request, _blocks([7, 8, 9, 10, 11]), 2 * BLOCK + 1)
-    meta = side.build_connector_meta(_output())
+    meta = side.build_connector_meta(scheduler_output())
     assert _tiers(meta).plan.ops == ()
     assert _tiers(meta).receiving == ()  # the tiers owe nothing: the producer's report alone ends it
     (receive,) = meta.pd.receives
@@ -182,11 +150,11 @@ def test_a_decode_request_aborted_before_allocation_releases_the_producer() -> N
     side = _combined(PDRole.CONSUMER)
     hashes = _hashes(4, "aborted")
     _fill_tiers(side, hashes, 1)
-    request = _request("d", hashes, 4 * BLOCK + 1, PRODUCER.to_params())
+    request = vllm_request("d", hashes, 4 * BLOCK + 1, PRODUCER.to_params())
     assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK + 1, True)
     request.status = RequestStatus.FINISHED_ABORTED
     assert side.request_finished(request, ([],)) == (False, None)  # nothing allocated: nothing to keep
-    meta = side.build_connector_meta(_output())
+    meta = side.build_connector_meta(scheduler_output())
     (release,) = meta.pd.receives
     assert release.is_release
     assert _tiers(meta).plan.ops == ()
@@ -196,10 +164,10 @@ def test_a_decode_request_aborted_while_receiving_keeps_its_blocks_until_both_so
     side = _combined(PDRole.CONSUMER)
     hashes = _hashes(4, "waiting")
     _fill_tiers(side, hashes, 2)
-    request = _request("d", hashes, 4 * BLOCK + 1, PRODUCER.to_params())
+    request = vllm_request("d", hashes, 4 * BLOCK + 1, PRODUCER.to_params())
     side.get_num_new_matched_tokens(request, 0)
     side.update_state_after_alloc(request, _blocks([7, 8, 9, 10, 11]), 4 * BLOCK + 1)
-    side.build_connector_meta(_output())
+    side.build_connector_meta(scheduler_output())
     request.status = RequestStatus.FINISHED_ABORTED
     delay, params = side.request_finished(request, ([7, 8, 9, 10, 11],))
     assert delay  # the producer may still write the blocks: freed at the request's one report
@@ -210,10 +178,10 @@ def test_a_prefill_request_is_offered_and_says_what_the_tiers_served() -> None:
     side = _combined(PDRole.PRODUCER)
     hashes = _hashes(4, "prefill")
     _fill_tiers(side, hashes, 2)
-    request = _request("p", hashes, 4 * BLOCK + 1, {"do_remote_decode": True})
+    request = vllm_request("p", hashes, 4 * BLOCK + 1, {"do_remote_decode": True})
     assert side.get_num_new_matched_tokens(request, 0) == (2 * BLOCK, False)  # a producer loads as usual
     side.update_state_after_alloc(request, _blocks([3, 4, 5, 6, 7]), 2 * BLOCK)
-    side.build_connector_meta(_output((("p", [3, 4, 5, 6, 7], 2 * BLOCK, 2 * BLOCK + 1),)))
+    side.build_connector_meta(scheduler_output((("p", [3, 4, 5, 6, 7], 2 * BLOCK, 2 * BLOCK + 1),)))
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
     request.num_computed_tokens = 4 * BLOCK + 1
     delay, params = side.request_finished(request, ([3, 4, 5, 6, 7],))
@@ -222,7 +190,7 @@ def test_a_prefill_request_is_offered_and_says_what_the_tiers_served() -> None:
     assert params["do_remote_prefill"] is True
     assert params[TIER_TOKENS_KEY] == 2 * BLOCK
     assert params["remote_block_ids"] == [[3, 4, 5, 6, 7]]
-    meta = side.build_connector_meta(_output())
+    meta = side.build_connector_meta(scheduler_output())
     (offer,) = meta.pd.offers
     assert offer.blocks == (3, 4, 5, 6, 7)
 
@@ -231,11 +199,11 @@ def test_a_request_without_pd_params_is_the_tiers_alone() -> None:
     side = _combined(PDRole.BOTH)
     hashes = _hashes(3, "plain")
     _fill_tiers(side, hashes, 2)
-    request = _request("r", hashes, 3 * BLOCK + 1)
+    request = vllm_request("r", hashes, 3 * BLOCK + 1)
     hits, _ = side.get_num_new_matched_tokens(request, 0)
     assert hits == 2 * BLOCK
     side.update_state_after_alloc(request, _blocks([7, 8, 9, 10]), 2 * BLOCK)
-    meta = side.build_connector_meta(_output())
+    meta = side.build_connector_meta(scheduler_output())
     assert meta.pd.receives == ()
     assert meta.pd.offers == ()
     request.status = RequestStatus.FINISHED_STOPPED

@@ -18,25 +18,14 @@ with warnings.catch_warnings():
     from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
 from kvcore.ids import RequestId
-from kvcore.model.engine import EngineSpec
-from kvcore.model.layout import KVLayout, LayoutKind
 from kvcore.model.step import OpReport
+from kvcore_cli.fuzz.pd import BLOCK as FUZZ_BLOCK
+from kvcore_cli.fuzz.pd import ENGINE as FUZZ_ENGINE
 from kvcore_vllm.metadata import KVCoreWorkerMetadata
 from kvcore_vllm.scheduler_side import SchedulerSide
 from kvcore_vllm.settings import read_extra_config
 
-BLOCK = 128
-
-
-ENGINE = EngineSpec(
-    "tiny@default",
-    "bfloat16",
-    num_layers=2,
-    total_kv_heads=2,
-    layout=KVLayout(
-        LayoutKind.VLLM_CPU, num_blocks=64, block_tokens=BLOCK, num_kv_heads=2, head_size=32, dtype_size=2
-    ),
-)
+BLOCK, ENGINE = FUZZ_BLOCK, FUZZ_ENGINE  # the P/D fuzz's tiny engine of vLLM's CPU layout
 
 
 def _side() -> SchedulerSide:
