@@ -175,12 +175,15 @@ class PDScheduler:
             return
         if params.get(_SHORTENED) or request.num_prompt_tokens < 2 or request.get_skip_reading_prefix_cache():
             return  # already shortened, or nothing to leave, or the decode engine loads nothing for it
-        if request.prompt_token_ids is not None:  # a new list: the caller's own is left whole
-            request.prompt_token_ids = request.prompt_token_ids[:-1]
-        elif request.prompt_embeds is not None:
-            request.prompt_embeds = request.prompt_embeds[:-1]
-        else:
+        if request.prompt_token_ids is None and request.prompt_embeds is None:
             return
+        # new lists, the caller's own left whole; a prompt of tokens and embeddings loses both ends
+        if request.prompt_token_ids is not None:
+            request.prompt_token_ids = request.prompt_token_ids[:-1]
+        if request.prompt_embeds is not None:
+            request.prompt_embeds = request.prompt_embeds[:-1]
+        if request.prompt_is_token_ids is not None:
+            request.prompt_is_token_ids = request.prompt_is_token_ids[:-1]
         del request._all_token_ids[-1:]
         request.num_prompt_tokens -= 1
         del request.block_hashes[request.num_prompt_tokens // self._hash_block :]
@@ -222,6 +225,10 @@ class PDScheduler:
         self._receives.append(receive)
         if not receive.is_release:
             self._receiving.add(request.request_id)
+
+    def tracked(self) -> int:
+        """Decode requests this side keeps something for between vLLM's calls: 0 once every one ended."""
+        return len(self._asked.keys() | self._issued | self._receiving)
 
     def build_connector_meta(self) -> PDMetadata:
         meta = PDMetadata(tuple(self._offers), tuple(self._receives))

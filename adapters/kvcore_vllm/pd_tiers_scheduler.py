@@ -96,7 +96,7 @@ class PDTiersScheduler:
 
     def tracked(self) -> int:
         """Requests this side keeps something for between vLLM's calls: 0 once every request ended."""
-        return len(self._tier_hits.keys() | self._pulled.keys())
+        return len(self._tier_hits.keys() | self._pulled.keys()) + self.pd.tracked()
 
     def take_pulled(self, request_id: str) -> int:
         """Of the request's external tokens just allocated, those the producer owes (vLLM's hits by

@@ -47,6 +47,8 @@ def _scheduler(role: PDRole) -> PDScheduler:
 def _request(rid: str, params: dict[str, Any] | None, num_tokens: int = 5 * BLOCK + 1) -> Any:
     return SimpleNamespace(
         request_id=rid,
+        prompt_embeds=None,
+        prompt_is_token_ids=None,
         num_prompt_tokens=num_tokens,
         num_computed_tokens=0,
         kv_transfer_params=params,
@@ -266,3 +268,17 @@ def test_a_producer_that_computed_the_whole_prompt_is_not_pulled_from(
     with caplog.at_level(logging.WARNING):
         assert side.get_num_new_matched_tokens(_request("d", whole.to_params()), 0) == (0, False)
     assert f"the producer computed {5 * BLOCK + 1} tokens, not the {5 * BLOCK} before the last" in caplog.text
+
+
+def test_a_prompt_of_tokens_and_embeddings_loses_the_last_of_each() -> None:
+    request = _request("p", {"do_remote_decode": True}, num_tokens=3)
+    request.prompt_token_ids, request._all_token_ids = [7, 0, 9], [7, 0, 9]
+    request.prompt_embeds, request.prompt_is_token_ids = ["-", "e1", "-"], [True, False, True]
+    request.block_hashes, request.max_tokens = [], 100
+    request.get_skip_reading_prefix_cache = lambda: False
+    _scheduler(PDRole.PRODUCER).on_new_request(request)
+    assert (request.prompt_token_ids, request.prompt_embeds, request.prompt_is_token_ids) == (
+        [7, 0],
+        ["-", "e1"],
+        [True, False],
+    )

@@ -72,16 +72,24 @@ _IDENTITY = "vllm/sha256/fuzz"
 
 
 def vllm_request(rid: str, hashes: list[bytes], num_tokens: int, params: dict[str, Any] | None = None) -> Any:
-    """A stand-in for vLLM's ``Request``: the attributes kvcore's adapter reads, a waiting prompt."""
+    """A stand-in for vLLM's ``Request``: the attributes kvcore's adapter reads and writes, a waiting prompt
+    of ``num_tokens`` tokens (``num_tokens`` is an attribute here: set it after a change of the tokens)."""
+    prompt = list(range(num_tokens))
     return SimpleNamespace(
         request_id=rid,
-        block_hashes=hashes,
+        block_hashes=list(hashes),
+        prompt_token_ids=prompt,
+        prompt_embeds=None,
+        prompt_is_token_ids=None,
+        _all_token_ids=list(prompt),
         num_tokens=num_tokens,
         num_prompt_tokens=num_tokens,
         num_computed_tokens=0,
         num_output_placeholders=0,
+        max_tokens=16,
         kv_transfer_params=params,
         status=RequestStatus.WAITING,
+        get_skip_reading_prefix_cache=lambda: False,
     )
 
 
@@ -296,7 +304,8 @@ class _Vllm:
 
     def __init__(self, seed: int, steps: int, window: int, preempt: bool, faults: bool) -> None:
 
-        self.seed, self.steps, self.window, self.preempt = seed, steps, window * BLOCK, preempt
+        self.seed, self.steps, self.window = seed, steps, window * BLOCK
+        self.preempt, self.faults = preempt, faults
         self.rng = random.Random(seed)
         self.side = _scheduler_side(self.window)
         self.late = _Late(random.Random(seed + 1))
@@ -322,6 +331,7 @@ class _Vllm:
         replay = f"kvcore fuzz --pd --seed {self.seed} --steps {self.steps}"
         replay += f" --window {self.window // BLOCK}" if self.window else ""
         replay += "" if self.preempt else " --no-preempt"
+        replay += "" if self.faults else " --no-faults"
         return FuzzFailure(self.seed, self.step_now, rid, detail, replay, ())
 
     def _skipped(self, tokens: int) -> int:
@@ -353,6 +363,12 @@ class _Vllm:
             self.prefills += 1
         request = vllm_request(rid, hashes, tokens, params)
         request.ready = False  # named in finished_recving, not scheduled yet
+        self.side.pd.on_new_request(request)  # with a window, a prefill stops one token short
+        request.num_tokens = len(request._all_token_ids)
+        if params is not None and params.get("do_remote_decode") and self.window and tokens > 1:
+            shortened = (tokens - 1, len(hashes[: (tokens - 1) // BLOCK]), 1)
+            if (request.num_prompt_tokens, len(request.block_hashes), request.max_tokens) != shortened:
+                raise self.fail(rid, f"a prefill of {tokens} tokens was not shortened to {shortened[0]}")
         self.requests[rid] = request
 
     def schedule(self) -> None:
