@@ -224,9 +224,8 @@ def _pd_fuzz(args: argparse.Namespace) -> Callable[[int], _Summary] | None:
 
     default = FuzzOptions()
     given = [name for name in _NOT_WITH_PD if getattr(args, name)]
-    given += [
-        name for name in ("engine_blocks", "pool_slots") if getattr(args, name) != getattr(default, name)
-    ]
+    defaults = ("engine_blocks", "pool_slots", "trace")
+    given += [name for name in defaults if getattr(args, name) != getattr(default, name)]
     if given:
         flags = " ".join(f"--{name.replace('_', '-')}" for name in given)
         print(f"kvcore fuzz: --pd: got {flags}, which only the core's fuzz takes", file=sys.stderr)

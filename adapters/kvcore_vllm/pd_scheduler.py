@@ -3,19 +3,18 @@
 A prefill request (``do_remote_decode``) that finishes normally keeps its blocks (delayed free) under a
 fresh transfer id; the params it returns name the producer's ranks and blocks (``pd_params``). A decode
 request (``do_remote_prefill``) asks for every prompt token its local prefix cache does not hold, loaded
-asynchronously (vLLM's P/D rule: the whole prompt, vLLM then recomputes the last token); after
-allocation its blocks from the first one past the local hit are paired with the producer's blocks at the
-same positions, in every KV-cache group (a hybrid model's groups each have a block table: a pair where
-this engine holds vLLM's null block moves nothing, as a sliding window's blocks before it; where the
-producer gave back a block this engine needs, nothing is pulled and the request is recomputed). With a
-sliding window or Mamba states both sides stop one token short of the prompt (``stops_short``): the
-decode engine computes the last token with its whole window (asked for the whole prompt, vLLM would null
-the block of the window's oldest key) or from the state before it, so the prefill engine computes every
-prompt token but that one (``on_new_request`` drops it, as vLLM's NIXL connector does), gives back
-exactly the blocks the decode engine does not hold, and keeps the state it needs; a producer that did
-not stop short is not pulled from. Each decode
-request gets one transfer; one that ends without pulling anything (aborted before allocation, or fully
-held locally) still releases the producer's blocks.
+asynchronously (vLLM's P/D rule: the whole prompt, vLLM then recomputes the last token); after allocation
+its blocks from the first one past the local hit are paired with the producer's blocks at the same
+positions, in every KV-cache group (a hybrid model's groups each have a block table: a pair where this
+engine holds vLLM's null block moves nothing, as a sliding window's blocks before it; where the producer
+gave back a block this engine needs, nothing is pulled and the request is recomputed). With a sliding
+window or Mamba states both sides stop one token short of the prompt (``stops_short``): the decode engine
+computes the last token with its whole window (asked for the whole prompt, vLLM would null the block of
+the window's oldest key) or from the state before it, so the prefill engine computes every prompt token
+but that one (``on_new_request`` drops it, as vLLM's NIXL connector does), gives back exactly the blocks
+the decode engine does not hold, and keeps the state it needs; a producer that did not stop short is not
+pulled from. Each decode request gets one transfer; one that ends without pulling anything (aborted before
+allocation, or fully held locally) still releases the producer's blocks.
 """
 
 from __future__ import annotations

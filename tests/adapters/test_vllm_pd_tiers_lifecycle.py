@@ -53,7 +53,8 @@ def test_the_cli_runs_seeds_and_refuses_the_core_fuzzs_flags(capsys: pytest.Capt
     out = capsys.readouterr().out
     assert "seed 0: OK" in out
     assert "2 of 2 seeds passed" in out
-    assert main(["fuzz", "--pd", "--disk", "--engine-blocks", "8"]) == 2
-    assert "--pd: got --disk --engine-blocks, which only the core's fuzz takes" in capsys.readouterr().err
+    assert main(["fuzz", "--pd", "--disk", "--engine-blocks", "8", "--trace", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "--pd: got --disk --engine-blocks --trace, which only the core's fuzz takes" in err
     assert main(["fuzz", "--pd", "--window", "-1"]) == 2
     assert "window: got -1" in capsys.readouterr().err
