@@ -8,8 +8,10 @@ side (``pd_worker``) and delegates every hook. Configuration comes from ``kv_con
 
 It supports vLLM's hybrid KV-cache manager (``SupportsHMA``): a model of sliding-window and full attention
 layers moves each group's blocks (a sliding window's blocks before the window are vLLM's null block on
-the decode engine, and move nothing); a failed pull of such a model, or of one whose layers all have a
-sliding window, is told to vLLM by request (``failed_recving``), which recomputes it.
+the decode engine, and move nothing), a hybrid SSM model its pages (the state block of each Mamba group),
+both engines stopping one token short of the prompt (``PDScheduler.on_new_request``); a failed pull of
+such a model, or of one whose layers all have a sliding window, is told to vLLM by request
+(``failed_recving``), which recomputes it.
 """
 
 from __future__ import annotations
