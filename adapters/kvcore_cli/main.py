@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from kvcore.errors import KVCoreError
 from kvcore.plugins.preflight import EngineFlags
@@ -161,39 +161,44 @@ _NOT_WITH_PD = (
     "no_tails",
     "hold_late_loads",
 )
-"""``kvcore fuzz`` flags of the core's fuzzer that ``--pd`` (the vLLM adapter's) has no use for."""
+"""``kvcore fuzz`` flags of the core's fuzz that ``--pd`` (the vLLM adapter's) has no use for."""
+
+
+def _pd_fuzz_runs(args: argparse.Namespace) -> int:
+    """``kvcore fuzz --pd``: ``kvcore_vllm.pd_fuzz`` in a process of its own (adapters import no other
+    adapter), or 2 where flags only the core's fuzz takes are given or vLLM is not installed."""
+    import importlib.util
+    import subprocess
+
+    from kvcore_cli.fuzz import FuzzOptions
+
+    default = FuzzOptions()
+    given = [name for name in _NOT_WITH_PD if getattr(args, name)]
+    given += [
+        name
+        for name in ("engine_blocks", "pool_slots", "trace")
+        if getattr(args, name) != getattr(default, name)
+    ]
+    if given:
+        flags = " ".join(f"--{name.replace('_', '-')}" for name in given)
+        print(f"kvcore fuzz: --pd: got {flags}, which only the core's fuzz takes", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("kvcore_vllm") is None:
+        print("kvcore fuzz: --pd drives kvcore's vLLM adapter, which needs vLLM installed", file=sys.stderr)
+        return 2
+    argv = [sys.executable, "-m", "kvcore_vllm.pd_fuzz", "--seed", str(args.seed), "--steps", str(args.steps)]
+    argv += ["--runs", str(args.runs), "--window", str(args.window)]
+    argv += (
+        ["--no-preempt"] * args.no_preempt + ["--no-faults"] * args.no_faults + ["--verbose"] * args.verbose
+    )
+    return subprocess.run(argv, check=False).returncode
 
 
 def _fuzz_runs(args: argparse.Namespace) -> int:
-    from kvcore_cli.fuzz import FuzzFailure
+    from kvcore_cli.fuzz import FuzzFailure, FuzzOptions, run_fuzz
 
-    run = _pd_fuzz(args) if args.pd else _core_fuzz(args)
-    if run is None:
-        return 2
-    failed = 0
-    for seed in range(args.seed, args.seed + args.runs):
-        try:
-            summary = run(seed)
-        except FuzzFailure as exc:
-            print(exc, file=sys.stderr)
-            failed += 1
-            continue
-        print(summary.render() if args.runs == 1 else summary.brief())
-    if args.runs > 1:
-        print(f"{args.runs - failed} of {args.runs} seeds passed")
-    return 1 if failed else 0
-
-
-class _Summary(Protocol):
-    def render(self) -> str: ...
-
-    def brief(self) -> str: ...
-
-
-def _core_fuzz(args: argparse.Namespace) -> Callable[[int], _Summary] | None:
-    """The run of one seed of the core's fuzz, as the flags ask (``None``, told why: flags that conflict)."""
-    from kvcore_cli.fuzz import FuzzOptions, run_fuzz
-
+    if args.pd:
+        return _pd_fuzz_runs(args)
     try:
         options = FuzzOptions(
             remote=args.remote,
@@ -213,37 +218,19 @@ def _core_fuzz(args: argparse.Namespace) -> Callable[[int], _Summary] | None:
         )
     except KVCoreError as exc:
         print(f"kvcore fuzz: {exc}", file=sys.stderr)
-        return None
-    return lambda seed: run_fuzz(seed, args.steps, options)
-
-
-def _pd_fuzz(args: argparse.Namespace) -> Callable[[int], _Summary] | None:
-    """The run of one seed of ``kvcore fuzz --pd`` (``kvcore_cli.fuzz.pd``), or ``None``, told why: flags
-    only the core's fuzz takes, a negative window, no vLLM."""
-    from kvcore_cli.fuzz import FuzzOptions
-
-    default = FuzzOptions()
-    given = [name for name in _NOT_WITH_PD if getattr(args, name)]
-    defaults = ("engine_blocks", "pool_slots", "trace")
-    given += [name for name in defaults if getattr(args, name) != getattr(default, name)]
-    if given:
-        flags = " ".join(f"--{name.replace('_', '-')}" for name in given)
-        print(f"kvcore fuzz: --pd: got {flags}, which only the core's fuzz takes", file=sys.stderr)
-        return None
-    if args.window < 0:
-        print(
-            f"kvcore fuzz: window: got {args.window}, expected a number of blocks >= 0 (0: none)",
-            file=sys.stderr,
-        )
-        return None
-    try:
-        from kvcore_cli.fuzz.pd import run_pd_fuzz
-    except ImportError as exc:
-        print(f"kvcore fuzz: --pd drives kvcore's vLLM adapter, which needs vLLM: {exc}", file=sys.stderr)
-        return None
-    return lambda seed: run_pd_fuzz(
-        seed, args.steps, window=args.window, preempt=not args.no_preempt, faults=not args.no_faults
-    )
+        return 2
+    failed = 0
+    for seed in range(args.seed, args.seed + args.runs):
+        try:
+            summary = run_fuzz(seed, args.steps, options)
+        except FuzzFailure as exc:
+            print(exc, file=sys.stderr)
+            failed += 1
+            continue
+        print(summary.render() if args.runs == 1 else summary.brief())
+    if args.runs > 1:
+        print(f"{args.runs - failed} of {args.runs} seeds passed")
+    return 1 if failed else 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -333,8 +320,8 @@ def _parser() -> argparse.ArgumentParser:
         "--pd",
         action="store_true",
         help="instead: P/D beside the tiers, kvcore's vLLM connector sides under a model of vLLM's "
-        "scheduler (needs vLLM); with --window N a hybrid model (a sliding window of N blocks); "
-        "takes --seed, --steps, --runs, --no-preempt, --no-faults",
+        "scheduler (kvcore_vllm.pd_fuzz, needs vLLM); with --window N a hybrid model (a sliding window of "
+        "N blocks); takes --seed, --steps, --runs, --no-preempt, --no-faults",
     )
     fuzz.add_argument("--verbose", action="store_true", help="show kvcore's warnings")
     fuzz.set_defaults(run=_fuzz)

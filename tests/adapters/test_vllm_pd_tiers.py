@@ -26,8 +26,8 @@ from kvcore.config import PDConfig
 from kvcore.errors import ConfigError
 from kvcore.model.step import OpReport, StepPlan
 from kvcore.ports import Direction
-from kvcore_cli.fuzz.pd import scheduler_output, vllm_request
 from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata
+from kvcore_vllm.pd_fuzz import scheduler_output, vllm_request
 from kvcore_vllm.pd_metadata import Offer, PDMetadata, PDTiersMetadata, Receive
 from kvcore_vllm.pd_params import RemotePrefill
 from kvcore_vllm.pd_scheduler import PDRole, PDScheduler, producer_addresses

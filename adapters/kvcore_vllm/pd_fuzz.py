@@ -1,5 +1,5 @@
-"""``kvcore fuzz --pd``: a seeded lifecycle fuzz of P/D beside the tiers, against vLLM's side of the
-connector contract (needs vLLM: it drives kvcore's vLLM adapter).
+"""``kvcore fuzz --pd`` (``python -m kvcore_vllm.pd_fuzz``): a seeded lifecycle fuzz of P/D beside the
+tiers, against vLLM's side of the connector contract.
 
 The combined scheduler side (``PDTiersScheduler``: a real ``SchedulerSide`` over a CPU pool and a real
 ``PDScheduler`` of a ``kv_both`` engine) and the combined worker side (``PDTiersWorker``) run under a
@@ -21,14 +21,18 @@ waits for (waiting for remote KV, or finished while waiting: then freed), never 
 in ``finished_sending`` is one it kept for the connector; neither twice; a request named failed (several
 groups) is one named received in the same report, and one whose tier load or pull failed is named failed;
 and at the end every request was freed, the tier's trackers and copies are gone and every P/D pull and
-offer was answered. ``kvcore fuzz --pd --seed S --steps N [--window W]`` replays a run.
+offer was answered. ``kvcore fuzz --pd --seed S --steps N [--window W]`` replays a run (the CLI runs this
+module in a process of its own, as ``kvcore bench`` runs a benchmark: adapters import no other adapter).
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import logging
 import random
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -41,7 +45,6 @@ from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import KVLayout, LayoutKind
 from kvcore.model.step import OpReport
 from kvcore.ports import Direction
-from kvcore_cli.fuzz.results import FuzzFailure
 from kvcore_vllm.grouped_scheduler import GroupedSchedulerSide
 from kvcore_vllm.grouped_worker import GroupedWorkerSide
 from kvcore_vllm.metadata import KVCoreWorkerMetadata
@@ -53,7 +56,16 @@ from kvcore_vllm.pd_tiers_worker import PDTiersWorker
 from kvcore_vllm.scheduler_side import NULL_BLOCK, SchedulerSide
 from kvcore_vllm.settings import read_extra_config
 
-__all__ = ["BLOCK", "ENGINE", "PDFuzzSummary", "run_pd_fuzz", "scheduler_output", "vllm_request"]
+__all__ = [
+    "BLOCK",
+    "ENGINE",
+    "PDFuzzFailure",
+    "PDFuzzSummary",
+    "main",
+    "run_pd_fuzz",
+    "scheduler_output",
+    "vllm_request",
+]
 
 BLOCK = 128  # vLLM's CPU block size
 ENGINE = EngineSpec(
@@ -112,6 +124,17 @@ def scheduler_output(new: Iterable[tuple[str, list[int] | tuple[list[int], ...],
         num_scheduled_tokens={rid: scheduled for rid, _, _, scheduled in new},
         preempted_req_ids=None,
     )
+
+
+class PDFuzzFailure(Exception):
+    """A check failed: the seed, the step, the request, what differed, and the line that replays it."""
+
+    def __init__(self, seed: int, step: int, request: str | None, detail: str, replay: str) -> None:
+        self.seed, self.step, self.request, self.detail, self.replay = seed, step, request, detail, replay
+        about = f" ({request})" if request else ""
+        super().__init__(
+            f"kvcore fuzz --pd: check failed at step {step}, seed {seed}{about}: {detail}\n  replay: {replay}"
+        )
 
 
 def _hashes(n: int, seed: str) -> list[bytes]:
@@ -327,12 +350,12 @@ class _Vllm:
         self.count = self.decodes = self.prefills = self.preemptions = self.aborted = 0
         self.step_now = 0
 
-    def fail(self, rid: str | None, detail: str) -> FuzzFailure:
+    def fail(self, rid: str | None, detail: str) -> PDFuzzFailure:
         replay = f"kvcore fuzz --pd --seed {self.seed} --steps {self.steps}"
         replay += f" --window {self.window // BLOCK}" if self.window else ""
         replay += "" if self.preempt else " --no-preempt"
         replay += "" if self.faults else " --no-faults"
-        return FuzzFailure(self.seed, self.step_now, rid, detail, replay, ())
+        return PDFuzzFailure(self.seed, self.step_now, rid, detail, replay)
 
     def _skipped(self, tokens: int) -> int:
         """Blocks of the sliding-window group before the window of ``tokens`` computed tokens."""
@@ -539,7 +562,7 @@ def run_pd_fuzz(
 ) -> PDFuzzSummary:
     """One seeded run: ``steps`` steps of arrivals, then up to 200 without any until everything ended.
     ``window``: a hybrid model whose sliding window is that many blocks (0: one full attention group).
-    Raises ``FuzzFailure`` (seed, step, request, what, a replay line) where a check fails."""
+    Raises ``PDFuzzFailure`` (seed, step, request, what, a replay line) where a check fails."""
     vllm = _Vllm(seed, steps, window, preempt, faults)
     for _ in range(steps):
         if vllm.rng.random() < 0.6:
@@ -567,3 +590,44 @@ def run_pd_fuzz(
         preemptions=vllm.preemptions,
         aborted=vllm.aborted,
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run seeds from ``--seed`` on; print each summary (one run: the whole of it), each failure to stderr.
+    Returns 1 if a seed failed."""
+    parser = argparse.ArgumentParser(prog="kvcore fuzz --pd", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--window", type=int, default=0)
+    parser.add_argument("--no-preempt", action="store_true")
+    parser.add_argument("--no-faults", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="show kvcore's warnings")
+    args = parser.parse_args(argv)
+    if not args.verbose:  # the faults are injected on purpose: kvcore's warnings about them are expected
+        for name in ("kvcore", "kvcore_vllm"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    if args.window < 0:
+        print(
+            f"kvcore fuzz: window: got {args.window}, expected a number of blocks >= 0 (0: none)",
+            file=sys.stderr,
+        )
+        return 2
+    failed = 0
+    for seed in range(args.seed, args.seed + args.runs):
+        try:
+            summary = run_pd_fuzz(
+                seed, args.steps, window=args.window, preempt=not args.no_preempt, faults=not args.no_faults
+            )
+        except PDFuzzFailure as exc:
+            print(exc, file=sys.stderr)
+            failed += 1
+            continue
+        print(summary.render() if args.runs == 1 else summary.brief())
+    if args.runs > 1:
+        print(f"{args.runs - failed} of {args.runs} seeds passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
