@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from kvcore.scheduling.scheduler import SchedulerStats
 from kvcore_vllm.grouped_scheduler import GroupedSchedulerSide
 from kvcore_vllm.pd_metadata import PDTiersMetadata
@@ -142,7 +144,10 @@ class PDTiersScheduler:
         return self.tiers.take_events()
 
     def stats(self) -> SchedulerStats:
-        return self.tiers.stats()
+        """The tiers' stats, whose ``requests`` count the decode requests P/D keeps too (a request held by
+        both sides at once counts on each): 0 only once neither side holds anything for vLLM."""
+        stats = self.tiers.stats()
+        return attrs.evolve(stats, requests=stats.requests + self.pd.tracked())
 
     def close(self) -> None:
         self.tiers.close()

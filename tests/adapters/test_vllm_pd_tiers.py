@@ -172,6 +172,12 @@ def test_a_decode_request_aborted_while_receiving_keeps_its_blocks_until_both_so
     delay, params = side.request_finished(request, ([7, 8, 9, 10, 11],))
     assert delay  # the producer may still write the blocks: freed at the request's one report
     assert params is None
+    # the leak gauge counts it while the pull owes it, whatever the tiers hold
+    assert side.stats().requests == side.tiers.stats().requests + 1
+    side.update_connector_output(
+        cast(Any, SimpleNamespace(kv_connector_worker_meta=None, finished_recving={"d"}))
+    )
+    assert side.stats().requests == side.tiers.stats().requests
 
 
 def test_a_prefill_request_is_offered_and_says_what_the_tiers_served() -> None:

@@ -124,6 +124,14 @@ def stop_engine(llm: Any) -> None:
         for process in processes:
             _kill_tree(process.pid)
             process.join(SHUTDOWN_GRACE_S)
+    # vLLM leaves its client's ZMQ context to the garbage collector, which warns about it (as an error,
+    # here) where it collects one: end the thread that reads the engine's outputs, then the context
+    thread = getattr(client, "output_queue_thread", None)
+    if thread is not None:
+        thread.join(SHUTDOWN_GRACE_S)
+    context = getattr(client, "ctx", None)
+    if context is not None and not (thread is not None and thread.is_alive()):
+        context.destroy(linger=0)
     del llm
     gc.collect()
 

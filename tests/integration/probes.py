@@ -4,6 +4,9 @@ an engine's worker process (through ``LLM.collective_rpc``) to read kvcore's tie
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +15,13 @@ from kvcore_cpu.host_memory import HostMemory
 from kvcore_cpu.tier import CPUWorker
 from kvcore_vllm.grouped_worker import GroupedWorkerSide
 from kvcore_vllm.pd_tiers_worker import PDTiersWorker
+from kvcore_vllm.pd_worker import PDWorker
 from kvcore_vllm.worker_side import WorkerSide
 
 __all__ = [
     "SLOW_COPIES",
     "damage_pool",
+    "die_mid_write",
     "disk_chunk_values",
     "engine_digests",
     "external_hits",
@@ -27,6 +32,7 @@ __all__ = [
     "loaded_digests",
     "pulled_blocks",
     "rank_pool",
+    "shorten_pd_patience",
     "worker_side",
 ]
 
@@ -100,6 +106,41 @@ def group_sides(worker: Any) -> tuple[WorkerSide, ...]:
 def pulled_blocks(worker: Any) -> int:
     """In the worker process: blocks this rank received whole from P/D producers so far (the P/D
     connector, or a connector with a ``pd`` section beside its tiers)."""
+    return _pd_worker().pulled_blocks
+
+
+def die_mid_write(worker: Any) -> int:
+    """In a P/D producer's worker process: its next write to a consumer sends the first half of its byte
+    ranges, and a second later the process is killed (SIGKILL): a producer that dies mid-transfer, after it
+    accepted the pull, with part of the KV written. Returns the process id."""
+    producer = _pd_worker().producer
+    assert producer is not None, "this rank produces nothing"
+    transport = producer._transport  # the write to instrument is the transport's
+    submit = transport.submit_write_columns
+
+    def half_then_die(peer: str, srcs: Any, dsts: Any, lengths: Any) -> Any:
+        half = len(lengths) // 2
+        job = submit(peer, srcs[:half], dsts[:half], lengths[:half])
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return job
+
+    transport.submit_write_columns = half_then_die  # type: ignore[method-assign]  # the fault itself
+    return os.getpid()
+
+
+def shorten_pd_patience(worker: Any, seconds: float) -> bool:
+    """In a P/D consumer's worker process: give up on a transfer whose producer stays silent ``seconds``
+    after its pull (its ``abort_timeout_s``) from the next pull on."""
+    import attrs
+
+    consumer = _pd_worker().consumer
+    assert consumer is not None, "this rank consumes nothing"
+    consumer._config = attrs.evolve(consumer._config, abort_timeout_s=seconds)
+    return True
+
+
+def _pd_worker() -> PDWorker:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from kvcore_vllm.connector import KVCoreConnector
@@ -107,11 +148,11 @@ def pulled_blocks(worker: Any) -> int:
 
     connector = get_kv_transfer_group()
     if isinstance(connector, KVCorePDConnector):
-        return connector.worker_side.pulled_blocks
+        return connector.worker_side
     assert isinstance(connector, KVCoreConnector)
     side = connector.worker_side
     assert isinstance(side, PDTiersWorker), f"no P/D beside the tiers: {type(side).__name__}"
-    return side.pd.pulled_blocks
+    return side.pd
 
 
 def rank_worker(worker: Any) -> CPUWorker:

@@ -13,9 +13,9 @@ two blocks, so that a tier can lack a whole block). A two-turn conversation:
 
 A prompt whose every block but the last token's is found locally or in the tier pulls nothing (vLLM
 computes the last token anyway). Tokens are compared with vLLM's own prefix hit of the same length. A
-decode engine whose producer is gone still loads the tier's part and computes the rest; one aborted while
-both the tier and the producer owe it blocks leaks nothing. A TP-1 producer and a TP-2 consumer share the
-tier (a value per KV head) and the pull.
+decode engine whose producer is gone, or killed mid-transfer (half of the owed block written), still loads
+the tier's part and computes the rest; one aborted while both the tier and the producer owe it blocks
+leaks nothing. A TP-1 producer and a TP-2 consumer share the tier (a value per KV head) and the pull.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
@@ -39,7 +40,13 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
     tiny_model,
     vllm_env,
 )
-from tests.integration.probes import external_hits, pulled_blocks
+from tests.integration.probes import (
+    die_mid_write,
+    external_hits,
+    kvcore_metric,
+    pulled_blocks,
+    shorten_pd_patience,
+)
 from tests.integration.test_vllm_policies import GAUGES, _settled
 from tests.integration.tp2 import TP, kv_heads_model, start_tp_engine, tokens_of
 from tests.mooncake.conftest import free_port, patient_transfers
@@ -272,3 +279,30 @@ def test_a_decode_request_aborted_while_the_tier_and_the_producer_owe_it_leaks_n
     reference = generate(producer, tokens)
     assert reference.num_cached_tokens == 4 * BLOCK
     assert _tokens(decoded) == _tokens(reference)
+
+
+def test_a_producer_killed_mid_transfer_costs_only_what_the_tier_lacks(
+    engines: tuple[Any, Any, Path],
+) -> None:
+    # last in the module: it kills the shared prefill engine
+    producer, consumer, store = engines
+    disk = Disk(store)
+    tokens = prompt(8501, 4 * BLOCK + 100)
+    _, params = _prefill(producer, tokens)
+    disk.wait_for(2)  # the tier holds blocks 0..3: the producer owes block 4
+    reference = generate(producer, tokens)  # vLLM's own hit of blocks 0..3, block 4 computed
+    assert reference.num_cached_tokens == 4 * BLOCK
+    patience = 3.0
+    assert consumer.collective_rpc(shorten_pd_patience, args=(patience,)) == [True]
+    # the producer accepts the pull, writes half of block 4's ranges and is SIGKILLed a second later
+    (doomed,) = producer.collective_rpc(die_mid_write)
+    before = (_pulled(consumer), external_hits(consumer), kvcore_metric(consumer, "loaded_blocks"))
+    started = time.monotonic()
+    decoded = generate(consumer, tokens, kv_transfer_params=params)
+    assert time.monotonic() - started < patience + 15.0  # bounded by the producer's silence, not forever
+    assert _pulled(consumer) - before[0] == 0  # the half-written block is not taken
+    assert not psutil.pid_exists(doomed)  # it did die mid-transfer
+    assert external_hits(consumer) - before[1] == len(tokens)  # counted at admission: tier + producer
+    assert kvcore_metric(consumer, "loaded_blocks") - before[2] == 4  # the tier's part was used
+    assert _tokens(decoded) == _tokens(reference)  # block 4 (written in part) recomputed: exact
+    assert _settled(consumer) == dict.fromkeys(GAUGES, 0.0)  # nothing held for the dead producer
