@@ -144,6 +144,9 @@ class GroupedSchedulerSide:
     def stats(self) -> SchedulerStats:
         return merge_stats([side.stats() for side in self.sides])
 
+    def tracked_requests(self) -> frozenset[str]:
+        return frozenset().union(*(side.tracked_requests() for side in self.sides))
+
     def close(self) -> None:
         for side in self.sides:
             side.close()

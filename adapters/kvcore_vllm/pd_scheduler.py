@@ -227,7 +227,11 @@ class PDScheduler:
 
     def tracked(self) -> int:
         """Decode requests this side keeps something for between vLLM's calls: 0 once every one ended."""
-        return len(self._asked.keys() | self._issued | self._receiving)
+        return len(self.tracked_requests())
+
+    def tracked_requests(self) -> frozenset[str]:
+        """The decode requests ``tracked`` counts."""
+        return frozenset(self._asked.keys() | self._issued | self._receiving)
 
     def build_connector_meta(self) -> PDMetadata:
         meta = PDMetadata(tuple(self._offers), tuple(self._receives))

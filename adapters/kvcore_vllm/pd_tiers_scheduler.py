@@ -144,10 +144,10 @@ class PDTiersScheduler:
         return self.tiers.take_events()
 
     def stats(self) -> SchedulerStats:
-        """The tiers' stats, whose ``requests`` count the decode requests P/D keeps too (a request held by
-        both sides at once counts on each): 0 only once neither side holds anything for vLLM."""
-        stats = self.tiers.stats()
-        return attrs.evolve(stats, requests=stats.requests + self.pd.tracked())
+        """The tiers' stats, whose ``requests`` count the requests either side keeps something for (a
+        decode request P/D still pulls for after the tiers ended it, too), each once."""
+        tracked = self.tiers.tracked_requests() | self.pd.tracked_requests()
+        return attrs.evolve(self.tiers.stats(), requests=len(tracked))
 
     def close(self) -> None:
         self.tiers.close()

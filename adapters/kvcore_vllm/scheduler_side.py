@@ -390,6 +390,9 @@ class SchedulerSide:
     def stats(self) -> SchedulerStats:
         return self.core.stats()
 
+    def tracked_requests(self) -> frozenset[str]:
+        return self.core.tracked_requests()
+
     def close(self) -> None:
         self.core.close()
 

@@ -61,8 +61,7 @@ GAUGES = {
     "pool_storing": "host slots being stored",
     "pool_dirty": "chunks of the pool not yet written back (never evicted until they are)",
     "pool_evictions": "chunks evicted since start",
-    "requests": "requests kvcore tracks (live, or waiting for their copies or pulls; with P/D beside the "
-    "tiers, a request both hold counts on each)",
+    "requests": "requests kvcore tracks (live, or waiting for their copies or P/D pulls)",
     "ops_in_flight": "copy ops not yet reported by every worker",
     "halted_ranks": "ranks whose copies are halted after a copy into vLLM's blocks hung (until it ends)",
 }

@@ -373,6 +373,10 @@ class CacheScheduler:
         """Counters since start, the pool's usage and each remote tier's."""
         return stats(self._state)
 
+    def tracked_requests(self) -> frozenset[RequestId]:
+        """The requests ``stats().requests`` counts: live, or waiting for their copies."""
+        return frozenset(self._state.requests)
+
     def _end(self, request_id: RequestId, phase: Phase) -> bool:
         state = self._state
         req = state.requests.get(request_id)

@@ -167,17 +167,29 @@ def test_a_decode_request_aborted_while_receiving_keeps_its_blocks_until_both_so
     request = vllm_request("d", hashes, 4 * BLOCK + 1, PRODUCER.to_params())
     side.get_num_new_matched_tokens(request, 0)
     side.update_state_after_alloc(request, _blocks([7, 8, 9, 10, 11]), 4 * BLOCK + 1)
-    side.build_connector_meta(scheduler_output())
+    loads = _tiers(side.build_connector_meta(scheduler_output())).plan.ops
+    assert loads
     request.status = RequestStatus.FINISHED_ABORTED
     delay, params = side.request_finished(request, ([7, 8, 9, 10, 11],))
     assert delay  # the producer may still write the blocks: freed at the request's one report
     assert params is None
-    # the leak gauge counts it while the pull owes it, whatever the tiers hold
-    assert side.stats().requests == side.tiers.stats().requests + 1
+    # the leak gauge counts it once while either source owes it
+    assert side.stats().requests == 1
+    side.update_connector_output(
+        cast(
+            Any,
+            SimpleNamespace(
+                kv_connector_worker_meta=KVCoreWorkerMetadata(tuple(OpReport(op.op_id) for op in loads)),
+                finished_recving=None,
+            ),
+        )
+    )
+    assert side.tiers.stats().requests == 0
+    assert side.stats().requests == 1  # the pull still owes it
     side.update_connector_output(
         cast(Any, SimpleNamespace(kv_connector_worker_meta=None, finished_recving={"d"}))
     )
-    assert side.stats().requests == side.tiers.stats().requests
+    assert side.stats().requests == 0
 
 
 def test_a_prefill_request_is_offered_and_says_what_the_tiers_served() -> None:

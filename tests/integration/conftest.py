@@ -90,7 +90,7 @@ def start_engine(
 ) -> Any:
     from vllm import LLM
 
-    return LLM(
+    llm = LLM(
         model=str(model),
         max_model_len=max_model_len,
         enforce_eager=True,
@@ -100,6 +100,8 @@ def start_engine(
         seed=0,
         **engine_args,
     )
+    llm.collective_rpc(_exit_without_final_gc, args=(os.getpid(),))
+    return llm
 
 
 SHUTDOWN_GRACE_S = 5.0
@@ -128,12 +130,24 @@ def stop_engine(llm: Any) -> None:
     # here) where it collects one: end the thread that reads the engine's outputs, then the context
     thread = getattr(client, "output_queue_thread", None)
     if thread is not None:
-        thread.join(SHUTDOWN_GRACE_S)
+        thread.join(1.0)
     context = getattr(client, "ctx", None)
     if context is not None and not (thread is not None and thread.is_alive()):
         context.destroy(linger=0)
     del llm
     gc.collect()
+
+
+def _exit_without_final_gc(worker: Any, test_process: int) -> bool:
+    """In the process that runs a worker (not the test's own, where vLLM runs in process): once its
+    shutdown is done (vLLM's and kvcore's: they come before ``atexit``), exit without the interpreter's
+    final garbage collection, which takes seconds of a busy machine's time while the engine waits for
+    its workers to exit; vLLM would kill the engine at ``SHUTDOWN_GRACE_S``."""
+    import atexit
+
+    if os.getpid() != test_process:
+        atexit.register(os._exit, 0)
+    return True
 
 
 def _kill_tree(pid: int | None) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -110,9 +109,10 @@ def pulled_blocks(worker: Any) -> int:
 
 
 def die_mid_write(worker: Any) -> int:
-    """In a P/D producer's worker process: its next write to a consumer sends the first half of its byte
-    ranges, and a second later the process is killed (SIGKILL): a producer that dies mid-transfer, after it
-    accepted the pull, with part of the KV written. Returns the process id."""
+    """In a P/D producer's worker process: its next write to a consumer writes the first half of its byte
+    ranges, then the process is killed (SIGKILL): a producer that dies mid-transfer, after it accepted the
+    pull, with part of the KV written (where the half write fails, the process lives on, and the test
+    finds it alive). Returns the process id."""
     producer = _pd_worker().producer
     assert producer is not None, "this rank produces nothing"
     transport = producer._transport  # the write to instrument is the transport's
@@ -120,8 +120,10 @@ def die_mid_write(worker: Any) -> int:
 
     def half_then_die(peer: str, srcs: Any, dsts: Any, lengths: Any) -> Any:
         half = len(lengths) // 2
+        assert half, f"a write of {len(lengths)} ranges has no half to write"
         job = submit(peer, srcs[:half], dsts[:half], lengths[:half])
-        time.sleep(1.0)
+        (written,) = transport.wait([job], 10.0)
+        assert written.ok, f"the half write failed: {written.error}"
         os.kill(os.getpid(), signal.SIGKILL)
         return job
 
@@ -130,8 +132,8 @@ def die_mid_write(worker: Any) -> int:
 
 
 def shorten_pd_patience(worker: Any, seconds: float) -> bool:
-    """In a P/D consumer's worker process: give up on a transfer whose producer stays silent ``seconds``
-    after its pull (its ``abort_timeout_s``) from the next pull on."""
+    """In a P/D consumer's worker process: from the next receive on, give up on a transfer not done
+    ``seconds`` after the receive started (its ``abort_timeout_s``)."""
     import attrs
 
     consumer = _pd_worker().consumer
@@ -141,6 +143,7 @@ def shorten_pd_patience(worker: Any, seconds: float) -> bool:
 
 
 def _pd_worker() -> PDWorker:
+    """In the worker process: the P/D side of the engine's connector (either connector)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from kvcore_vllm.connector import KVCoreConnector

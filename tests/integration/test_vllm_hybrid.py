@@ -28,6 +28,7 @@ from tests.integration.conftest import (
     stop_engine,
 )
 from tests.integration.probes import external_hits, group_loads, group_sides, kvcore_metric
+from tests.integration.tp2 import engine_env
 
 pytestmark = [*VLLM_MARKS, pytest.mark.slow]
 
@@ -38,9 +39,16 @@ ENGINE_BLOCKS = 24  # per group: vLLM must evict its own prefix cache
 SWA_GROUP, FULL_GROUP = 0, 1  # vLLM's group order for layer_types [S, F, S, F]
 
 
-def start_hybrid_engine(model: Path, kv_transfer_config: dict[str, Any]) -> Any:
-    """A vLLM engine on the hybrid model, with ``ENGINE_BLOCKS`` blocks of each group."""
-    return start_engine(model, kv_transfer_config, kv_cache_memory_bytes=ENGINE_BLOCKS * BLOCK * TOKEN_BYTES)
+def start_hybrid_engine(model: Path, kv_transfer_config: dict[str, Any], tp: int = 1) -> Any:
+    """A TP-``tp`` vLLM engine on the hybrid model, with ``ENGINE_BLOCKS`` blocks of each group (a rank
+    holds ``1 / tp`` of the KV heads)."""
+    with engine_env(tp):
+        return start_engine(
+            model,
+            kv_transfer_config,
+            kv_cache_memory_bytes=ENGINE_BLOCKS * BLOCK * TOKEN_BYTES // tp,
+            tensor_parallel_size=tp,
+        )
 
 
 @pytest.fixture(scope="module")

@@ -30,10 +30,10 @@ from kvcore_cli.tiny_model import ModelShape, make_tiny_model
 from tests.integration.conftest import (
     BLOCK,
     ENGINE_BLOCKS,
-    MAX_MODEL_LEN,
     generate,
     kvcore_transfer_config,
     prompt,
+    start_engine,
 )
 from tests.integration.probes import external_hits, kvcore_metric, rank_worker, worker_side
 
@@ -147,17 +147,11 @@ def start_tp_engine(
 ) -> Any:
     """A TP-``tp`` engine as ``conftest.start_engine`` starts one, whose cache holds ``ENGINE_BLOCKS``
     blocks on each rank (small on purpose: vLLM must evict its own prefix cache)."""
-    from vllm import LLM
-
     with engine_env(tp):
-        return LLM(
-            model=str(model),
-            max_model_len=MAX_MODEL_LEN,
-            enforce_eager=True,
+        return start_engine(
+            model,
+            kv_transfer_config,
             kv_cache_memory_bytes=ENGINE_BLOCKS * BLOCK * rank_kv_bytes_per_token(kv_heads, tp),
-            kv_transfer_config=kv_transfer_config,
-            disable_log_stats=False,
-            seed=0,
             tensor_parallel_size=tp,
         )
 

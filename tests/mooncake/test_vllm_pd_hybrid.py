@@ -8,7 +8,9 @@ with its whole window): the full attention group every one, the sliding-window g
 last window (vLLM gives it the null block before the window); the prefill engine computed every prompt
 token but the last too, so it kept the blocks of that last token's window. Tokens equal vLLM's own
 prefix hit of the same length. Where the producer is gone, the request is recomputed whole (vLLM takes a
-failed load of several groups by request), within seconds.
+failed load of several groups by request), within seconds. A TP-1 prefill engine and a TP-2 decode engine:
+each decode rank pulls, in both groups, its one KV head of the producer's two, byte for byte, and the tokens
+equal the decode engine's own prefix hit of the blocks it pulled.
 
 A hybrid SSM model (Qwen3-Next style: Gated DeltaNet and full attention layers) moves its blocks as
 whole pages (through ``KVCoreConnector``'s ``pd`` section, each engine with a CPU pool of its own): each
@@ -32,9 +34,14 @@ import pytest
 from kvcore_cli.tiny_model import HYBRID_WINDOW, make_tiny_hybrid_model, make_tiny_ssm_model
 from tests.integration.conftest import BLOCK, VLLM_MARKS, generate, prompt, start_engine, vllm_env
 from tests.integration.probes import external_hits, pulled_blocks
-from tests.integration.test_vllm_hybrid import FULL_GROUP, SWA_GROUP, start_hybrid_engine
+from tests.integration.test_vllm_hybrid import (
+    FULL_GROUP,
+    SWA_GROUP,
+    start_hybrid_engine,
+)
 from tests.integration.test_vllm_ssm import BLOCK as SSM_BLOCK
 from tests.integration.test_vllm_ssm import STATE_GROUPS as SSM_STATE_GROUPS
+from tests.integration.tp2 import TP, head_digests_probe, receive_probe, record_receives_probe
 from tests.mooncake.conftest import free_port
 from tests.mooncake.test_vllm_pd import HANDSHAKE_S, pd_transfer_config
 from tests.mooncake.test_vllm_pd_tiers import Disk, _from_producers, _pair, pd_tiers_config
@@ -217,6 +224,50 @@ def test_beside_a_tier_each_group_loads_the_tiers_part_and_pulls_the_rest(
         assert time.monotonic() - started < 20.0
         assert _pulled(consumer) == pulled
         assert _tokens(recomputed) == _tokens(plain)
+
+
+def test_a_tp1_producer_and_a_tp2_consumer_move_each_groups_heads(model: Path) -> None:
+    from kvcore_vllm.scheduler_side import NULL_BLOCK  # with vLLM, which the engines imported
+
+    def start(role: str, engine_id: str, port: int) -> Any:
+        config = pd_transfer_config(role, engine_id, port)
+        # generous: the TP-2 engine's ranks share two cores with the test run's other lane
+        config["kv_connector_extra_config"]["pd"].update(handshake_timeout_s=20.0, handshake_retries=3)
+        return start_hybrid_engine(model, config, tp=1 if role == "kv_producer" else TP)
+
+    with _pair(start) as (producer, consumer):
+        assert consumer.collective_rpc(record_receives_probe) == list(range(TP))
+        tokens = prompt(7501, 5 * BLOCK + 1)
+        prefill = generate(producer, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        params = prefill.kv_transfer_params
+        assert params is not None
+        held = [block for group in params["remote_block_ids"] for block in group if block != NULL_BLOCK]
+        # the producer holds the blocks until the consumer pulled them: read its heads now
+        ((_, held_heads),) = producer.collective_rpc(head_digests_probe, args=(held,))
+        decoded = generate(consumer, tokens, max_tokens=8, kv_transfer_params=params)
+        records = consumer.collective_rpc(receive_probe, args=(params["transfer_id"],))
+        assert [rank for rank, _ in records] == list(range(TP))
+        pairs = set()
+        for rank, record in records:
+            assert record is not None, f"decode rank {rank} was given no receive"
+            _, src, dst, ok = record
+            assert ok is True, f"decode rank {rank}: the pull did not succeed"
+            pairs.add((tuple(src), tuple(dst)))
+        ((src, dst),) = pairs  # every rank pulls the same blocks into the same blocks
+        # the full attention group's blocks, and the sliding-window group's of the last window
+        assert len(src) == 5 + _window_blocks(0, len(tokens) - 1)
+        got = consumer.collective_rpc(head_digests_probe, args=(list(dst),))
+        assert [rank for rank, _ in got] == list(range(TP))
+        for rank, layers in got:
+            # its one KV head of every layer of every pulled block is the producer's head ``rank`` there
+            for layer, blocks in enumerate(layers):
+                for j, heads in enumerate(blocks):
+                    assert heads == [held_heads[layer][held.index(src[j])][rank]], (rank, layer, src[j])
+        # bf16 rounds differently at another TP size (the producer's own hit gives other tokens here), so
+        # the tokens are compared with the decode engine's own prefix hit of the blocks it pulled: the
+        # pulled blocks serve as its own cache does (their bytes are checked above)
+        local = _own_hit(consumer, tokens, 5 * BLOCK)
+        assert _tokens(decoded) == _tokens(local)
 
 
 def test_a_hybrid_ssm_models_states_move_with_its_pages(vllm_env: Path) -> None:
