@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import os
 import time
 import warnings
@@ -80,6 +81,9 @@ def kvcore_transfer_config(**extra: Any) -> dict[str, Any]:
     }
 
 
+_ENGINE_NUMBERS = itertools.count()
+
+
 def start_engine(
     model: Path,
     kv_transfer_config: dict[str, Any] | None,
@@ -90,6 +94,9 @@ def start_engine(
 ) -> Any:
     from vllm import LLM
 
+    # a name of its own: vLLM labels the engine's metrics with it, so that ``probes.engine_metrics`` can
+    # tell whether the process's registry holds them (it holds those of the engine started last)
+    engine_args.setdefault("served_model_name", f"engine-{next(_ENGINE_NUMBERS)}")
     llm = LLM(
         model=str(model),
         max_model_len=max_model_len,

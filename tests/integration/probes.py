@@ -23,6 +23,7 @@ __all__ = [
     "die_mid_write",
     "disk_chunk_values",
     "engine_digests",
+    "engine_metrics",
     "external_hits",
     "group_loads",
     "group_sides",
@@ -69,14 +70,25 @@ def disk_chunk_values(root: Path, runs: int) -> dict[str, bytes]:
     return values
 
 
+def engine_metrics(llm: Any) -> list[Any]:
+    """vLLM's metrics of the engine ``llm``. vLLM keeps one registry per process, whose metrics are those
+    of the engine started last (each engine's loggers replace the previous one's): reading them through
+    another engine would read that one's, so this fails unless they carry ``llm``'s served model name
+    (``conftest.start_engine`` gives every engine its own)."""
+    name = llm.llm_engine.model_config.served_model_name
+    metrics = [m for m in llm.get_metrics() if m.labels.get("model_name") == name]
+    assert metrics, f"the metrics of engine {name!r} are not this process's: an engine started after it"
+    return metrics
+
+
 def external_hits(llm: Any) -> int:
-    """vLLM's external prefix-cache hits so far. The registry is per process: compare deltas."""
-    return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
+    """vLLM's external prefix-cache hits of the engine so far (``engine_metrics``): compare deltas."""
+    return sum(int(m.value) for m in engine_metrics(llm) if m.name == "vllm:external_prefix_cache_hits")
 
 
 def kvcore_metric(llm: Any, name: str) -> float:
     """The value of kvcore's metric ``name`` as vLLM exports it (``vllm:kvcore_<name>``)."""
-    for metric in llm.get_metrics():
+    for metric in engine_metrics(llm):
         if metric.name == f"vllm:kvcore_{name}":
             return float(metric.value)
     raise AssertionError(f"metric vllm:kvcore_{name} not exported")

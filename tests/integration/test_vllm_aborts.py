@@ -16,7 +16,7 @@ import pytest
 
 from kvcore.ports import Direction
 from tests.integration.conftest import BLOCK, VLLM_MARKS, generate, prompt
-from tests.integration.probes import SLOW_COPIES, kvcore_metric
+from tests.integration.probes import SLOW_COPIES, engine_metrics, kvcore_metric
 from tests.integration.test_vllm_policies import GAUGES, _push_out, _settled
 
 pytestmark = VLLM_MARKS
@@ -61,7 +61,7 @@ def test_aborts_mid_save_and_mid_load_leak_nothing(kvcore_engine: Any) -> None:
     finally:
         assert kvcore_engine.collective_rpc(_normal_copies) == [True]
     assert kvcore_metric(kvcore_engine, "saved_blocks") - saved_before >= 4  # the delayed saves completed
-    usage = [m.value for m in kvcore_engine.get_metrics() if m.name == "vllm:kv_cache_usage_perc"]
+    usage = [m.value for m in engine_metrics(kvcore_engine) if m.name == "vllm:kv_cache_usage_perc"]
     assert usage == [0.0]  # the aborted request's blocks came back: its delayed free was reported
 
     local = generate(kvcore_engine, tokens)  # vLLM's own hit of the aborted request's prompt

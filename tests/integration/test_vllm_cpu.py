@@ -16,7 +16,7 @@ from tests.integration.conftest import (
     start_engine,
     stop_engine,
 )
-from tests.integration.probes import damage_pool, external_hits, kvcore_metric, loaded_digests
+from tests.integration.probes import damage_pool, engine_metrics, external_hits, kvcore_metric, loaded_digests
 
 pytestmark = VLLM_MARKS
 
@@ -193,6 +193,6 @@ def test_checksums_turn_damage_into_recompute_under_speculative_decoding(tiny_mo
         assert list(reused.outputs[0].token_ids) == list(first.outputs[0].token_ids)
         assert kvcore_metric(llm, "failed_load_blocks") == 4  # nothing more failed its digest
         assert kvcore_metric(llm, "pool_pinned") == 0
-        assert any(m.name == "vllm:spec_decode_num_drafts" and m.value > 0 for m in llm.get_metrics())
+        assert any(m.name == "vllm:spec_decode_num_drafts" and m.value > 0 for m in engine_metrics(llm))
     finally:
         stop_engine(llm)

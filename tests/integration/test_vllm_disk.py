@@ -24,7 +24,7 @@ from tests.integration.conftest import (
     start_engine,
     stop_engine,
 )
-from tests.integration.probes import disk_chunk_values, external_hits, loaded_digests
+from tests.integration.probes import disk_chunk_values, engine_metrics, external_hits, loaded_digests
 from tests.integration.tp2 import LAYERS  # a chunk is one block here: a value is a run per layer
 
 pytestmark = VLLM_MARKS
@@ -36,7 +36,7 @@ def _metric(llm: Any, name: str, tier: str | None = None) -> int:
     """The sum of ``vllm:kvcore_<name>`` (of remote tier ``tier``, 1 the first behind the pool)."""
     found = [
         m.value
-        for m in llm.get_metrics()
+        for m in engine_metrics(llm)
         if m.name == f"vllm:kvcore_{name}" and (tier is None or m.labels.get("tier") == tier)
     ]
     return int(sum(found))

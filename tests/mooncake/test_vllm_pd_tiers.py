@@ -42,6 +42,7 @@ from tests.integration.conftest import (  # the shared vLLM fixtures and helpers
 )
 from tests.integration.probes import (
     die_mid_write,
+    engine_metrics,
     external_hits,
     kvcore_metric,
     pulled_blocks,
@@ -102,7 +103,7 @@ def _from_producers(llm: Any) -> int:
     """vLLM's prompt tokens cached by source ``p2p`` so far: what the connector said the producer owed."""
     return sum(
         int(m.value)
-        for m in llm.get_metrics()
+        for m in engine_metrics(llm)
         if m.name == "vllm:prompt_tokens_cached_by_source" and m.labels.get("source") == "p2p"
     )
 
@@ -247,7 +248,7 @@ def test_a_decode_request_aborted_while_the_tier_and_the_producer_owe_it_leaks_n
         # vLLM keeps its blocks until the request's one report: the tier's load ended at once, the pull
         # when its handshakes timed out (1 s, one retry)
         assert _settled(consumer) == dict.fromkeys(GAUGES, 0.0)
-    usage = [m.value for m in consumer.get_metrics() if m.name == "vllm:kv_cache_usage_perc"]
+    usage = [m.value for m in engine_metrics(consumer) if m.name == "vllm:kv_cache_usage_perc"]
     assert usage == [0.0]
     decoded = generate(consumer, tokens)  # the prompt again, with nobody to pull from: exact all the same
     reference = generate(producer, tokens)
