@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -24,7 +25,7 @@ with warnings.catch_warnings():
 
 from kvcore.config import PDConfig
 from kvcore.errors import ConfigError
-from kvcore.model.step import OpReport, StepPlan
+from kvcore.model.step import BlockOp, OpReport, StepPlan
 from kvcore.ports import Direction
 from kvcore_vllm.metadata import KVCoreMetadata, KVCoreWorkerMetadata
 from kvcore_vllm.pd_fuzz import scheduler_output, vllm_request
@@ -59,6 +60,14 @@ def _tiers(meta: PDTiersMetadata) -> KVCoreMetadata:
     return meta.tiers
 
 
+def _report_done(side: PDTiersScheduler, ops: Sequence[BlockOp]) -> None:
+    """The workers' report of ``ops``: done, every block."""
+    meta = KVCoreWorkerMetadata(tuple(OpReport(op.op_id) for op in ops))
+    side.update_connector_output(
+        cast(Any, SimpleNamespace(kv_connector_worker_meta=meta, finished_recving=None))
+    )
+
+
 def _fill_tiers(side: PDTiersScheduler, hashes: list[bytes], blocks: int) -> None:
     """Save ``blocks`` whole blocks of a prompt with ``hashes`` into the CPU pool, reported done."""
     request = vllm_request("writer", hashes[:blocks], blocks * BLOCK + 1)
@@ -68,15 +77,7 @@ def _fill_tiers(side: PDTiersScheduler, hashes: list[bytes], blocks: int) -> Non
     )
     saves = [op for op in _tiers(meta).plan.ops if op.direction is Direction.SAVE]
     assert saves
-    side.update_connector_output(
-        cast(
-            Any,
-            SimpleNamespace(
-                kv_connector_worker_meta=KVCoreWorkerMetadata(tuple(OpReport(op.op_id) for op in saves)),
-                finished_recving=None,
-            ),
-        )
-    )
+    _report_done(side, saves)
     request.status = RequestStatus.FINISHED_STOPPED
     side.request_finished(request, (list(range(1, blocks + 2)),))
 
@@ -175,15 +176,7 @@ def test_a_decode_request_aborted_while_receiving_keeps_its_blocks_until_both_so
     assert params is None
     # the leak gauge counts it once while either source owes it
     assert side.stats().requests == 1
-    side.update_connector_output(
-        cast(
-            Any,
-            SimpleNamespace(
-                kv_connector_worker_meta=KVCoreWorkerMetadata(tuple(OpReport(op.op_id) for op in loads)),
-                finished_recving=None,
-            ),
-        )
-    )
+    _report_done(side, loads)
     assert side.tiers.stats().requests == 0
     assert side.stats().requests == 1  # the pull still owes it
     side.update_connector_output(

@@ -29,7 +29,7 @@ from kvcore.testing.support import SETTLE_S
 from kvcore_mooncake import MooncakeChunkIndex, MooncakeChunkStore, MooncakeClient
 from kvcore_mooncake.client import Code
 from tests.frozen import frozen
-from tests.mooncake.conftest import Master, MiB, config_for
+from tests.mooncake.conftest import Master, Masters, MiB, config_for
 
 HOST_BYTES = 64 << 10
 
@@ -68,6 +68,17 @@ class Pool:
     raw: MooncakeDistributedStore
     client: MooncakeClient
     buffer: HostBuffer
+
+
+@pytest.fixture(scope="module")
+def master(_masters: Masters) -> Iterator[Master]:
+    """The module's own master (the suite's shared one, overridden): the outage checks freeze it for
+    seconds, and a master thawed after more than its ``client_ttl`` expires every client it did not hear
+    from (their segments and keys go: the suite's 2 s did under load); 30 s outlasts any freeze here."""
+    own = _masters.new(("--client_ttl=30",))
+    own.start()
+    yield own
+    own.stop()
 
 
 @contextlib.contextmanager

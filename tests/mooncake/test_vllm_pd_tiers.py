@@ -131,6 +131,18 @@ def _prefill(producer: Any, tokens: list[int]) -> tuple[Any, dict[str, Any]]:
     return out, out.kv_transfer_params
 
 
+def _owing_block_4(engines: tuple[Any, Any, Path], seed: int) -> tuple[list[int], dict[str, Any]]:
+    """A prompt of four blocks and 100 tokens prefilled by the prefill engine, once the tier holds its
+    blocks 0..3 (saved as it prefilled them): the producer owes the decode engine block 4. Returns the
+    prompt and the params for the decode engine."""
+    producer, _, store = engines
+    disk = Disk(store)
+    tokens = prompt(seed, 4 * BLOCK + 100)
+    _, params = _prefill(producer, tokens)
+    disk.wait_for(2)
+    return tokens, params
+
+
 @contextlib.contextmanager
 def _pair(start: Callable[[str, str, int], Any]) -> Iterator[tuple[Any, Any]]:
     """A prefill and a decode engine (``start(role, engine_id, side-channel port)``), stopped after."""
@@ -201,11 +213,8 @@ def test_turn_two_finds_its_history_in_the_tier_and_pulls_only_the_rest(
 
 
 def test_a_producer_gone_costs_only_what_the_tier_lacks(engines: tuple[Any, Any, Path]) -> None:
-    producer, consumer, store = engines
-    disk = Disk(store)
-    tokens = prompt(8201, 4 * BLOCK + 100)
-    _, params = _prefill(producer, tokens)
-    disk.wait_for(2)  # the tier holds blocks 0..3: the producer owes block 4
+    producer, consumer = engines[:2]
+    tokens, params = _owing_block_4(engines, 8201)
     # the producer's side channel no longer answers (its address names a port nobody listens on)
     gone = {**params, "remote_bootstrap_addr": f"tcp://127.0.0.1:{free_port()}"}
     before = (_pulled(consumer), external_hits(consumer))
@@ -228,11 +237,8 @@ def test_a_decode_request_aborted_while_the_tier_and_the_producer_owe_it_leaks_n
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    producer, consumer, store = engines
-    disk = Disk(store)
-    tokens = prompt(8401, 4 * BLOCK + 100)
-    _, params = _prefill(producer, tokens)
-    disk.wait_for(2)  # the tier holds blocks 0..3: the producer owes block 4
+    producer, consumer = engines[:2]
+    tokens, params = _owing_block_4(engines, 8401)
     with socket.socket() as silent:  # a producer that accepts connections and never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen()
@@ -260,11 +266,8 @@ def test_a_producer_killed_mid_transfer_costs_only_what_the_tier_lacks(
     engines: tuple[Any, Any, Path],
 ) -> None:
     # the last test of the shared engines: it kills the prefill engine
-    producer, consumer, store = engines
-    disk = Disk(store)
-    tokens = prompt(8501, 4 * BLOCK + 100)
-    _, params = _prefill(producer, tokens)
-    disk.wait_for(2)  # the tier holds blocks 0..3: the producer owes block 4
+    producer, consumer = engines[:2]
+    tokens, params = _owing_block_4(engines, 8501)
     reference = generate(producer, tokens)  # vLLM's own hit of blocks 0..3, block 4 computed
     assert reference.num_cached_tokens == 4 * BLOCK
     patience = 6.0  # the consumer's abort_timeout_s: the module's 30 s would only slow the test down
