@@ -144,17 +144,7 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
                 GroupedSchedulerSide,
             )
             if config.pd is not None and pd_role is not None and moved is not None:
-                block = engine.layout.block_tokens
-                pd = PDScheduler(
-                    pd_role,
-                    engine_id,
-                    block,
-                    engine.tp_size,
-                    config.pd,
-                    moved.groups,
-                    stops_short=moved.windowed,
-                    hash_block=moved.hash_block,
-                )
+                pd = PDScheduler.of(pd_role, engine_id, moved, config.pd)
                 self._scheduler = PDTiersScheduler(self._scheduler, pd)
             for group in groups:
                 shortfall = staging_shortfall(
@@ -193,7 +183,7 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
                 GroupedWorkerSide,
             )
             if config.pd is not None and pd_role is not None and moved is not None:
-                pulls = PDWorker(pd_role, moved.engine, config.pd, engine_id, moved.layers, rank)
+                pulls = PDWorker(pd_role, moved, config.pd, engine_id, rank)
                 self._worker = PDTiersWorker(self._worker, pulls)
             log.info(
                 "kvcore %s worker side, rank %d of %d: %s",

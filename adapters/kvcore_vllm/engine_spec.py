@@ -24,7 +24,8 @@ from attrs import frozen
 from kvcore.errors import InvalidSpecError, UnsupportedConfiguration
 from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import KVLayout, LayoutKind
-from kvcore_vllm.kv_layout import CPU_BACKEND, cpu_packing, kv_dtype, kv_layout, state_layout
+from kvcore.model.state_plan import StateLayout
+from kvcore_vllm.kv_layout import CPU_BACKEND, cpu_packing, kv_dtype, kv_layout, state_layout, state_parts
 from kvcore_vllm.model_identity import model_identity
 
 if TYPE_CHECKING:
@@ -66,10 +67,14 @@ class PDEngine:
     ``engine`` is the model's (keyed by the model, not by a group) with the layout every group's layers
     share (its ``num_layers`` counts every group's; layers of several groups share one tensor, and the
     worker keeps, and the handshake counts, one view per tensor); for a hybrid SSM model, a ``STATE``
-    layout of whole pages (``page_engine``). ``layers`` are every group's layers in vLLM's group order;
-    ``groups`` is how many block tables a request has; ``windowed`` whether a group has a window (a
-    sliding window, or a Mamba state's block): then both engines stop one token short of the prompt;
-    ``hash_block`` the tokens of vLLM's block hashes; ``state_block`` the Mamba groups' block size, if any.
+    layout of whole pages (``page_engine``), the memory the worker registers, and what a page holds:
+    ``attention``, the attention layers' K and V at the start of a page of an attention group's block,
+    and ``state``, the recurrent state from the start of a page of a block of ``state_groups`` (each moved
+    by its own plan, so that engines of different TP sizes exchange both). ``layers`` are every group's
+    layers in vLLM's group order; ``groups`` is how many block tables a request has; ``windowed`` whether
+    a group has a window (a sliding window, or a Mamba state's block): then both engines stop one token
+    short of the prompt; ``hash_block`` the tokens of vLLM's block hashes; ``state_block`` the Mamba
+    groups' block size, if any.
     """
 
     engine: EngineSpec
@@ -78,6 +83,9 @@ class PDEngine:
     windowed: bool
     hash_block: int
     state_block: int | None = None
+    attention: EngineSpec | None = None
+    state: StateLayout | None = None
+    state_groups: frozenset[int] = frozenset()
 
     @property
     def failures_by_request(self) -> bool:
@@ -85,22 +93,57 @@ class PDEngine:
         recompute from a failed block would attend to blocks vLLM gave back)."""
         return self.groups > 1 or self.windowed
 
+    @property
+    def kv(self) -> EngineSpec:
+        """The engine whose KV layout a block of an attention group has: ``attention`` or ``engine``."""
+        return self.engine if self.attention is None else self.attention
+
 
 def pd_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PDEngine:
-    """The engine as the P/D connectors see it; raises ``UnsupportedConfiguration`` for groups whose KV
-    differs in layout, dtype or heads (a hybrid SSM model's: in pages of different strides)."""
+    """The engine as the P/D connectors see it; raises ``UnsupportedConfiguration`` for attention groups
+    whose KV differs in layout, dtype or heads, and for a hybrid SSM model whose groups' pages differ or
+    whose states kvcore cannot split over TP ranks (``kv_layout.state_parts``)."""
     groups = kv_groups(vllm_config, kv_cache_config)
     layers = tuple(name for group in groups for name in group.layers)
     windowed = any(group.window is not None for group in groups)
     hashed = hash_block_tokens(kv_cache_config, groups)
+    identity = model_identity(vllm_config)
     states = [group for group in groups if group.kind == "mamba"]
-    if states:
-        pages = {group.kv_cache_spec.page_size_bytes for group in kv_cache_config.kv_cache_groups}
-        if len(pages) != 1:
-            raise UnsupportedConfiguration(f"P/D of a hybrid SSM model whose groups' pages differ: {pages}")
-        engine = page_engine(model_identity(vllm_config), groups, pages.pop())
-        block = states[0].engine.layout.block_tokens
-        return PDEngine(engine, layers, len(groups), windowed, hashed, block)
+    if not states:
+        return PDEngine(_shared_kv(groups, identity, len(layers)), layers, len(groups), windowed, hashed)
+    pages = {group.kv_cache_spec.page_size_bytes for group in kv_cache_config.kv_cache_groups}
+    if len(pages) != 1:
+        raise UnsupportedConfiguration(f"P/D of a hybrid SSM model whose groups' pages differ: {pages}")
+    engine = page_engine(identity, groups, pages.pop())
+    attention = [group for group in groups if group.kind != "mamba"]
+    if not attention:
+        raise UnsupportedConfiguration("P/D of a model of Mamba layers only: kvcore moves hybrid SSM models")
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    specs = [kv_cache_config.kv_cache_groups[group.index].kv_cache_spec for group in states]
+    if not all(isinstance(spec, MambaSpec) for spec in specs):
+        kinds = sorted({type(spec).__name__ for spec in specs})
+        raise UnsupportedConfiguration(f"P/D of a hybrid SSM model whose state groups' specs are {kinds}")
+    parts = {state_parts(spec, tp_size) for spec in specs if isinstance(spec, MambaSpec)}
+    if len(parts) != 1:
+        raise UnsupportedConfiguration(f"P/D of a hybrid SSM model whose state groups differ: {parts}")
+    return PDEngine(
+        engine,
+        layers,
+        len(groups),
+        windowed,
+        hashed,
+        state_block=states[0].engine.layout.block_tokens,
+        attention=_shared_kv(attention, identity, len(layers)),
+        state=parts.pop(),
+        state_groups=frozenset(group.index for group in states),
+    )
+
+
+def _shared_kv(groups: Sequence[KVGroup], model_id: str, num_layers: int) -> EngineSpec:
+    """The one KV layout the attention ``groups`` share, as the model's engine of ``num_layers`` layers;
+    ``UnsupportedConfiguration`` naming the group that differs."""
     first = groups[0].engine
     shape = (first.layout, first.kv_dtype, first.total_kv_heads)
     for group in groups[1:]:
@@ -108,17 +151,12 @@ def pd_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PDEngi
         if (other.layout, other.kv_dtype, other.total_kv_heads) != shape:
             raise UnsupportedConfiguration(
                 f"P/D of a model whose KV-cache groups differ: group {group.index} ({group.kind}) has "
-                f"{_described(other)}; group 0 ({groups[0].kind}) {_described(first)}: P/D moves blocks of "
-                "one layout"
+                f"{_described(other)}; group {groups[0].index} ({groups[0].kind}) {_described(first)}: P/D "
+                "moves blocks of one layout"
             )
-    engine = attrs.evolve(
-        first,
-        model_id=model_identity(vllm_config),
-        num_layers=len(layers),
-        sibling_block_bytes=0,
-        window_tokens=None,
+    return attrs.evolve(
+        first, model_id=model_id, num_layers=num_layers, sibling_block_bytes=0, window_tokens=None
     )
-    return PDEngine(engine, layers, len(groups), windowed, hashed)
 
 
 def hash_block_tokens(kv_cache_config: KVCacheConfig, groups: Sequence[KVGroup]) -> int:
@@ -130,10 +168,8 @@ def hash_block_tokens(kv_cache_config: KVCacheConfig, groups: Sequence[KVGroup])
 def page_engine(model_id: str, groups: Sequence[KVGroup], page: int) -> EngineSpec:
     """P/D's engine for a hybrid SSM model: every layer's blocks as whole pages of ``page`` bytes (vLLM
     gives every group's layers one page size; layer ``i`` of each group views the same pages, an attention
-    layer as its K and V, a Mamba layer as its state), moved rank to rank. A state's bytes split over TP
-    ranks unlike heads: one "head" per rank, so that the handshake refuses a peer of another TP size
-    (total heads differ). Raises ``UnsupportedConfiguration`` where the groups' blocks lie apart
-    differently."""
+    layer as its K and V, a Mamba layer as its state): the memory a worker registers, one "head" per rank.
+    Raises ``UnsupportedConfiguration`` where the groups' blocks lie apart differently."""
     strides = {group.engine.layout.block_stride for group in groups}
     first = groups[0].engine
     if len(strides) != 1:

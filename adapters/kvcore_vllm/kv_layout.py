@@ -35,6 +35,7 @@ import torch
 from kvcore.errors import InvalidSpecError, UnsupportedConfiguration
 from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
+from kvcore.model.state_plan import StateLayout, StatePart
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
@@ -50,6 +51,7 @@ __all__ = [
     "page_views",
     "requested_order",
     "state_layout",
+    "state_parts",
 ]
 
 PAGED_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
@@ -226,6 +228,61 @@ def state_layout(spec: MambaSpec, num_blocks: int, *, block_stride: int | None =
     stride = spec.page_size_bytes if block_stride is None else block_stride
     dense = KVLayout(LayoutKind.STATE, num_blocks, spec.block_size, 1, state, 1, packing=packing)
     return _paged(dense, stride, "Mamba state")
+
+
+def state_parts(spec: MambaSpec, tp_size: int) -> StateLayout:
+    """How a Gated DeltaNet layer's state of ``spec`` (one rank's, at ``tp_size`` ranks) splits over TP
+    ranks, for P/D between engines of different TP sizes.
+
+    vLLM keeps a convolution state, then the recurrent state, from the start of each page. The convolution
+    state's channels are a rank's Q, K and V channels one after another (``key_dim / TP`` twice, then
+    ``value_dim / TP``: vLLM loads the convolution's weights that way), in vLLM's "SD" order (each of the
+    ``kernel - 1`` time steps holds every channel) or "DS" (each channel holds every time step); the
+    recurrent state is ``value_heads / TP`` heads of ``head_v x head_k``. The name covers the kind, the
+    parts, the dtypes and the order: the same at every TP size (what the P/D handshake compares; the
+    ``packing`` of ``state_layout``, which keys a tier's values, names a rank's shard and differs).
+
+    Raises ``UnsupportedConfiguration`` for shapes that do not decompose so (another kind, or a state vLLM
+    replicates over ranks)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    order = get_conv_state_layout()
+    kind = spec.mamba_type.name
+    shapes = [tuple(int(n) for n in shape) for shape in spec.shapes]
+    refused = UnsupportedConfiguration(
+        f"P/D of a {kind} state of shapes {spec.shapes} (tp_replicated={spec.tp_replicated}) between TP "
+        "sizes: kvcore splits Gated DeltaNet states over ranks"
+    )
+    if (
+        kind not in STATE_KINDS
+        or spec.tp_replicated
+        or [len(shape) for shape in shapes] != [2, 3]
+        or len(spec.dtypes) != 2
+    ):
+        raise refused
+    conv, temporal = shapes
+    sizes = [torch.empty((), dtype=dtype).element_size() for dtype in spec.dtypes]
+    channels, steps = conv if order == "DS" else conv[::-1]
+    value = temporal[0] * temporal[1]
+    if not 0 < value < channels or (channels - value) % 2:
+        raise refused
+    key = (channels - value) // 2
+    channel_parts = [StatePart(n * tp_size, sizes[0]) for n in (key, key, value)]
+    if order == "DS":
+        convolution = [StatePart(part.units, steps * sizes[0]) for part in channel_parts]
+    else:
+        convolution = channel_parts * steps
+    heads = StatePart(temporal[0] * tp_size, temporal[1] * temporal[2] * sizes[1])
+    parts = [*convolution, heads]
+    if sum(part.units // tp_size * part.unit_bytes for part in parts) != spec.state_content_size_bytes:
+        raise UnsupportedConfiguration(
+            f"P/D of a {kind} state of shapes {spec.shapes}: its parts do not make its "
+            f"{spec.state_content_size_bytes} bytes"
+        )
+    described = repr(
+        (kind, order, [str(dtype) for dtype in spec.dtypes], [(p.units, p.unit_bytes) for p in parts])
+    )
+    return StateLayout(f"{kind.lower()}-{hashlib.sha256(described.encode()).hexdigest()[:16]}", parts)
 
 
 def _paged(dense: KVLayout, stride: int | None, what: str) -> KVLayout:

@@ -8,7 +8,8 @@ side (``pd_worker``) and delegates every hook. Configuration comes from ``kv_con
 
 It supports vLLM's hybrid KV-cache manager (``SupportsHMA``): a model of sliding-window and full attention
 layers moves each group's blocks (a sliding window's blocks before the window are vLLM's null block on
-the decode engine, and move nothing), a hybrid SSM model its pages (the state block of each Mamba group),
+the decode engine, and move nothing), a hybrid SSM model the state block of each Mamba group too (split
+over ranks in its parts, ``kvcore.model.state_plan``, so that the engines' TP sizes may differ),
 both engines stopping one token short of the prompt (``PDScheduler.on_new_request``); a failed pull of
 such a model, or of one whose layers all have a sliding window, is told to vLLM by request
 (``failed_recving``), which recomputes it.
@@ -77,22 +78,12 @@ class KVCorePDConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             if moved.state_block is not None:
                 self._steps = StateSteps(vllm_config.cache_config, moved.state_block)
-            block = engine.layout.block_tokens
-            self._scheduler = PDScheduler(
-                pd_role,
-                engine_id,
-                block,
-                engine.tp_size,
-                pd,
-                moved.groups,
-                stops_short=moved.windowed,
-                hash_block=moved.hash_block,
-            )
+            self._scheduler = PDScheduler.of(pd_role, engine_id, moved, pd)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank() if engine.tp_size > 1 else 0
-            self._worker = PDWorker(pd_role, engine, pd, engine_id, moved.layers, rank)
+            self._worker = PDWorker(pd_role, moved, pd, engine_id, rank)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

@@ -29,7 +29,8 @@ class Offer:
 class Receive:
     """Consumer: pull producer blocks ``src_blocks[i]`` into ``dst_blocks[i]`` for ``request_id``;
     ``missing`` are this engine's blocks the producer holds no block for (it gave them back), failed when
-    the pull ends.
+    the pull ends; ``state_src_blocks`` and ``state_dst_blocks`` are the pairs of a hybrid SSM model's
+    state groups (their blocks hold a recurrent state, moved by its own plan).
 
     Empty block lists release the producer's blocks without pulling anything (the request was aborted
     before allocation, or the local prefix cache held everything): no completion is reported to vLLM.
@@ -41,10 +42,17 @@ class Receive:
     src_blocks: tuple[int, ...] = field(converter=int_tuple, validator=int_ids)
     dst_blocks: tuple[int, ...] = field(converter=int_tuple, validator=int_ids)
     missing: tuple[int, ...] = field(default=(), converter=int_tuple, validator=int_ids)
+    state_src_blocks: tuple[int, ...] = field(default=(), converter=int_tuple, validator=int_ids)
+    state_dst_blocks: tuple[int, ...] = field(default=(), converter=int_tuple, validator=int_ids)
+
+    @property
+    def written(self) -> tuple[int, ...]:
+        """Every block of this engine the pull writes."""
+        return self.dst_blocks + self.state_dst_blocks
 
     @property
     def is_release(self) -> bool:
-        return not (self.dst_blocks or self.missing)
+        return not (self.written or self.missing)
 
 
 @frozen

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvcore_vllm.engine_spec import PDEngine
+
 __all__ = ["PDRole", "PDScheduler"]
 
 log = logging.getLogger(__name__)
@@ -102,7 +104,8 @@ def _blocks(tokens: int, block_tokens: int) -> int:
 class PDScheduler:
     """The P/D scheduler side of an engine whose model keeps ``groups`` KV-cache groups of one block size;
     ``stops_short``: the model has a sliding window or Mamba states, and both engines stop one token short
-    of the prompt; ``hash_block`` is the tokens of vLLM's block hashes (the block size by default)."""
+    of the prompt; ``hash_block`` is the tokens of vLLM's block hashes (the block size by default);
+    ``state_groups`` the groups whose blocks hold a hybrid SSM model's recurrent states."""
 
     def __init__(
         self,
@@ -114,6 +117,7 @@ class PDScheduler:
         groups: int = 1,
         stops_short: bool = False,
         hash_block: int | None = None,
+        state_groups: frozenset[int] = frozenset(),
     ) -> None:
         self.role = role
         self._engine_id = engine_id
@@ -121,12 +125,28 @@ class PDScheduler:
         self._groups = groups
         self._short = stops_short
         self._hash_block = hash_block or block_tokens
+        self._state_groups = state_groups
         self._addresses = producer_addresses(config, tp_size) if role.produces else ()
         self._asked: dict[str, _Asked] = {}
         self._issued: set[str] = set()  # decode requests whose one transfer was issued
         self._receiving: set[str] = set()  # ... and not yet reported finished by the workers
         self._offers: list[Offer] = []
         self._receives: list[Receive] = []
+
+    @classmethod
+    def of(cls, role: PDRole, engine_id: str, moved: PDEngine, config: PDConfig) -> PDScheduler:
+        """The scheduler side for the engine as P/D sees it (``engine_spec.pd_engine``)."""
+        return cls(
+            role,
+            engine_id,
+            moved.engine.layout.block_tokens,
+            moved.engine.tp_size,
+            config,
+            moved.groups,
+            stops_short=moved.windowed,
+            hash_block=moved.hash_block,
+            state_groups=moved.state_groups,
+        )
 
     @property
     def block_tokens(self) -> int:
@@ -200,11 +220,12 @@ class PDScheduler:
         source = asked.source
         first = asked.local_tokens // self._block
         last = _blocks(asked.local_tokens + num_external_tokens, self._block)
-        src: list[int] = []
-        dst: list[int] = []
+        kv: tuple[list[int], list[int]] = ([], [])
+        states: tuple[list[int], list[int]] = ([], [])
         missing: list[int] = []
         pairs = zip(source.block_ids, blocks.get_block_ids(), strict=True) if num_external_tokens else ()
-        for remote, local in pairs:
+        for group, (remote, local) in enumerate(pairs):
+            src, dst = states if group in self._state_groups else kv
             for theirs, ours in zip(remote[first:last], local[first:last], strict=True):
                 if ours == NULL_BLOCK:
                     continue  # this engine keeps no block there: nothing to move
@@ -219,8 +240,9 @@ class PDScheduler:
                 request.request_id,
                 len(missing),
             )
-            src, dst, missing = [], [], [*dst, *missing]
-        receive = Receive(request.request_id, source.transfer_id, source.addresses, src, dst, missing)
+            missing += kv[1] + states[1]
+            kv, states = ([], []), ([], [])
+        receive = Receive(request.request_id, source.transfer_id, source.addresses, *kv, missing, *states)
         self._receives.append(receive)
         if not receive.is_release:
             self._receiving.add(request.request_id)

@@ -10,7 +10,8 @@ A transfer the backend refuses ends at once the same way; nothing here raises in
 
 The layers of a hybrid model's KV-cache groups share vLLM's KV tensors (a block belongs to one group at a
 time): the rank registers and moves one view per tensor, so a block moves whichever group holds it (a
-hybrid SSM model's as whole pages: ``kv_layout.page_views``).
+hybrid SSM model's pages, ``kv_layout.page_views``, hold K and V or a recurrent state, each moved by its own
+plan: ``RankSpec.state``).
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ import torch
 
 from kvcore.config import PDConfig
 from kvcore.errors import InvalidSpecError, KVCoreError
-from kvcore.model.engine import EngineSpec
 from kvcore.model.layout import LayoutKind
 from kvcore.ports import PeerTransport
 from kvcore_cpu.amx import claim_amx
 from kvcore_cpu.engine_kv import EngineKV
 from kvcore_mooncake.pd import MooncakePeerTransport, PDConsumer, PDProducer, RankSpec
+from kvcore_vllm.engine_spec import PDEngine
 from kvcore_vllm.kv_layout import connector_views, page_views
 from kvcore_vllm.pd_metadata import Offer, PDMetadata, Receive
 from kvcore_vllm.pd_scheduler import PDRole
@@ -39,20 +40,13 @@ log = logging.getLogger(__name__)
 
 
 class PDWorker:
-    def __init__(
-        self,
-        role: PDRole,
-        engine: EngineSpec,
-        config: PDConfig,
-        engine_id: str,
-        layer_names: Sequence[str],
-        rank: int,
-    ) -> None:
+    def __init__(self, role: PDRole, moved: PDEngine, config: PDConfig, engine_id: str, rank: int) -> None:
         self.role = role
-        self._engine = engine
+        self._moved = moved
+        self._engine = moved.engine
         self._config = config
         self._engine_id = engine_id
-        self._layers = tuple(layer_names)
+        self._layers = moved.layers
         self._rank = rank
         self._transports: list[PeerTransport] = []
         self.producer: PDProducer | None = None
@@ -71,7 +65,7 @@ class PDWorker:
         Raises ``InvalidSpecError`` for tensors that do not match the layout, ``BackendError`` when a
         transfer engine or side channel does not start (what was started is closed again).
         """
-        if self._engine.layout.kind is LayoutKind.STATE:  # a hybrid SSM model: whole pages
+        if self._engine.layout.kind is LayoutKind.STATE:  # a hybrid SSM model: its pages registered whole
             tensors = page_views(kv_caches, self._layers, self._engine)
         else:
             views = connector_views(kv_caches, self._layers, self._engine)
@@ -79,16 +73,17 @@ class PDWorker:
         EngineKV.register(
             tensors, self._engine.layout, kv_dtype=self._engine.kv_dtype
         )  # refuses tensors that differ from the layout
-        engine = self._engine
+        kv = self._moved.kv
         spec = RankSpec(
             engine_id=self._engine_id,
-            model=engine.model_id,
-            dtype=engine.kv_dtype,
-            tp_size=engine.tp_size,
+            model=kv.model_id,
+            dtype=kv.kv_dtype,
+            tp_size=kv.tp_size,
             tp_rank=self._rank,
-            total_kv_heads=engine.total_kv_heads,
-            layout=engine.layout,
+            total_kv_heads=kv.total_kv_heads,
+            layout=kv.layout,
             layer_bases=tuple(t.data_ptr() for t in tensors),
+            state=self._moved.state,
         )
         claim_amx()  # before the transfer engines start their threads
         try:
@@ -132,14 +127,19 @@ class PDWorker:
             raise InvalidSpecError("a receive reached a rank without a consumer")
         try:
             self.consumer.receive(
-                receive.transfer_id, receive.addresses, receive.src_blocks, receive.dst_blocks
+                receive.transfer_id,
+                receive.addresses,
+                receive.src_blocks,
+                receive.dst_blocks,
+                receive.state_src_blocks,
+                receive.state_dst_blocks,
             )
         except InvalidSpecError as exc:
             log.warning("kvcore P/D: request %s cannot be received: %s", receive.request_id, exc)
             if not receive.is_release:
-                self._ended(receive, receive.dst_blocks)
+                self._ended(receive, receive.written)
             return
-        if receive.dst_blocks:
+        if receive.written:
             self._receiving[receive.transfer_id] = receive
         elif receive.missing:
             self._ended(receive, ())  # nothing to pull: the producer was only told to free its blocks
@@ -151,7 +151,7 @@ class PDWorker:
         self._load_errors.update(failed)
         if failed:
             self._failed.add(receive.request_id)
-        self.pulled_blocks += len(set(receive.dst_blocks) - failed)
+        self.pulled_blocks += len(set(receive.written) - failed)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose blocks this rank no longer reads (sent) and whose receive ended (received)."""

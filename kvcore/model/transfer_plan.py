@@ -82,7 +82,8 @@ class RangeCopy:
 
 @frozen
 class RankPairPlan:
-    """What one producer rank sends one consumer rank: global heads ``[head_start, head_stop)``.
+    """What one producer rank sends one consumer rank: global heads ``[head_start, head_stop)`` (of a
+    recurrent state's plan, ``kvcore.model.state_plan``: the producer rank's slice, its one "head").
 
     ``block_copies`` holds the copies of block 0 of one layer; block ``b`` is the same shifted by each
     side's ``block_stride``.
@@ -213,7 +214,7 @@ def plan_transfer(producer: TPSide, consumer: TPSide) -> TransferPlan:
         for producer_rank, head_start, head_stop in _sources(producer, consumer, consumer_rank):
             src = _local_runs(producer, producer_rank, head_start, head_stop)
             dst = _local_runs(consumer, consumer_rank, head_start, head_stop)
-            copies = _merge_touching(_zip_runs(src, dst))
+            copies = merge_touching(_zip_runs(src, dst))
             pairs.append(RankPairPlan(producer_rank, consumer_rank, head_start, head_stop, copies))
     return TransferPlan(producer, consumer, tuple(pairs))
 
@@ -294,7 +295,8 @@ def _zip_runs(src: Sequence[ByteRange], dst: Sequence[ByteRange]) -> list[RangeC
     return copies
 
 
-def _merge_touching(copies: list[RangeCopy]) -> tuple[RangeCopy, ...]:
+def merge_touching(copies: Sequence[RangeCopy]) -> tuple[RangeCopy, ...]:
+    """``copies`` (at least one) with each copy that continues the previous one on both sides joined to it."""
     merged = [copies[0]]
     for copy in copies[1:]:
         last = merged[-1]

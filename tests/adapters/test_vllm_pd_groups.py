@@ -165,28 +165,53 @@ def test_a_model_of_a_window_is_told_failures_by_request() -> None:
     assert not PDEngine(ENGINE, ("a",), 1, False, 128).failures_by_request
 
 
-def test_a_hybrid_ssm_model_moves_whole_pages_between_ranks_of_one_tp_size() -> None:
+def test_a_model_of_mamba_layers_only_is_refused_by_name() -> None:
+    with pytest.raises(UnsupportedConfiguration, match="a model of Mamba layers only"):
+        pd_engine(*_configs())
+
+
+@pytest.mark.parametrize("order", ["SD", "DS"])
+def test_a_gdn_state_splits_in_the_same_parts_at_every_tp_size(
+    order: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the GDN layer of tests.adapters.test_vllm_engine_spec (Q and K 16 channels, V 32, kernel 4; two
+    # value heads of 16 x 16 fp32) as one rank of TP 1 and of TP 2 sees it
+    import dataclasses
+
+    from vllm.model_executor.layers.mamba import mamba_utils
+
     from kvcore.errors import IncompatibleLayoutError
-    from kvcore.model.layout import LayoutKind
+    from kvcore.model.layout import KVLayout, LayoutKind
+    from kvcore.model.state_plan import StatePart
     from kvcore_mooncake.pd import RankSpec
     from kvcore_mooncake.pd.handshake import check_pair
-    from tests.adapters.test_vllm_engine_spec import BLOCK as STATE_BLOCK
-    from tests.adapters.test_vllm_engine_spec import PAGE
+    from kvcore_vllm.kv_layout import state_parts
+    from tests.adapters.test_vllm_engine_spec import SPEC
 
-    moved = pd_engine(*_configs())
-    assert (moved.engine.layout.kind, moved.engine.layout.head_size) == (LayoutKind.STATE, PAGE)
-    assert (moved.groups, moved.windowed, moved.state_block) == (2, True, STATE_BLOCK)
+    monkeypatch.setattr(mamba_utils, "get_conv_state_layout", lambda: order)  # vLLM caches its setting
+
+    def spec(tp: int) -> Any:
+        conv = (64 // tp, 3) if order == "DS" else (3, 64 // tp)
+        return dataclasses.replace(SPEC, shapes=(conv, (2 // tp, 16, 16)))
+
+    whole, half = state_parts(spec(1), 1), state_parts(spec(2), 2)
+    assert whole == half  # one name, one list of parts over every rank
+    channels = [StatePart(16, 2), StatePart(16, 2), StatePart(32, 2)]
+    conv = [StatePart(p.units, 3 * 2) for p in channels] if order == "DS" else channels * 3
+    assert whole.parts == (*conv, StatePart(2, 16 * 16 * 4))
+    assert half.rank_bytes(2) == spec(2).state_content_size_bytes
 
     def rank(tp: int) -> RankSpec:
-        engine = pd_engine(*_configs(tp=tp)).engine
-        return RankSpec(
-            "e", engine.model_id, engine.kv_dtype, tp, 0, engine.total_kv_heads, engine.layout, (1 << 20,)
-        )
+        attention = KVLayout(LayoutKind.VLLM_CPU, 8, 16, max(1, 2 // tp), 64, 2, page_bytes=8192)
+        return RankSpec("e", "tiny", "bfloat16", tp, 0, 2, attention, (1 << 20,), whole)
 
-    check_pair(rank(2), rank(2))
-    # a state's bytes split over ranks unlike heads: another TP size is refused before a byte moves
-    with pytest.raises(IncompatibleLayoutError, match="total_kv_heads differs: producer 1, consumer 2"):
-        check_pair(rank(1), rank(2))
+    plans = check_pair(rank(1), rank(2))
+    assert plans.state is not None
+    assert plans.producers_for(1, kv=False, state=True) == frozenset({0})
+    with pytest.raises(UnsupportedConfiguration, match="kvcore splits Gated DeltaNet states"):
+        state_parts(dataclasses.replace(SPEC, shapes=((3, 64), (2, 16))), 1)  # not a GDN state's shapes
+    with pytest.raises(IncompatibleLayoutError, match="4 ranks cannot share"):
+        rank(4)
 
 
 def test_groups_whose_blocks_lie_apart_differently_are_refused_by_name() -> None:

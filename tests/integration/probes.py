@@ -117,7 +117,7 @@ def group_sides(worker: Any) -> tuple[WorkerSide, ...]:
 def pulled_blocks(worker: Any) -> int:
     """In the worker process: blocks this rank received whole from P/D producers so far (the P/D
     connector, or a connector with a ``pd`` section beside its tiers)."""
-    return _pd_worker().pulled_blocks
+    return pd_worker().pulled_blocks
 
 
 def die_mid_write(worker: Any) -> int:
@@ -125,7 +125,7 @@ def die_mid_write(worker: Any) -> int:
     ranges, then the process is killed (SIGKILL): a producer that dies mid-transfer, after it accepted the
     pull, with part of the KV written (where the half write fails, the process lives on, and the test
     finds it alive). Returns the process id."""
-    producer = _pd_worker().producer
+    producer = pd_worker().producer
     assert producer is not None, "this rank produces nothing"
     transport = producer._transport  # the write to instrument is the transport's
     submit = transport.submit_write_columns
@@ -148,13 +148,13 @@ def shorten_pd_patience(worker: Any, seconds: float) -> bool:
     ``seconds`` after the receive started (its ``abort_timeout_s``)."""
     import attrs
 
-    consumer = _pd_worker().consumer
+    consumer = pd_worker().consumer
     assert consumer is not None, "this rank consumes nothing"
     consumer._config = attrs.evolve(consumer._config, abort_timeout_s=seconds)
     return True
 
 
-def _pd_worker() -> PDWorker:
+def pd_worker() -> PDWorker:
     """In the worker process: the P/D side of the engine's connector (either connector)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 

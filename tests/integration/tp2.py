@@ -35,7 +35,7 @@ from tests.integration.conftest import (
     prompt,
     start_engine,
 )
-from tests.integration.probes import external_hits, kvcore_metric, rank_worker, worker_side
+from tests.integration.probes import external_hits, kvcore_metric, pd_worker, rank_worker, worker_side
 
 __all__ = [
     "CHUNK",
@@ -252,28 +252,25 @@ def head_digests_probe(worker: Any, blocks: list[int]) -> tuple[int, list[list[l
 # -- P/D probes: a record of each consumer rank's receives ------------------------------------------
 
 ReceiveRecord = tuple[str, list[int], list[int], bool | None]
-"""A receive on a consumer rank: transfer id, producer blocks, this rank's blocks, and whether it ended
-well (``None`` while it has not ended)."""
+"""A receive on a consumer rank: transfer id, producer blocks, this rank's blocks (a hybrid SSM model's
+state blocks after the KV blocks), and whether it ended well (``None``: not yet)."""
 
-_RECEIVES: dict[str, list[Any]] = {}  # filled in each worker process: transfer id -> [src, dst, ok]
+_RECEIVES: dict[str, list[Any]] = {}
 
 
 def record_receives_probe(worker: Any) -> int:
-    """Have the rank's P/D consumer record every receive it is given and how each one ends (the real
-    methods still do the work; this only writes down their arguments and results). Returns the rank."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    from kvcore_vllm.pd_connector import KVCorePDConnector
-
-    connector = get_kv_transfer_group()
-    assert isinstance(connector, KVCorePDConnector)
-    consumer = connector.worker_side.consumer
+    """Have the rank's P/D consumer (of either connector) record every receive it is given and how each
+    one ends (the real methods still do the work; this only writes down their arguments and results).
+    Returns the rank."""
+    consumer = pd_worker().consumer
     assert consumer is not None, "this rank has no P/D consumer"
     receive, poll = consumer.receive, consumer.poll
 
-    def recorded_receive(transfer_id: str, addresses: Any, src_blocks: Any, dst_blocks: Any) -> None:
-        _RECEIVES[transfer_id] = [list(src_blocks), list(dst_blocks), None]
-        receive(transfer_id, addresses, src_blocks, dst_blocks)
+    def recorded_receive(
+        transfer_id: str, addresses: Any, src: Any, dst: Any, state_src: Any = (), state_dst: Any = ()
+    ) -> None:
+        _RECEIVES[transfer_id] = [[*src, *state_src], [*dst, *state_dst], None]
+        receive(transfer_id, addresses, src, dst, state_src, state_dst)
 
     def recorded_poll() -> Any:
         results = poll()
@@ -294,6 +291,48 @@ def receive_probe(worker: Any, transfer_id: str) -> tuple[int, ReceiveRecord | N
         return _rank(), None
     src, dst, ok = record
     return _rank(), (transfer_id, src, dst, ok)
+
+
+def states_probe(worker: Any, blocks: list[int]) -> tuple[int, list[list[list[Any]]]]:
+    """The rank, and vLLM's views of each Mamba layer's state in each of ``blocks``: ``[layer][i]`` is
+    that layer's state tensors (a GDN layer's convolution state, then its recurrent state) in
+    ``blocks[i]``, as this rank holds them, each as ``_raw`` gives it (``as_tensor`` turns it back)."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    context = worker.model_runner.compilation_config.static_forward_context
+    out = []
+    for name in sorted(context):
+        layer = context[name]
+        if isinstance(layer, MambaBase):
+            states = _tensors(layer.kv_cache)  # vLLM nests them in lists (per virtual engine)
+            out.append([[_raw(state[b]) for state in states] for b in blocks])
+    return _rank(), out
+
+
+def _raw(tensor: Any) -> tuple[tuple[int, ...], int, bytes]:
+    """A tensor as (shape, element size, bytes): vLLM's RPC returns tensors as lists of numbers."""
+    import torch
+
+    data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    return tuple(int(n) for n in tensor.shape), tensor.element_size(), data
+
+
+def as_tensor(raw: tuple[tuple[int, ...], int, bytes]) -> Any:
+    """``_raw``'s bytes as a tensor of integers of the same size (compared bit for bit)."""
+    import torch
+
+    shape, size, data = raw
+    dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
+
+
+def _tensors(nested: Any) -> list[Any]:
+    """The tensors of nested lists, in order."""
+    import torch
+
+    if isinstance(nested, torch.Tensor):
+        return [nested]
+    return [tensor for item in nested for tensor in _tensors(item)]
 
 
 # -- the reuse flow ----------------------------------------------------------------------------------

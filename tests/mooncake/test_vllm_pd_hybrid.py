@@ -12,10 +12,11 @@ failed load of several groups by request), within seconds. A TP-1 prefill engine
 each decode rank pulls, in both groups, its one KV head of the producer's two, byte for byte, and the tokens
 equal the decode engine's own prefix hit of the blocks it pulled.
 
-A hybrid SSM model (Qwen3-Next style: Gated DeltaNet and full attention layers) moves its blocks as
-whole pages (through ``KVCoreConnector``'s ``pd`` section, each engine with a CPU pool of its own): each
-GDN group the one block holding the state after the prompt but its last token, which the prefill engine
-computed that far.
+A hybrid SSM model (Qwen3-Next style: Gated DeltaNet and full attention layers) moves its attention
+blocks and, of each GDN group, the one block holding the state after the prompt but its last token, which
+the prefill engine computed that far (through ``KVCoreConnector``'s ``pd`` section, each engine with a
+CPU pool of its own); from a TP-1 prefill engine to a TP-2 decode engine, each decode rank's states are
+its slices of the prefill engine's, byte for byte, as vLLM's own views of them show.
 
 The hybrid model through ``KVCoreConnector`` with a ``pd`` section beside a shared disk tier: the decode
 engine loads, in both groups, what the tier holds (the prefill engine saved it as it computed) and pulls
@@ -41,7 +42,15 @@ from tests.integration.test_vllm_hybrid import (
 )
 from tests.integration.test_vllm_ssm import BLOCK as SSM_BLOCK
 from tests.integration.test_vllm_ssm import STATE_GROUPS as SSM_STATE_GROUPS
-from tests.integration.tp2 import TP, head_digests_probe, receive_probe, record_receives_probe
+from tests.integration.tp2 import (
+    TP,
+    as_tensor,
+    engine_env,
+    head_digests_probe,
+    receive_probe,
+    record_receives_probe,
+    states_probe,
+)
 from tests.mooncake.conftest import free_port
 from tests.mooncake.test_vllm_pd import HANDSHAKE_S, pd_transfer_config
 from tests.mooncake.test_vllm_pd_tiers import Disk, _from_producers, _pair, pd_tiers_config
@@ -270,28 +279,35 @@ def test_a_tp1_producer_and_a_tp2_consumer_move_each_groups_heads(model: Path) -
         assert _tokens(decoded) == _tokens(local)
 
 
-def test_a_hybrid_ssm_models_states_move_with_its_pages(vllm_env: Path) -> None:
-    from kvcore_vllm.scheduler_side import NULL_BLOCK  # with vLLM, which the engines imported
-
-    model = make_tiny_ssm_model(vllm_env / "tiny-ssm-pd")
-
-    def start(role: str, engine_id: str, port: int) -> Any:
-        # KVCoreConnector with a pd section beside a CPU pool of each engine's own: the decode engine's
-        # pool never saw the prompt, so every block comes through P/D, in the combined sides
-        config = pd_tiers_config(role, engine_id, port, Path())
-        extra = config["kv_connector_extra_config"]
-        del extra["chunk_tokens"]  # a hybrid SSM model's chunks are vLLM's block
-        del extra["tiers"]
-        extra["backend"] = {"kind": "cpu", "size": "64MiB"}
+def _ssm_engine(model: Path, role: str, engine_id: str, port: int, tp: int = 1) -> Any:
+    """An engine of the hybrid SSM model through ``KVCoreConnector`` with a ``pd`` section beside a CPU
+    pool of its own: the decode engine's pool never saw the prompt, so every block comes through P/D."""
+    config = pd_tiers_config(role, engine_id, port, Path())
+    extra = config["kv_connector_extra_config"]
+    del extra["chunk_tokens"]  # a hybrid SSM model's chunks are vLLM's block
+    del extra["tiers"]
+    extra["backend"] = {"kind": "cpu", "size": "64MiB"}
+    # generous: a TP-2 engine's ranks share two cores with the test run's other lane
+    extra["pd"].update(handshake_timeout_s=20.0, handshake_retries=3)
+    with engine_env(tp):
         return start_engine(
             model,
             config,
             kv_cache_memory_bytes=64 << 20,
             enable_prefix_caching=True,
             max_num_batched_tokens=1024,
+            tensor_parallel_size=tp,
         )
 
-    with _pair(start) as (producer, consumer):
+
+def test_a_hybrid_ssm_models_states_move_with_its_pages(vllm_env: Path) -> None:
+    from kvcore_vllm.scheduler_side import NULL_BLOCK  # with vLLM, which the engines imported
+
+    model = make_tiny_ssm_model(vllm_env / "tiny-ssm-pd")
+    with _pair(lambda role, engine_id, port: _ssm_engine(model, role, engine_id, port)) as (
+        producer,
+        consumer,
+    ):
         tokens = prompt(7401, 3 * SSM_BLOCK + 1)
         pulled = _pulled(consumer)
         decoded, params = _pd(producer, consumer, tokens)
@@ -303,4 +319,65 @@ def test_a_hybrid_ssm_models_states_move_with_its_pages(vllm_env: Path) -> None:
         assert _pulled(consumer) - pulled == 3 + len(states)  # the attention blocks and one state a group
         # a wrong state changes the greedy tokens (the model's states decay slowly)
         local = _own_hit(producer, tokens, 3 * SSM_BLOCK)
+        assert _tokens(decoded) == _tokens(local)
+
+
+def test_a_tp1_producer_and_a_tp2_consumer_split_each_gdn_state(vllm_env: Path) -> None:
+    import torch
+
+    from kvcore_vllm.scheduler_side import NULL_BLOCK  # with vLLM, which the engines imported
+
+    model = make_tiny_ssm_model(vllm_env / "tiny-ssm-pd")
+
+    def start(role: str, engine_id: str, port: int) -> Any:
+        return _ssm_engine(model, role, engine_id, port, tp=1 if role == "kv_producer" else TP)
+
+    with _pair(start) as (producer, consumer):
+        assert consumer.collective_rpc(record_receives_probe) == list(range(TP))
+        tokens = prompt(7403, 3 * SSM_BLOCK + 1)
+        prefill = generate(producer, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        params = prefill.kv_transfer_params
+        assert params is not None
+        *states, full = params["remote_block_ids"]
+        held = [group[2] for group in states]  # each GDN group's state block
+        # the producer holds its blocks until the consumer pulled them: read its states now
+        ((_, produced),) = producer.collective_rpc(states_probe, args=(held,))
+        decoded = generate(consumer, tokens, max_tokens=8, kv_transfer_params=params)
+        records = consumer.collective_rpc(receive_probe, args=(params["transfer_id"],))
+        moved = set()
+        for rank, record in records:
+            assert record is not None, f"decode rank {rank} was given no receive"
+            assert record[3] is True, f"decode rank {rank}: the pull did not succeed"
+            moved.add(tuple(zip(record[1], record[2], strict=True)))
+        ((pairs,),) = [moved]  # every rank pulls the same blocks into the same blocks
+        into = dict(pairs)
+        assert set(into) == {*held, *(b for b in full if b != NULL_BLOCK)}
+        got = consumer.collective_rpc(states_probe, args=([into[block] for block in held],))
+        assert [rank for rank, _ in got] == list(range(TP))
+        for rank, layers in got:
+            assert len(layers) == len(produced) == len(SSM_STATE_GROUPS)
+            for layer, blocks in enumerate(layers):
+                for i, raw in enumerate(blocks):
+                    conv, recurrent = (as_tensor(state) for state in raw)
+                    whole_conv, whole_recurrent = (as_tensor(state) for state in produced[layer][i])
+                    # vLLM's views: the convolution state (SD: steps x channels, DS: channels x steps; a
+                    # rank's channels are its Q, K and V slices) and the recurrent state of its value heads
+                    axis = 1 if conv.shape[0] == whole_conv.shape[0] else 0
+                    key = (whole_conv.shape[axis] - whole_recurrent.shape[0] * whole_recurrent.shape[1]) // 2
+                    value = whole_conv.shape[axis] - 2 * key
+                    starts = (0, key, 2 * key)
+                    sizes = (key // TP, key // TP, value // TP)
+                    want = torch.cat(
+                        [
+                            whole_conv.narrow(axis, start + rank * size, size)
+                            for start, size in zip(starts, sizes, strict=True)
+                        ],
+                        dim=axis,
+                    )
+                    heads = whole_recurrent.shape[0] // TP
+                    assert torch.equal(conv, want), (rank, layer, held[i])
+                    assert torch.equal(recurrent, whole_recurrent[rank * heads : (rank + 1) * heads])
+        # bf16 rounds differently at another TP size: the tokens are compared with the decode engine's own
+        # prefix hit of the blocks it pulled (the states' bytes are checked above)
+        local = _own_hit(consumer, tokens, 3 * SSM_BLOCK)
         assert _tokens(decoded) == _tokens(local)

@@ -24,10 +24,9 @@ from attrs import frozen
 
 from kvcore.config import PDConfig
 from kvcore.errors import BackendError, IncompatibleLayoutError, InvalidSpecError, KVCoreError, UsageError
-from kvcore.model.transfer_plan import TransferPlan
 from kvcore.ports import PeerTransport
 from kvcore_mooncake.pd.endpoint import Endpoint
-from kvcore_mooncake.pd.handshake import check_pair
+from kvcore_mooncake.pd.handshake import PairPlan, check_pair
 from kvcore_mooncake.pd.messages import (
     Ack,
     Hello,
@@ -63,7 +62,7 @@ class ReceivedTransfer:
 @frozen(eq=False)
 class _Producer:
     info: RankInfo
-    plan: TransferPlan
+    plan: PairPlan
 
 
 @frozen(eq=False)
@@ -72,6 +71,8 @@ class _Ask:
     addresses: tuple[str, ...]
     src_blocks: tuple[int, ...]
     dst_blocks: tuple[int, ...]
+    state_src_blocks: tuple[int, ...]
+    state_dst_blocks: tuple[int, ...]
 
 
 @frozen(eq=False)
@@ -172,23 +173,34 @@ class PDConsumer:
         producer_addresses: Sequence[str],
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
+        state_src_blocks: Sequence[int] = (),
+        state_dst_blocks: Sequence[int] = (),
     ) -> None:
-        """Start receiving producer blocks ``src_blocks[i]`` into this rank's ``dst_blocks[i]``.
+        """Start receiving producer blocks ``src_blocks[i]`` into this rank's ``dst_blocks[i]``, and the
+        recurrent states of ``state_src_blocks[i]`` into ``state_dst_blocks[i]`` (a hybrid SSM model's
+        blocks of its state groups).
 
         Returns at once; the outcome comes once through ``poll``. Raises ``InvalidSpecError`` (nothing
         sent) for lists of different lengths, a block outside the layout or named twice, or a transfer
         id already being received; ``UsageError`` before ``start``.
         """
         dst, src = tuple(dst_blocks), tuple(src_blocks)
-        if len(src) != len(dst):
+        state_dst, state_src = tuple(state_dst_blocks), tuple(state_src_blocks)
+        if len(src) != len(dst) or len(state_src) != len(state_dst):
             raise InvalidSpecError(
-                f"receive {transfer_id}: {len(src)} source blocks, {len(dst)} destination blocks"
+                f"receive {transfer_id}: {len(src)} source blocks, {len(dst)} destination blocks, "
+                f"{len(state_src)} state source blocks, {len(state_dst)} state destination blocks"
             )
-        if any(not 0 <= b < self.spec.layout.num_blocks for b in dst) or len(set(dst)) != len(dst):
+        written = dst + state_dst
+        if any(not 0 <= b < self.spec.layout.num_blocks for b in written) or len(set(written)) != len(
+            written
+        ):
             raise InvalidSpecError(
                 f"receive {transfer_id}: destination blocks must be distinct and in "
                 f"[0, {self.spec.layout.num_blocks})"
             )
+        if state_dst and self.spec.state is None:
+            raise InvalidSpecError(f"receive {transfer_id}: state blocks for a model without states")
         if not producer_addresses:
             raise InvalidSpecError(f"receive {transfer_id}: no producer addresses")
         if not self._endpoint.running:
@@ -198,8 +210,8 @@ class PDConsumer:
             if transfer_id in self._receiving:
                 raise InvalidSpecError(f"receive: transfer {transfer_id!r} is already being received")
             deadline = self._clock() + self._config.abort_timeout_s
-            self._receiving[transfer_id] = _Receiving(addresses, dst, deadline)
-        self._work_queue.put(_Ask(transfer_id, addresses, src, dst))
+            self._receiving[transfer_id] = _Receiving(addresses, written, deadline)
+        self._work_queue.put(_Ask(transfer_id, addresses, src, dst, state_src, state_dst))
 
     def abort(self, transfer_id: str) -> None:
         """Give up on a transfer: it is reported failed (once) and its producers are released.
@@ -266,11 +278,9 @@ class PDConsumer:
         asked: list[int] = []
         try:
             producers = self._producers_of(client, ask.addresses)
-            needed = frozenset(
-                p.producer_rank for p in producers[0].plan.pairs_for_consumer(self.spec.tp_rank)
+            needed = producers[0].plan.producers_for(
+                self.spec.tp_rank, kv=bool(ask.dst_blocks), state=bool(ask.state_dst_blocks)
             )
-            if not ask.dst_blocks:
-                needed = frozenset()
             with self._lock:
                 state = self._receiving.get(ask.transfer_id)
                 if state is None:
@@ -284,6 +294,8 @@ class PDConsumer:
                         self.spec.tp_rank,
                         ask.src_blocks,
                         ask.dst_blocks,
+                        ask.state_src_blocks,
+                        ask.state_dst_blocks,
                     )
                     if rank in needed
                     else Release(ask.transfer_id, self.spec.engine_id, self.spec.tp_rank)

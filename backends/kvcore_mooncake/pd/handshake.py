@@ -1,19 +1,66 @@
 """Handshake rules: describe a rank on the wire, and decide whether two ranks can exchange KV.
 
 Both sides run the same check: fingerprints must match field by field, then the core's ``plan_transfer``
-must accept the two TP sides (heads divisible, HND for heterogeneous TP, same block geometry). A refusal
-names every difference, and it happens before any byte moves.
+must accept the two TP sides (heads divisible, HND for heterogeneous TP, same block geometry), and, for a
+model with recurrent states, ``plan_state_transfer`` the two state sides. A refusal names every
+difference, and it happens before any byte moves.
 """
 
 from __future__ import annotations
 
+from attrs import frozen
+
 from kvcore.errors import IncompatibleLayoutError, InvalidSpecError
 from kvcore.model.layout import HeadOrder, KVLayout, LayoutKind
-from kvcore.model.transfer_plan import TPSide, TransferPlan, plan_transfer
-from kvcore_mooncake.pd.messages import PROTOCOL_VERSION, LayoutInfo, RankInfo
-from kvcore_mooncake.pd.spec import RankSpec
+from kvcore.model.state_plan import StateLayout, StatePart, plan_state_transfer
+from kvcore.model.transfer_plan import CopyColumns, TPSide, TransferPlan, plan_transfer
+from kvcore_mooncake.pd.messages import PROTOCOL_VERSION, LayoutInfo, Pull, RankInfo
+from kvcore_mooncake.pd.spec import RankSpec, state_beside
 
-__all__ = ["check_pair", "rank_info", "side_of"]
+__all__ = ["PairPlan", "check_pair", "rank_info", "side_of", "state_of"]
+
+
+@frozen
+class PairPlan:
+    """The plans between two engines: of their KV heads, and of their recurrent states where the model
+    keeps them (``None`` otherwise). A pull names blocks of each apart (``Pull.state_src_blocks``)."""
+
+    kv: TransferPlan
+    state: TransferPlan | None = None
+
+    def producers_for(self, consumer_rank: int, *, kv: bool = True, state: bool = False) -> frozenset[int]:
+        """The producer ranks that write into ``consumer_rank`` for a pull of KV blocks (``kv``) and of
+        state blocks (``state``)."""
+        plans = [plan for plan, wanted in ((self.kv, kv), (self.state, state)) if wanted and plan is not None]
+        return frozenset(p.producer_rank for plan in plans for p in plan.pairs_for_consumer(consumer_rank))
+
+    def columns(self, producer_rank: int, pull: Pull) -> CopyColumns | None:
+        """The copies ``producer_rank`` makes for ``pull`` within one layer's tensors (``None``: it holds
+        nothing the pulling rank needs). Raises ``InvalidSpecError`` for blocks outside either side's
+        layout, lists of different lengths, a destination named twice, or state blocks without states."""
+        if (pull.state_src_blocks or pull.state_dst_blocks) and self.state is None:
+            raise InvalidSpecError("state blocks named for a model without recurrent states")
+        if set(pull.dst_blocks) & set(pull.state_dst_blocks):
+            raise InvalidSpecError("a destination block is named for KV and for a state")
+        found = False
+        srcs: list[int] = []
+        dsts: list[int] = []
+        lengths: list[int] = []
+        for plan, src_blocks, dst_blocks in (
+            (self.kv, pull.src_blocks, pull.dst_blocks),
+            (self.state, pull.state_src_blocks, pull.state_dst_blocks),
+        ):
+            if plan is None:
+                continue
+            for pair in plan.pairs_for_producer(producer_rank):
+                if pair.consumer_rank != pull.tp_rank:
+                    continue
+                found = True
+                columns = plan.materialize_columns(pair, src_blocks, dst_blocks)
+                srcs += columns.src_offsets
+                dsts += columns.dst_offsets
+                lengths += columns.lengths
+        return CopyColumns(tuple(srcs), tuple(dsts), tuple(lengths)) if found else None
 
 
 def rank_info(spec: RankSpec, rpc_address: str, side_channel: str) -> RankInfo:
@@ -39,6 +86,17 @@ def rank_info(spec: RankSpec, rpc_address: str, side_channel: str) -> RankInfo:
         ),
         layer_bases=spec.layer_bases,
     )
+
+
+def state_of(info: RankInfo) -> StateLayout | None:
+    """The peer's recurrent state, or ``None``. Raises ``InvalidSpecError`` for nonsense."""
+    fingerprint = info.fingerprint
+    if not fingerprint.state and not fingerprint.state_parts:
+        return None
+    try:
+        return StateLayout(fingerprint.state, [StatePart(*part) for part in fingerprint.state_parts])
+    except (ValueError, TypeError) as exc:
+        raise InvalidSpecError(f"peer {info.engine_id} rank {info.tp_rank} sent a bad state: {exc}") from exc
 
 
 def side_of(info: RankInfo) -> TPSide:
@@ -69,8 +127,8 @@ def side_of(info: RankInfo) -> TPSide:
         ) from exc
 
 
-def check_pair(producer: RankSpec | RankInfo, consumer: RankSpec | RankInfo) -> TransferPlan:
-    """The transfer plan between the two engines, or ``IncompatibleLayoutError`` naming each difference."""
+def check_pair(producer: RankSpec | RankInfo, consumer: RankSpec | RankInfo) -> PairPlan:
+    """The transfer plans between the two engines, or ``IncompatibleLayoutError`` naming each difference."""
     mine, theirs = producer.fingerprint, consumer.fingerprint
     for one in (producer, consumer):
         if isinstance(one, RankInfo) and one.version != PROTOCOL_VERSION:
@@ -84,7 +142,13 @@ def check_pair(producer: RankSpec | RankInfo, consumer: RankSpec | RankInfo) -> 
     ]
     if problems:
         raise IncompatibleLayoutError("fingerprint mismatch: " + "; ".join(problems))
-    return plan_transfer(_side(producer), _side(consumer))
+    producer_side, consumer_side = _side(producer), _side(consumer)
+    kv = plan_transfer(producer_side, consumer_side)
+    state = producer.state if isinstance(producer, RankSpec) else state_of(producer)
+    if state is None:
+        return PairPlan(kv)
+    states = state_beside(state, producer_side), state_beside(state, consumer_side)
+    return PairPlan(kv, plan_state_transfer(state, *states))
 
 
 def _side(one: RankSpec | RankInfo) -> TPSide:

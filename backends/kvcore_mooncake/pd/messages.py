@@ -33,7 +33,7 @@ __all__ = [
     "encode",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -46,6 +46,10 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     total_kv_heads: int
     head_size: int
     num_layers: int
+    # a recurrent state beside the KV (``kvcore.model.state_plan.StateLayout``): its name and its parts'
+    # (units, unit_bytes) over every rank; "" and () for a model without states
+    state: str = ""
+    state_parts: tuple[tuple[int, int], ...] = ()
 
 
 class LayoutInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -83,13 +87,21 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fields=True
 
 
 class Pull(msgspec.Struct, frozen=True, tag="pull", forbid_unknown_fields=True):
-    """Consumer -> producer: push ``src_blocks[i]`` into my ``dst_blocks[i]`` for ``transfer_id``."""
+    """Consumer -> producer: push ``src_blocks[i]`` into my ``dst_blocks[i]`` for ``transfer_id``, and the
+    recurrent states of ``state_src_blocks[i]`` into my ``state_dst_blocks[i]`` (a hybrid SSM model's
+    blocks of its state groups, which split over TP ranks unlike heads)."""
 
     transfer_id: str
     engine_id: str
     tp_rank: int
     src_blocks: tuple[int, ...]
     dst_blocks: tuple[int, ...]
+    state_src_blocks: tuple[int, ...] = ()
+    state_dst_blocks: tuple[int, ...] = ()
+
+    @property
+    def all_src_blocks(self) -> tuple[int, ...]:
+        return self.src_blocks + self.state_src_blocks
 
 
 class Release(msgspec.Struct, frozen=True, tag="release", forbid_unknown_fields=True):

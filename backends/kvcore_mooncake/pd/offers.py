@@ -108,7 +108,7 @@ class OfferBook:
             return Ack()
         if request.tp_rank in offer.pulled:
             return Ack()  # a retried pull
-        missing = set(request.src_blocks) - offer.blocks
+        missing = set(request.all_src_blocks) - offer.blocks
         if missing:
             return Refused(f"blocks {sorted(missing)[:8]} are not part of transfer {transfer_id!r}")
         return request

@@ -27,10 +27,9 @@ from kvcore.config import PDConfig
 from kvcore.errors import BackendError, InvalidSpecError, KVCoreError
 from kvcore.ids import JobId
 from kvcore.jobs import JobResult
-from kvcore.model.transfer_plan import TransferPlan
 from kvcore.ports import PeerTransport
 from kvcore_mooncake.pd.endpoint import Endpoint
-from kvcore_mooncake.pd.handshake import check_pair
+from kvcore_mooncake.pd.handshake import PairPlan, check_pair
 from kvcore_mooncake.pd.messages import (
     Ack,
     Hello,
@@ -59,7 +58,7 @@ _TICK_S = 0.002  # the worker's longest sleep: how late a finished write is noti
 @frozen(eq=False)
 class _Consumer:
     info: RankInfo
-    plan: TransferPlan
+    plan: PairPlan
 
 
 @frozen(eq=False)
@@ -225,17 +224,14 @@ class PDProducer:
         return Ack()
 
     def _plan(self, consumer: _Consumer, pull: Pull) -> _Write | Refused:
-        pairs = [
-            p for p in consumer.plan.pairs_for_producer(self.spec.tp_rank) if p.consumer_rank == pull.tp_rank
-        ]
-        if not pairs:
+        try:
+            columns = consumer.plan.columns(self.spec.tp_rank, pull)
+        except InvalidSpecError as exc:
+            return Refused(f"pull for {pull.transfer_id!r}: {exc}")
+        if columns is None:
             return Refused(
                 f"consumer rank {pull.tp_rank} reads nothing from producer rank {self.spec.tp_rank}"
             )
-        try:
-            columns = consumer.plan.materialize_columns(pairs[0], pull.src_blocks, pull.dst_blocks)
-        except InvalidSpecError as exc:
-            return Refused(f"pull for {pull.transfer_id!r}: {exc}")
         src_bases = np.asarray(self.spec.layer_bases, dtype=np.int64)[:, None]
         dst_bases = np.asarray(consumer.info.layer_bases, dtype=np.int64)[:, None]
         lengths = np.asarray(columns.lengths, dtype=np.int64)
