@@ -290,7 +290,7 @@ class _PDHalf:
             if receive.is_release:
                 continue
             failing = self._rng.random() < self._fail_rate
-            failed = (*receive.dst_blocks, *receive.missing) if failing else receive.missing
+            failed = (*receive.written, *receive.missing) if failing else receive.missing
             self.pulls += 1
             self.failed_pulls += bool(failed)
             self.unanswered.add(receive.transfer_id)

@@ -85,6 +85,28 @@ def test_each_group_pairs_its_blocks_and_skips_the_null_block() -> None:
     assert receive.missing == ()
 
 
+def test_a_state_groups_pairs_are_pulled_apart_from_the_kv_blocks() -> None:
+    # group 0 holds a recurrent state (a hybrid SSM model's GDN layers): its pairs go to the state lists,
+    # which the workers move by the state plan, and a failed pull fails them with the KV blocks
+    side = PDScheduler(
+        PDRole.CONSUMER,
+        "engine-0",
+        BLOCK,
+        1,
+        PDConfig(port=5600),
+        groups=2,
+        stops_short=True,
+        state_groups=frozenset({0}),
+    )
+    request = _request("d", PRODUCER.to_params())
+    assert side.get_num_new_matched_tokens(request, 0) == (5 * BLOCK, True)
+    side.update_state_after_alloc(request, _tables([0, 0, 0, 0, 55], [60, 61, 62, 63, 64]), 5 * BLOCK)
+    (receive,) = side.build_connector_meta().receives
+    assert (receive.state_src_blocks, receive.state_dst_blocks) == ((5,), (55,))
+    assert (receive.src_blocks, receive.dst_blocks) == ((7, 8, 9, 10, 11), (60, 61, 62, 63, 64))
+    assert receive.written == (60, 61, 62, 63, 64, 55)
+
+
 def test_a_block_the_producer_gave_back_and_this_engine_holds_pulls_nothing_and_fails_the_load(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
