@@ -25,6 +25,7 @@ only the blocks past it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +34,15 @@ from typing import Any
 import pytest
 
 from kvcore_cli.tiny_model import HYBRID_WINDOW, make_tiny_hybrid_model, make_tiny_ssm_model
-from tests.integration.conftest import BLOCK, VLLM_MARKS, generate, prompt, start_engine, vllm_env
+from tests.integration.conftest import (
+    BLOCK,
+    VLLM_MARKS,
+    generate,
+    prompt,
+    start_engine,
+    stop_engine,
+    vllm_env,
+)
 from tests.integration.probes import external_hits, pulled_blocks
 from tests.integration.test_vllm_hybrid import (
     FULL_GROUP,
@@ -51,7 +60,7 @@ from tests.integration.tp2 import (
     record_receives_probe,
     states_probe,
 )
-from tests.mooncake.conftest import free_port
+from tests.mooncake.conftest import free_port, patient_transfers
 from tests.mooncake.test_vllm_pd import HANDSHAKE_S, pd_transfer_config
 from tests.mooncake.test_vllm_pd_tiers import Disk, _from_producers, _pair, pd_tiers_config
 
@@ -300,14 +309,35 @@ def _ssm_engine(model: Path, role: str, engine_id: str, port: int, tp: int = 1) 
         )
 
 
-def test_a_hybrid_ssm_models_states_move_with_its_pages(vllm_env: Path) -> None:
+@pytest.fixture(scope="module")
+def ssm_producer(vllm_env: Path) -> Iterator[tuple[Any, Path]]:
+    """A TP-1 prefill engine of the hybrid SSM model and the model, shared by the decode engines of the
+    tests (each its own prompts)."""
+    model = make_tiny_ssm_model(vllm_env / "tiny-ssm-pd")
+    with patient_transfers():
+        producer = _ssm_engine(model, "kv_producer", "prefill-0", free_port())
+    try:
+        yield producer, model
+    finally:
+        stop_engine(producer)
+
+
+@contextlib.contextmanager
+def _ssm_consumer(ssm_producer: tuple[Any, Path], engine_id: str, tp: int = 1) -> Iterator[Any]:
+    """A decode engine of the hybrid SSM model at TP ``tp``, stopped after."""
+    with patient_transfers():
+        consumer = _ssm_engine(ssm_producer[1], "kv_consumer", engine_id, 0, tp=tp)
+    try:
+        yield consumer
+    finally:
+        stop_engine(consumer)
+
+
+def test_a_hybrid_ssm_models_states_move_with_its_pages(ssm_producer: tuple[Any, Path]) -> None:
     from kvcore_vllm.scheduler_side import NULL_BLOCK  # with vLLM, which the engines imported
 
-    model = make_tiny_ssm_model(vllm_env / "tiny-ssm-pd")
-    with _pair(lambda role, engine_id, port: _ssm_engine(model, role, engine_id, port)) as (
-        producer,
-        consumer,
-    ):
+    producer = ssm_producer[0]
+    with _ssm_consumer(ssm_producer, "decode-0") as consumer:
         tokens = prompt(7401, 3 * SSM_BLOCK + 1)
         pulled = _pulled(consumer)
         decoded, params = _pd(producer, consumer, tokens)
@@ -322,17 +352,13 @@ def test_a_hybrid_ssm_models_states_move_with_its_pages(vllm_env: Path) -> None:
         assert _tokens(decoded) == _tokens(local)
 
 
-def test_a_tp1_producer_and_a_tp2_consumer_split_each_gdn_state(vllm_env: Path) -> None:
+def test_a_tp1_producer_and_a_tp2_consumer_split_each_gdn_state(ssm_producer: tuple[Any, Path]) -> None:
     import torch
 
     from kvcore_vllm.scheduler_side import NULL_BLOCK  # with vLLM, which the engines imported
 
-    model = make_tiny_ssm_model(vllm_env / "tiny-ssm-pd")
-
-    def start(role: str, engine_id: str, port: int) -> Any:
-        return _ssm_engine(model, role, engine_id, port, tp=1 if role == "kv_producer" else TP)
-
-    with _pair(start) as (producer, consumer):
+    producer = ssm_producer[0]
+    with _ssm_consumer(ssm_producer, "decode-1", tp=TP) as consumer:
         assert consumer.collective_rpc(record_receives_probe) == list(range(TP))
         tokens = prompt(7403, 3 * SSM_BLOCK + 1)
         prefill = generate(producer, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
