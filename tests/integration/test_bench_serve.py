@@ -1,6 +1,7 @@
 """``kvcore bench serve --quick``, as a user runs it: real servers, streaming clients, the table printed.
 
-Three workloads of the quick run (the tiny model, vLLM alone and kvcore's CPU tier): unique prompts,
+Three workloads of the quick run (the tiny model, vLLM alone and kvcore's CPU tier, each one server for
+the three, vLLM's prefix cache reset between them: a workload must not see another's): unique prompts,
 the burst, where every user asks at once on a prefix that only kvcore still holds — one load per round,
 the others served from vLLM's own cache once it is there — and the stall, streams decoding while stored
 long prompts come back, each loaded whole. No request fails and no answer differs from vLLM alone's.

@@ -20,7 +20,8 @@ ROUNDS = 2  # --quick's --turns: burst rounds
 
 
 def test_the_serving_benchmark_runs_kvcore_on_a_mooncake_store_it_starts(tmp_path: Path) -> None:
-    flags = ["--configs", "vllm,kvcore-mooncake", "--workloads", "burst"]
+    # a server per workload, as without --quick (one workload: as many servers as --one-server starts)
+    flags = ["--configs", "vllm,kvcore-mooncake", "--workloads", "burst", "--no-one-server"]
     rows = {config: row for (_, config), row in quick_serve_rows(tmp_path, flags, timeout_s=540).items()}
     assert set(rows) == {"vllm", "kvcore-mooncake"}
     mine = rows["kvcore-mooncake"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,24 @@ __all__ = ["vllm_env"]  # a fixture, re-exported for this module
 pytestmark = VLLM_MARKS
 
 
+def _generous(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` whose side channel waits long for its peers: the ranks of a TP-2 engine, and a prefill
+    engine's notices to them, share two cores with the test run's other lane."""
+    config["kv_connector_extra_config"]["pd"].update(handshake_timeout_s=20.0, handshake_retries=3)
+    return config
+
+
+@contextlib.contextmanager
+def _started(start: Callable[[], Any]) -> Iterator[Any]:
+    """An engine of ``start`` (its transfers patient), stopped after."""
+    with patient_transfers():
+        engine = start()
+    try:
+        yield engine
+    finally:
+        stop_engine(engine)
+
+
 @pytest.fixture(scope="module")
 def model(vllm_env: Path) -> Path:
     return make_tiny_hybrid_model(vllm_env / "tiny-hybrid-pd")
@@ -79,7 +97,10 @@ def engines(model: Path) -> Iterator[tuple[Any, Any]]:
     """A prefill and a decode engine of the P/D connector."""
 
     def start(role: str, engine_id: str, port: int) -> Any:
-        return start_hybrid_engine(model, pd_transfer_config(role, engine_id, port))
+        config = pd_transfer_config(role, engine_id, port)
+        # the prefill engine serves a TP-2 decode engine too; the decode engine's handshake stays short
+        # (the producer-gone test times it)
+        return start_hybrid_engine(model, _generous(config) if role == "kv_producer" else config)
 
     with _pair(start) as pair:
         yield pair
@@ -244,16 +265,14 @@ def test_beside_a_tier_each_group_loads_the_tiers_part_and_pulls_the_rest(
         assert _tokens(recomputed) == _tokens(plain)
 
 
-def test_a_tp1_producer_and_a_tp2_consumer_move_each_groups_heads(model: Path) -> None:
+def test_a_tp1_producer_and_a_tp2_consumer_move_each_groups_heads(
+    model: Path, engines: tuple[Any, Any]
+) -> None:
     from kvcore_vllm.scheduler_side import NULL_BLOCK  # with vLLM, which the engines imported
 
-    def start(role: str, engine_id: str, port: int) -> Any:
-        config = pd_transfer_config(role, engine_id, port)
-        # generous: the TP-2 engine's ranks share two cores with the test run's other lane
-        config["kv_connector_extra_config"]["pd"].update(handshake_timeout_s=20.0, handshake_retries=3)
-        return start_hybrid_engine(model, config, tp=1 if role == "kv_producer" else TP)
-
-    with _pair(start) as (producer, consumer):
+    producer = engines[0]  # the module's TP-1 prefill engine
+    config = _generous(pd_transfer_config("kv_consumer", "decode-1", 0))
+    with _started(lambda: start_hybrid_engine(model, config, tp=TP)) as consumer:
         assert consumer.collective_rpc(record_receives_probe) == list(range(TP))
         tokens = prompt(7501, 5 * BLOCK + 1)
         prefill = generate(producer, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
@@ -291,13 +310,11 @@ def test_a_tp1_producer_and_a_tp2_consumer_move_each_groups_heads(model: Path) -
 def _ssm_engine(model: Path, role: str, engine_id: str, port: int, tp: int = 1) -> Any:
     """An engine of the hybrid SSM model through ``KVCoreConnector`` with a ``pd`` section beside a CPU
     pool of its own: the decode engine's pool never saw the prompt, so every block comes through P/D."""
-    config = pd_tiers_config(role, engine_id, port, Path())
+    config = _generous(pd_tiers_config(role, engine_id, port, Path()))
     extra = config["kv_connector_extra_config"]
     del extra["chunk_tokens"]  # a hybrid SSM model's chunks are vLLM's block
     del extra["tiers"]
     extra["backend"] = {"kind": "cpu", "size": "64MiB"}
-    # generous: a TP-2 engine's ranks share two cores with the test run's other lane
-    extra["pd"].update(handshake_timeout_s=20.0, handshake_retries=3)
     with engine_env(tp):
         return start_engine(
             model,
@@ -314,23 +331,13 @@ def ssm_producer(vllm_env: Path) -> Iterator[tuple[Any, Path]]:
     """A TP-1 prefill engine of the hybrid SSM model and the model, shared by the decode engines of the
     tests (each its own prompts)."""
     model = make_tiny_ssm_model(vllm_env / "tiny-ssm-pd")
-    with patient_transfers():
-        producer = _ssm_engine(model, "kv_producer", "prefill-0", free_port())
-    try:
+    with _started(lambda: _ssm_engine(model, "kv_producer", "prefill-0", free_port())) as producer:
         yield producer, model
-    finally:
-        stop_engine(producer)
 
 
-@contextlib.contextmanager
-def _ssm_consumer(ssm_producer: tuple[Any, Path], engine_id: str, tp: int = 1) -> Iterator[Any]:
-    """A decode engine of the hybrid SSM model at TP ``tp``, stopped after."""
-    with patient_transfers():
-        consumer = _ssm_engine(ssm_producer[1], "kv_consumer", engine_id, 0, tp=tp)
-    try:
-        yield consumer
-    finally:
-        stop_engine(consumer)
+def _ssm_consumer(ssm_producer: tuple[Any, Path], engine_id: str, tp: int = 1) -> Any:
+    """A decode engine of the hybrid SSM model at TP ``tp``, stopped after (a context manager)."""
+    return _started(lambda: _ssm_engine(ssm_producer[1], "kv_consumer", engine_id, 0, tp=tp))
 
 
 def test_a_hybrid_ssm_models_states_move_with_its_pages(ssm_producer: tuple[Any, Path]) -> None:
