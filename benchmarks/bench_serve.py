@@ -209,7 +209,7 @@ def _counters(server: ServedEngine) -> dict[str, float]:
 
 @contextlib.contextmanager
 def _serving(config: str, label: str, args: argparse.Namespace, scratch: Path) -> Iterator[ServedEngine]:
-    """A ``vllm serve`` of ``config`` (with whatever server it needs), ready, stopped after; ``label``
+    """vLLM's OpenAI server of ``config`` (with whatever server it needs), ready, stopped after; ``label``
     names its log."""
     with _connector(config, args, scratch) as transfer:
         log = scratch / f"{config}-{label}.log"
