@@ -122,10 +122,11 @@ def pd_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PDEngi
 
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     specs = [kv_cache_config.kv_cache_groups[group.index].kv_cache_spec for group in states]
-    if not all(isinstance(spec, MambaSpec) for spec in specs):
+    mamba = [spec for spec in specs if isinstance(spec, MambaSpec)]
+    if len(mamba) != len(specs):
         kinds = sorted({type(spec).__name__ for spec in specs})
         raise UnsupportedConfiguration(f"P/D of a hybrid SSM model whose state groups' specs are {kinds}")
-    parts = {state_parts(spec, tp_size) for spec in specs if isinstance(spec, MambaSpec)}
+    parts = {state_parts(spec, tp_size) for spec in mamba}
     if len(parts) != 1:
         raise UnsupportedConfiguration(f"P/D of a hybrid SSM model whose state groups differ: {parts}")
     return PDEngine(

@@ -274,15 +274,16 @@ def state_parts(spec: MambaSpec, tp_size: int) -> StateLayout:
         convolution = channel_parts * steps
     heads = StatePart(temporal[0] * tp_size, temporal[1] * temporal[2] * sizes[1])
     parts = [*convolution, heads]
-    if sum(part.units // tp_size * part.unit_bytes for part in parts) != spec.state_content_size_bytes:
+    described = repr(
+        (kind, order, [str(dtype) for dtype in spec.dtypes], [(p.units, p.unit_bytes) for p in parts])
+    )
+    state = StateLayout(f"{kind.lower()}-{hashlib.sha256(described.encode()).hexdigest()[:16]}", parts)
+    if state.rank_bytes(tp_size) != spec.state_content_size_bytes:
         raise UnsupportedConfiguration(
             f"P/D of a {kind} state of shapes {spec.shapes}: its parts do not make its "
             f"{spec.state_content_size_bytes} bytes"
         )
-    described = repr(
-        (kind, order, [str(dtype) for dtype in spec.dtypes], [(p.units, p.unit_bytes) for p in parts])
-    )
-    return StateLayout(f"{kind.lower()}-{hashlib.sha256(described.encode()).hexdigest()[:16]}", parts)
+    return state
 
 
 def _paged(dense: KVLayout, stride: int | None, what: str) -> KVLayout:
